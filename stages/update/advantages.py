@@ -1,0 +1,115 @@
+"""Advantage estimators: one outcome reward per response -> one advantage per token.
+
+Every estimator takes rewards [B], group ids [B] (the samples of one prompt share an id;
+groups may differ in size and need not be contiguous) and the loss mask [B,T], and
+returns advantages [B,T] that are zero on masked tokens. They are pure functions picked
+by name from `ESTIMATORS`; the update stage calls `compute_advantages`.
+
+A group of one sample has nothing to compare against, so the group-relative estimators
+(GRPO, Dr.GRPO, RLOO) give it zero advantage, as they do a group whose rewards are all
+equal: neither says which answer was better.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def _group_moments(rewards: torch.Tensor, group_ids: torch.Tensor):
+    """Per-row group size, group mean and unbiased group std (0 for a group of one)."""
+    _, row_group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(row_group.max()) + 1 if row_group.numel() else 0
+
+    def group_sum(x):
+        return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, row_group, x)[row_group]
+
+    size = group_sum(torch.ones_like(rewards))
+    mean = group_sum(rewards) / size
+    var = group_sum((rewards - mean) ** 2) / (size - 1).clamp(min=1)
+    return size, mean, var.sqrt()
+
+
+def _per_token(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return seq_adv[:, None] * mask
+
+
+def _as_float(rewards: torch.Tensor, mask: torch.Tensor):
+    dtype = torch.promote_types(rewards.dtype, mask.dtype)
+    return rewards.to(dtype), mask.to(dtype)
+
+
+def grpo(rewards, group_ids, mask, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, 2402.03300), outcome supervision: (r - mean_g) / (std_g + eps)."""
+    rewards, mask = _as_float(rewards, mask)
+    _, mean, std = _group_moments(rewards, group_ids)
+    return _per_token((rewards - mean) / (std + eps), mask)
+
+
+def dr_grpo(rewards, group_ids, mask, eps: float = 1e-6) -> torch.Tensor:
+    """Dr.GRPO (Liu et al. 2025, 2503.20783): r - mean_g. Dividing by the std up-weights
+    prompts that are too easy or too hard, so Dr.GRPO drops it (and the length norm, in the loss)."""
+    rewards, mask = _as_float(rewards, mask)
+    _, mean, _ = _group_moments(rewards, group_ids)
+    return _per_token(rewards - mean, mask)
+
+
+def rloo(rewards, group_ids, mask, eps: float = 1e-6) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, 2402.14740): r_i minus the mean of the *other* samples'
+    rewards, an unbiased baseline since it does not depend on sample i."""
+    rewards, mask = _as_float(rewards, mask)
+    size, mean, _ = _group_moments(rewards, group_ids)
+    others_mean = (mean * size - rewards) / (size - 1).clamp(min=1)
+    return _per_token(torch.where(size > 1, rewards - others_mean, 0.0), mask)
+
+
+def _whiten_over_tokens(returns: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise by the mean and (population) std over every valid token of the batch."""
+    n = mask.sum().clamp(min=1)
+    mean = (returns * mask).sum() / n
+    std = ((((returns - mean) * mask) ** 2).sum() / n).sqrt()
+    return (returns - mean) / (std + eps) * mask
+
+
+def _returns(seq_reward: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """Undiscounted return of each token: the outcome reward minus the KL penalties still to come."""
+    returns = _per_token(seq_reward, mask)
+    if kl_penalty is not None:
+        to_come = (kl_penalty * mask).flip(1).cumsum(1).flip(1)
+        returns = returns - to_come * mask
+    return returns
+
+
+def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None):
+    """REINFORCE++ (Hu et al. 2025, 2501.03262): token returns (reward at the end, optional
+    per-token KL penalty `kl_penalty` [B,T] = beta * KL_t along the way), normalised over
+    the whole batch's tokens instead of per group, which keeps the estimate unbiased
+    for a prompt whose group happens to agree."""
+    rewards, mask = _as_float(rewards, mask)
+    return _whiten_over_tokens(_returns(rewards, mask, kl_penalty), mask, eps)
+
+
+def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None):
+    """REINFORCE++-baseline (same paper): subtract the group mean reward first, then
+    normalise over the batch's tokens as REINFORCE++ does."""
+    rewards, mask = _as_float(rewards, mask)
+    _, mean, _ = _group_moments(rewards, group_ids)
+    return _whiten_over_tokens(_returns(rewards - mean, mask, kl_penalty), mask, eps)
+
+
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+}
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                       eps: float = 1e-6, **kw) -> torch.Tensor:
+    """Advantages [B,T] from rewards [B], group ids [B] and loss mask [B,T] with estimator `name`."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
+    with torch.no_grad():
+        return ESTIMATORS[name](rewards, group_ids, mask, eps=eps, **kw)

@@ -1,0 +1,262 @@
+"""Policy losses: per-token log-probs and advantages -> one scalar to backpropagate.
+
+`AlgorithmConfig` (the `algorithm:` section of a recipe) names a preset; the preset fills
+every field left empty ("" or None), so `name: dapo` alone gives DAPO, and any key set
+explicitly wins over the preset. `policy_loss` builds the objective in three parts:
+
+  per-token surrogate (ppo_clip | gspo | cispo), times optional IS weights (correction.py)
+  -> aggregated over tokens (token_mean | seq_mean_token_mean | seq_mean_token_sum_norm)
+  -> + kl_coef * KL(policy || reference)  - entropy_coef * entropy
+
+`shape_overlong` is DAPO's overlong handling, applied to rewards and mask before the
+advantages are computed. docs/algorithms.md lists every option with its paper.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from stages.update.advantages import ESTIMATORS
+
+# name -> what the preset fills in. Keys match AlgorithmConfig fields.
+PRESETS: dict[str, dict] = {
+    "grpo": dict(advantage="grpo", loss="ppo_clip", loss_agg="token_mean"),
+    "dr_grpo": dict(advantage="dr_grpo", loss="ppo_clip", loss_agg="seq_mean_token_sum_norm"),
+    # DAPO: clip-higher, token-level loss, soft overlong punishment. Its dynamic sampling
+    # (drop groups whose rewards all agree) belongs to the batcher, not to the loss.
+    "dapo": dict(advantage="grpo", loss="ppo_clip", loss_agg="token_mean", clip_high=0.28, overlong="soft"),
+    "gspo": dict(advantage="grpo", loss="gspo", loss_agg="seq_mean_token_mean"),
+    "cispo": dict(advantage="grpo", loss="cispo", loss_agg="token_mean"),
+    "rloo": dict(advantage="rloo", loss="ppo_clip", loss_agg="token_mean"),
+    "reinforce_pp": dict(advantage="reinforce_pp", loss="ppo_clip", loss_agg="token_mean"),
+    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", loss="ppo_clip", loss_agg="token_mean"),
+}
+
+# (clip_low, clip_high) when neither the user nor the preset sets them. GSPO clips a
+# sequence-level ratio (a per-token geometric mean), so its band is ~1000x narrower
+# (paper: 3e-4 / 4e-4). CISPO's band bounds the IS weight; clip_low = 1 means "no lower
+# bound", as in MiniMax-M1 which tunes only the upper one.
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
+    "ppo_clip": (0.2, 0.2),
+    "gspo": (3e-4, 4e-4),
+    "cispo": (1.0, 0.28),
+}
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+OVERLONG_MODES = ("none", "mask", "soft")
+MIS_LEVELS = ("token", "sequence", "geometric")
+
+
+def _check(field: str, value, valid) -> None:
+    if value not in valid:
+        names = ", ".join(v if v else '"" (the preset\'s)' for v in map(str, valid))
+        raise ValueError(f"algorithm.{field}={value!r} is unknown; valid: {names}")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "grpo"              # preset: one of PRESETS
+    advantage: str = ""             # "" = preset's; else an estimator in advantages.ESTIMATORS
+    loss: str = ""                  # "" = preset's; ppo_clip | gspo | cispo
+    loss_agg: str = ""              # "" = preset's; token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    clip_low: float | None = None   # None = preset's, else CLIP_DEFAULTS[loss]; ratio >= 1 - clip_low
+    clip_high: float | None = None  # ratio <= 1 + clip_high (DAPO clip-higher: 0.28)
+    clip_ratio_c: float = 3.0       # dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off)
+    norm_length: int = 0            # seq_mean_token_sum_norm's constant length (0 = padded length T)
+    kl_coef: float = 0.0            # weight of KL to the reference policy (needs ref log-probs)
+    kl_estimator: str = "k3"        # k1 | k2 | k3 (Schulman's estimators)
+    entropy_coef: float = 0.0       # entropy bonus weight
+    overlong: str = ""              # "" = preset's; none | mask (drop truncated) | soft (length penalty)
+    overlong_buffer: int = 0        # soft: tokens before the limit where the penalty ramps (0 = limit // 5)
+    overlong_penalty: float = 1.0   # soft: penalty at the limit
+    tis_cap: float = 0.0            # truncated IS: weight = min(ratio, tis_cap) (0 = off)
+    mis_low: float = 0.0            # masked IS: drop what has ratio outside [mis_low, mis_high]
+    mis_high: float = 0.0           # (0 = off)
+    mis_level: str = "token"        # token | sequence (product of ratios) | geometric (their geometric mean)
+    geo_is: bool = False            # IS weight = per-sequence geometric mean of token ratios
+    decoupled: bool = False         # use the engine's log-probs as the "old" policy (no recompute)
+
+    def __post_init__(self):
+        _check("name", self.name, tuple(PRESETS))
+        _check("advantage", self.advantage, ("", *ESTIMATORS))
+        _check("loss", self.loss, ("", *SURROGATES))
+        _check("loss_agg", self.loss_agg, ("", *LOSS_AGGS))
+        _check("kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
+        _check("overlong", self.overlong, ("", *OVERLONG_MODES))
+        _check("mis_level", self.mis_level, MIS_LEVELS)
+        if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)):
+            raise ValueError("algorithm.clip_low/clip_high must be >= 0")
+        if self.clip_ratio_c and self.clip_ratio_c <= 1:
+            raise ValueError("algorithm.clip_ratio_c must be > 1 (or 0 to turn dual-clip off)")
+        if self.mis_high and not 0 <= self.mis_low <= 1 <= self.mis_high:
+            raise ValueError("algorithm.mis_low <= 1 <= mis_high is needed, or mis_high = 0 to turn MIS off")
+        if self.decoupled and (self.tis_cap or self.mis_high or self.geo_is):
+            # With the engine log-probs as the old policy, the old/engine ratio is 1 everywhere.
+            raise ValueError("algorithm.decoupled=true makes tis_cap/mis_*/geo_is no-ops; turn one side off")
+
+    def resolved(self) -> AlgorithmConfig:
+        """This config with every empty field filled from the preset, then from CLIP_DEFAULTS."""
+        preset = PRESETS[self.name]
+        filled = {k: v for k, v in preset.items() if getattr(self, k) in ("", None)}
+        loss = filled.get("loss", self.loss)
+        for key, default in zip(("clip_low", "clip_high"), CLIP_DEFAULTS[loss]):
+            if getattr(self, key) is None and key not in filled:
+                filled[key] = default
+        if self.overlong == "" and "overlong" not in filled:
+            filled["overlong"] = "none"
+        return dataclasses.replace(self, **filled) if filled else self
+
+
+# ---- per-token surrogates: (cfg, logprobs, old, adv, mask) -> (loss [B,T], clipped [B,T] bool)
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # `where`, not a product: padding may hold inf/nan and 0 * inf would poison the sum and grads.
+    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _clipped_objective(ratio, adv, low, high, dual_c=0.0):
+    pg = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1 - low, 1 + high)
+    loss = torch.maximum(pg, pg_clipped)
+    if dual_c:
+        # Dual-clip (Ye et al. 2020): with A < 0 the clipped term is unbounded as the ratio
+        # grows, so one stale token with a huge ratio could dominate the batch.
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_c), loss)
+    return loss, pg_clipped > pg
+
+
+def ppo_clip(cfg, logprobs, old, adv, mask):
+    """PPO-clip (Schulman et al. 2017) with asymmetric band (DAPO clip-higher) and dual-clip."""
+    ratio = torch.exp(_masked(logprobs - old, mask))
+    return _clipped_objective(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
+
+
+def gspo(cfg, logprobs, old, adv, mask):
+    """GSPO (Zheng et al. 2025, 2507.18071), in its GSPO-token form: every token carries the
+    sequence ratio s_i = exp(mean_t log(pi/pi_old)) as its value and s_i * grad log pi_t as its
+    gradient. With one advantage per sequence this equals sequence-level GSPO exactly."""
+    logprobs = _masked(logprobs, mask)
+    n = mask.sum(1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (_masked(logprobs - old, mask).sum(1, keepdim=True) / n).detach()
+    # clamp keeps exp finite for a badly stale sequence; its loss is clipped anyway
+    ratio = torch.exp(logprobs - logprobs.detach() + seq_log_ratio.clamp(max=10.0))
+    return _clipped_objective(ratio, adv, cfg.clip_low, cfg.clip_high)
+
+
+def cispo(cfg, logprobs, old, adv, mask):
+    """CISPO (MiniMax-M1, 2506.13585): REINFORCE with a clipped, stop-gradient IS weight.
+    Unlike PPO no token loses its gradient: clipping bounds the weight, not the update."""
+    ratio = torch.exp(_masked(logprobs - old, mask)).detach()
+    weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    return -weight * adv * _masked(logprobs, mask), weight != ratio
+
+
+SURROGATES: dict[str, Callable] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+
+
+# ---- aggregation over tokens: (x [B,T], mask, norm_length) -> scalar
+
+def _token_mean(x, mask, norm_length):
+    return _masked(x, mask).sum() / mask.sum().clamp(min=1)
+
+
+def _n_seqs(mask):
+    """Sequences with at least one trained token (fully masked rows do not dilute the mean)."""
+    return (mask.sum(1) > 0).sum().clamp(min=1)
+
+
+def _seq_mean_token_mean(x, mask, norm_length):
+    per_seq = _masked(x, mask).sum(1) / mask.sum(1).clamp(min=1)
+    return per_seq.sum() / _n_seqs(mask)
+
+
+def _seq_mean_token_sum_norm(x, mask, norm_length):
+    # Dr.GRPO: one constant length for every sequence, so long answers are not down-weighted
+    # (and long wrong answers not favoured) as with a per-sequence 1/|o_i|.
+    return _masked(x, mask).sum() / (_n_seqs(mask) * (norm_length or mask.shape[1]))
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token_mean": _token_mean,
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+# ---- KL to the reference policy, per token, sampled from the policy (Schulman 2020)
+
+def _log_ref_ratio(logprobs, ref):
+    return (ref - logprobs).clamp(-20.0, 20.0)  # log(pi_ref / pi); clamped so exp stays finite
+
+
+KL_ESTIMATORS: dict[str, Callable] = {
+    "k1": lambda lp, ref: -_log_ref_ratio(lp, ref),
+    "k2": lambda lp, ref: 0.5 * _log_ref_ratio(lp, ref) ** 2,
+    "k3": lambda lp, ref: torch.expm1(_log_ref_ratio(lp, ref)) - _log_ref_ratio(lp, ref),
+}
+
+
+def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scalar loss and its metrics. All tensors are [B,T]; only `logprobs` (and `entropy`)
+    carry gradients. `is_weights` (correction.is_weights) scale each token's surrogate."""
+    cfg = cfg.resolved()
+    mask = mask.to(logprobs.dtype)
+    old, adv = old_logprobs.detach(), advantages.detach()
+    per_token, clipped = SURROGATES[cfg.loss](cfg, logprobs, old, adv, mask)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+
+    def agg(x):
+        return AGGREGATIONS[cfg.loss_agg](x, mask, cfg.norm_length)
+
+    loss = pg_loss = agg(per_token)
+    with torch.no_grad():
+        log_ratio = _masked(logprobs - old, mask)
+        metrics = {"pg_loss": pg_loss.item(),
+                   "clipfrac": _token_mean(clipped.to(mask.dtype), mask, 0).item(),
+                   # k3 estimate of KL(pi_old || pi): how far this update has moved the policy
+                   "approx_kl": _token_mean(torch.expm1(-log_ratio) + log_ratio, mask, 0).item()}
+    if ref_logprobs is not None:
+        kl = agg(KL_ESTIMATORS[cfg.kl_estimator](_masked(logprobs, mask), _masked(ref_logprobs.detach(), mask)))
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl_ref"] = kl.item()
+    if entropy is not None:
+        ent = agg(entropy)
+        loss = loss - cfg.entropy_coef * ent
+        metrics["entropy"] = ent.item()
+    metrics["loss"] = loss.item()
+    return loss, metrics
+
+
+# ---- DAPO overlong handling: rewards [B], mask [B,T] -> shaped rewards, mask
+
+def _overlong_none(cfg, rewards, mask, lengths, truncated, max_len):
+    return rewards, mask
+
+
+def _overlong_mask(cfg, rewards, mask, lengths, truncated, max_len):
+    # Overlong filtering: a truncated answer was cut, not wrong; do not teach from it.
+    return rewards, mask * (~truncated.bool()).to(mask.dtype)[:, None]
+
+
+def _overlong_soft(cfg, rewards, mask, lengths, truncated, max_len):
+    # Soft overlong punishment: 0 up to max_len - buffer, then linear down to -penalty at max_len.
+    buffer = cfg.overlong_buffer or max(max_len // 5, 1)
+    excess = (lengths.to(rewards.dtype) - (max_len - buffer)).clamp(0, buffer) / buffer
+    return rewards - cfg.overlong_penalty * excess, mask
+
+
+OVERLONG: dict[str, Callable] = {"none": _overlong_none, "mask": _overlong_mask, "soft": _overlong_soft}
+
+
+def shape_overlong(cfg: AlgorithmConfig, rewards: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
+                   truncated: torch.Tensor, max_response_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DAPO (2503.14476) overlong handling. rewards [B], mask [B,T], lengths [B] (response
+    tokens), truncated [B] bool, max_response_len the rollout's token limit."""
+    cfg = cfg.resolved()
+    return OVERLONG[cfg.overlong](cfg, rewards, mask, lengths, truncated, max_response_len)
