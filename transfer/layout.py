@@ -1,0 +1,131 @@
+"""The byte layout of one version: tensors flattened into fixed-size buckets.
+
+A version is one flat byte range: every tensor at a 64-byte-aligned offset, cut into
+buckets of `bucket_bytes`. A tensor may straddle buckets; buckets are what travel, get
+checksummed and verified. The Layout (names, shapes, dtypes, offsets) is the metadata
+sent once per version; it is small and picklable."""
+from __future__ import annotations
+
+import bisect
+import zlib
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterator, Mapping
+
+import torch
+
+from .config import BLOCK_BYTES
+
+# Each tensor starts on a cache line, so a view of the flat buffer as any dtype is aligned.
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    slots: tuple[Slot, ...]
+    total_bytes: int
+    bucket_bytes: int
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor], bucket_bytes: int) -> "Layout":
+        slots, offset = [], 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            slots.append(Slot(name, tuple(t.shape), t.dtype, offset, nbytes))
+            offset = _round_up(offset + nbytes, ALIGN)
+        if not slots:
+            raise ValueError("the sender's state is empty: nothing to transfer")
+        return cls(tuple(slots), offset, bucket_bytes)
+
+    @property
+    def num_buckets(self) -> int:
+        return -(-self.total_bytes // self.bucket_bytes)
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Byte range [start, end) of bucket i in the flat version."""
+        start = i * self.bucket_bytes
+        return start, min(start + self.bucket_bytes, self.total_bytes)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {s.name: (s.shape, s.dtype) for s in self.slots}
+
+    def mismatches(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+        """What a receiver expects that this version does not carry, one line each."""
+        have = self.specs()
+        out = []
+        for name, (shape, dtype) in specs.items():
+            if name not in have:
+                out.append(f"{name}: not sent")
+            elif (tuple(shape), dtype) != have[name]:
+                out.append(f"{name}: expects {tuple(shape)} {dtype}, sent {have[name][0]} {have[name][1]}")
+        return out
+
+    @cached_property
+    def _ends(self) -> list[int]:
+        return [s.offset + s.nbytes for s in self.slots]
+
+    def pieces(self, i: int) -> Iterator[tuple[Slot, int, int]]:
+        """The parts of tensors inside bucket i, as (slot, lo, hi) byte ranges of the tensor."""
+        start, end = self.span(i)
+        k = bisect.bisect_right(self._ends, start)
+        while k < len(self.slots) and self.slots[k].offset < end:
+            s = self.slots[k]
+            lo, hi = max(start, s.offset) - s.offset, min(end, s.offset + s.nbytes) - s.offset
+            if hi > lo:
+                yield s, lo, hi
+            k += 1
+
+    def unpack(self, flat: torch.Tensor, names=None) -> dict[str, torch.Tensor]:
+        """Views into a flat uint8 buffer holding a whole version (no copies)."""
+        wanted = None if names is None else set(names)
+        return {s.name: flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+                for s in self.slots if wanted is None or s.name in wanted}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's storage as flat uint8 (a view when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack_bucket(state: Mapping[str, torch.Tensor], layout: Layout, i: int,
+                out: torch.Tensor) -> None:
+    """Copy the parts of `state` that fall in bucket i into `out` (uint8, bucket-sized,
+    any device: a host segment, a GPU staging buffer)."""
+    start, _ = layout.span(i)
+    for slot, lo, hi in layout.pieces(i):
+        dst = slot.offset + lo - start
+        out[dst:dst + hi - lo].copy_(as_bytes(state[slot.name])[lo:hi])
+
+
+_WORDS_PER_BLOCK = BLOCK_BYTES // 8
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """Checksum of a uint8 buffer, at close to memory bandwidth, on CPU or GPU.
+
+    zlib.crc32 runs at ~4 GB/s here, a quarter of memcpy, which would make the checksum
+    the bottleneck. Instead: sum each 4 KiB block as int64 words (wrapping, so the result
+    does not depend on summation order or device), then crc32 the block sums. Any
+    single-bit flip changes its block's sum; blocks out of order or from an older
+    version change the crc. Measured 35 GB/s on one core vs 17 GB/s memcpy."""
+    whole = buf.numel() - buf.numel() % BLOCK_BYTES
+    crc = 0
+    if whole:
+        sums = buf[:whole].view(torch.int64).view(-1, _WORDS_PER_BLOCK).sum(dim=1)
+        crc = zlib.crc32(sums.cpu().numpy().tobytes())
+    if whole < buf.numel():
+        crc = zlib.crc32(buf[whole:].cpu().numpy().tobytes(), crc)
+    return crc

@@ -1,0 +1,241 @@
+"""TransferMesh: the driver's view of weight synchronisation.
+
+    mesh = TransferMesh(sender=trainer, receivers={"engine0": e0, "engine1": e1}, cfg=cfg)
+    mesh.discover(); print(mesh.topology_table())
+    mesh.plan()                     # {"engine0": Route("shm", "same node ..."), ...}
+    metrics = mesh.publish(step)    # after every optimizer step
+
+The driver holds no weights. It learns the topology once, plans one route per receiver,
+and for each version asks the sender to prepare (snapshot + layout, sent to receivers
+once) and then to send while every receiver receives, all at once, each bounded by
+cfg.timeout_s. Receivers behind the published version are the ones sent to, so a
+receiver that missed a version (failed, added late, restarted) catches up on the next."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from typing import Mapping
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from .config import TransferConfig
+from .errors import TransferError
+from .routes import Route, plan_route
+from .topology import Party, format_table
+
+
+class TransferMesh:
+    def __init__(self, sender, receivers: Mapping[str, object],
+                 cfg: TransferConfig = TransferConfig()):
+        self.sender = sender
+        self.receivers = dict(receivers)
+        self.cfg = cfg
+        self.mesh_id = uuid.uuid4().hex[:12]
+        self.sender_party: Party | None = None
+        self.parties: dict[str, Party] = {}
+        self.specs: dict[str, dict] = {}
+        self.versions: dict[str, int] = {}      # what each receiver serves, as last seen
+        self.routes: dict[str, Route] = {}
+        self.dead: set[str] = set()             # excluded until add_receiver brings it back
+        self._reset: set[str] = set()           # transports whose links must be rebuilt
+
+    # ---- topology and planning -------------------------------------------------------
+
+    def discover(self) -> list[Party]:
+        """One topology round over the sender and every receiver."""
+        self._describe(list(self.receivers), sender=True)
+        return [self.sender_party, *self.parties.values()]
+
+    def _describe(self, names: list[str], sender: bool) -> None:
+        refs = {n: self.receivers[n].mesh.remote("describe_receiver") for n in names}
+        if sender:
+            refs["*sender*"] = self.sender.mesh.remote("describe_sender")
+        answers = self._gather(refs, self.cfg.discover_timeout_s)
+        for who, answer in answers.items():
+            if isinstance(answer, Exception):
+                raise TransferError(f"did not answer topology discovery: {answer}",
+                                    receiver=who, transport="-", version=None)
+        if sender:
+            self.sender_party = _named(answers.pop("*sender*"), "sender")
+        for n, (party, specs, version) in answers.items():
+            self.parties[n], self.specs[n], self.versions[n] = _named(party, n), specs, version
+            self.dead.discard(n)
+
+    def plan(self) -> dict[str, Route]:
+        """The route per receiver, with the reason it was chosen."""
+        if self.sender_party is None:
+            self.discover()
+        self.routes = {n: plan_route(self.sender_party, p, self.cfg.transport)
+                       for n, p in self.parties.items()}
+        return dict(self.routes)
+
+    def topology_table(self) -> str:
+        if self.sender_party is None:
+            self.discover()
+        return format_table([self.sender_party, *self.parties.values()], self.routes)
+
+    def add_receiver(self, name: str, handle) -> Route:
+        """Add a receiver, or replace one whose actor restarted; it catches up on the
+        next publish. Returns its route."""
+        self.receivers[name] = handle
+        self._describe([name], sender=self.sender_party is None)
+        route = plan_route(self.sender_party, self.parties[name], self.cfg.transport)
+        if name in self.routes:
+            self._reset.add(self.routes[name].transport)
+        self.routes[name] = route
+        return route
+
+    def remove_receiver(self, name: str) -> None:
+        handle = self.receivers.pop(name)
+        for table in (self.parties, self.specs, self.versions, self.routes):
+            table.pop(name, None)
+        if name not in self.dead:
+            handle.mesh.remote("close_receiver", self.mesh_id)
+        self.dead.discard(name)
+
+    # ---- publishing ------------------------------------------------------------------
+
+    def publish(self, version: int) -> dict[str, float | str]:
+        """Send `version` to every live receiver that serves an older one. Returns the
+        step's metrics; raises TransferError (with .failures and .metrics) if any
+        receiver failed, after the others have applied the version."""
+        routes = self.routes or self.plan()
+        due = sorted(n for n in routes if n not in self.dead and self.versions[n] < version)
+        t0 = time.perf_counter()
+        if not due:
+            return {"transfer/version": version, "transfer/receivers": 0.0}
+        plan: dict[str, list[str]] = defaultdict(list)
+        for n in due:
+            plan[routes[n].transport].append(n)
+        layout, addresses = self._prepare(version, dict(plan), due)
+
+        send_ref = self.sender.mesh.remote("send", self.mesh_id, version)
+        recv_refs = {n: self.receivers[n].mesh.remote(
+            "receive", self.mesh_id, n, version, layout, routes[n].transport,
+            addresses[routes[n].transport], self.cfg) for n in due}
+        # Every wait inside the parties is bounded by timeout_s; this backstop only
+        # catches a party that is wedged outside them (e.g. a deadlocked load_weights).
+        backstop = self.cfg.timeout_s * (layout.num_buckets + 2)
+        answers = self._gather({"*sender*": send_ref, **recv_refs}, backstop)
+
+        sent = answers.pop("*sender*")
+        failures = {n: self._failure(n, answers[n], sent, version) for n in due
+                    if isinstance(answers[n], Exception)}
+        if isinstance(sent, Exception) and not failures:   # the sender failed on its own
+            failures["sender"] = self._failure("sender", sent, sent, version)
+        for n in due:
+            if n not in failures:
+                self.versions[n] = version
+        metrics = _metrics(version, layout.total_bytes, time.perf_counter() - t0,
+                           {n: a for n, a in answers.items() if n not in failures},
+                           routes, sent if isinstance(sent, dict) else {})
+        if failures:
+            raise _aggregate(failures, version, metrics)
+        return metrics
+
+    def _prepare(self, version: int, plan: dict[str, list[str]], due: list[str]):
+        ref = self.sender.mesh.remote("prepare", self.mesh_id, version, plan, self.cfg,
+                                      tuple(self._reset))
+        answer = self._gather({"sender": ref}, self.cfg.timeout_s)["sender"]
+        if isinstance(answer, Exception):
+            raise TransferError(f"the sender could not prepare: {_cause(answer)}",
+                                receiver=",".join(due), transport=",".join(plan),
+                                version=version)
+        self._reset.clear()
+        layout, addresses = answer
+        wrong = {n: layout.mismatches(self.specs[n]) for n in due}
+        for n, lines in wrong.items():
+            if lines:   # a wrong model is a setup error: send nothing at all
+                raise TransferError(f"model mismatch: {'; '.join(lines[:5])}", receiver=n,
+                                    transport=self.routes[n].transport, version=version)
+        return layout, addresses
+
+    def _failure(self, name: str, error: Exception, sent, version: int) -> TransferError:
+        transport = self.routes[name].transport if name in self.routes else "-"
+        self._reset.add(transport)
+        error = _cause(error)
+        if isinstance(error, TransferError):
+            return error
+        bucket = _cause(sent).bucket if isinstance(_cause(sent), TransferError) else None
+        if isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError)):
+            self.dead.add(name)
+            reason = "receiver process died"
+            if isinstance(sent, Exception):
+                reason += f" (sender: {_cause(sent)})"
+        else:
+            reason = repr(error)
+        return TransferError(reason, receiver=name, transport=transport, version=version,
+                             bucket=bucket)
+
+    @staticmethod
+    def _gather(refs: dict[str, object], timeout: float) -> dict[str, object]:
+        """ray.get every ref, waiting at most `timeout` in all; failures come back as
+        exceptions, never raised, so one bad party cannot hide the others."""
+        pending = list(refs.values())
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        out = {}
+        for who, ref in refs.items():
+            if ref in pending:
+                out[who] = TimeoutError(f"no answer within {timeout:.0f}s")
+                continue
+            try:
+                out[who] = ray.get(ref)
+            except Exception as e:      # noqa: BLE001 - sorted out by the caller
+                out[who] = e
+        return out
+
+    def close(self) -> None:
+        """Release links and the shared segment on every live party (best effort)."""
+        refs = [self.sender.mesh.remote("close_sender", self.mesh_id)]
+        refs += [h.mesh.remote("close_receiver", self.mesh_id)
+                 for n, h in self.receivers.items() if n not in self.dead]
+        ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
+
+
+def _named(party: Party, name: str) -> Party:
+    from dataclasses import replace
+    return replace(party, name=name)
+
+
+def _cause(error):
+    """The exception raised inside the actor, not Ray's wrapper around it."""
+    if isinstance(error, RayTaskError) and error.cause is not None:
+        return error.cause
+    return error
+
+
+def _aggregate(failures: dict[str, TransferError], version: int, metrics: dict) -> TransferError:
+    first = failures[min(failures)]
+    reason = first.reason
+    if len(failures) > 1:
+        reason = f"{len(failures)} receivers failed: " + " | ".join(
+            str(e) for e in failures.values())
+    return TransferError(reason, receiver=first.receiver, transport=first.transport,
+                         version=version, bucket=first.bucket, failures=failures,
+                         metrics=metrics)
+
+
+def _metrics(version, state_bytes, seconds, ok: dict[str, dict], routes, sent: dict) -> dict:
+    m: dict[str, float | str] = {
+        "transfer/version": version,
+        "transfer/receivers": float(len(ok)),
+        "transfer/state_bytes": float(state_bytes),
+        "transfer/bytes": float(state_bytes * len(ok)),
+        "transfer/seconds": seconds,
+        "transfer/gb_per_s": state_bytes / seconds / 1e9,
+    }
+    if "pack" in sent:
+        m["transfer/pack_s"] = sent["pack"]
+    per_receiver = {n: a["receive_s"] + a["load_s"] for n, a in ok.items()}
+    if ok:      # how long the slowest engine spent applying (its lock held)
+        m["transfer/load_s"] = max(a["load_s"] for a in ok.values())
+    for n, s in per_receiver.items():
+        key = f"transfer/{routes[n].transport}/seconds"
+        m[key] = max(m.get(key, 0.0), s)
+    if per_receiver:
+        slowest = max(per_receiver, key=per_receiver.get)
+        m["transfer/slowest_receiver"] = slowest
+        m["transfer/slowest_receiver_s"] = per_receiver[slowest]
+    return m

@@ -1,0 +1,189 @@
+"""The sender's host copy of a version, packed once and shared.
+
+Every CPU transport reads the same packed bytes: the sender packs a version once, bucket
+by bucket, into a shared-memory segment (a file in /dev/shm, mapped). Local receivers
+map the same pages (that is the shm transport); gloo and zmq stream each bucket from it
+as soon as it is packed. So the next bucket packs while the previous one travels, and
+no transport makes a per-receiver copy on the sender."""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from .config import BLOCK_BYTES
+from .layout import Layout, checksum, pack_bucket
+
+
+class Segment:
+    """A file in a tmpfs, mapped shared: all processes that map it see the same pages."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+                # Allocate the pages now: faulting them in one by one on the first pack
+                # costs ~6x more (1 GB: 3.7 s vs 0.6 s measured on tmpfs).
+                if hasattr(os, "posix_fallocate") and size:
+                    os.posix_fallocate(fd, 0, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        # The creator removes the file when it is collected; mappings keep the pages alive.
+        self._unlink = weakref.finalize(self, _unlink_quietly, path) if create else None
+
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def unlink(self) -> None:
+        if self._unlink is not None:
+            self._unlink()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class Board:
+    """Per-bucket (version, checksum) words at the head of a segment.
+
+    The sender writes the checksum, then the version; a reader that sees the version
+    also sees the checksum and the bucket's bytes (x86 keeps stores in order, and a torn
+    read could not pass the checksum anyway: it would fail loudly, never silently)."""
+
+    def __init__(self, segment: Segment, num_buckets: int):
+        self.words = np.frombuffer(segment.mm, dtype=np.int64, count=2 * num_buckets)
+        self.words = self.words.reshape(num_buckets, 2)
+
+    @staticmethod
+    def nbytes(num_buckets: int) -> int:
+        return -(-16 * num_buckets // BLOCK_BYTES) * BLOCK_BYTES
+
+    def clear(self) -> None:
+        self.words[:, 0] = -1
+
+    def announce(self, i: int, version: int, crc: int) -> None:
+        self.words[i, 1] = crc
+        self.words[i, 0] = version
+
+    def wait(self, i: int, version: int, deadline: float) -> int:
+        """Block until bucket i of `version` is announced; return its checksum."""
+        pause = 1e-5
+        while self.words[i, 0] != version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bucket {i} of version {version} never announced")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)    # sub-ms latency early, cheap polling later
+        return int(self.words[i, 1])
+
+
+_names = itertools.count()
+
+
+class HostStaging:
+    """One packed version in a shared segment, announced bucket by bucket."""
+
+    def __init__(self, mesh_id: str, shm_dir: str):
+        self.mesh_id, self.shm_dir = mesh_id, shm_dir
+        self.segment: Segment | None = None
+        self.layout: Layout | None = None
+        self.version = -1
+        self._cond = threading.Condition()
+        self._ready = -1          # highest bucket packed and announced
+        self._error: BaseException | None = None
+
+    def prepare(self, version: int, layout: Layout) -> None:
+        """Make room for `version` and invalidate every bucket of the previous one."""
+        if self.layout is None or (layout.total_bytes, layout.num_buckets) != (
+                self.layout.total_bytes, self.layout.num_buckets):
+            self._map(layout)
+        self.layout, self.version = layout, version
+        self.board.clear()
+        self.checksums = [0] * layout.num_buckets
+        with self._cond:
+            self._ready, self._error = -1, None
+
+    def _map(self, layout: Layout) -> None:
+        if self.segment is not None:
+            self.segment.unlink()
+        board = Board.nbytes(layout.num_buckets)
+        path = os.path.join(self.shm_dir, f"loongsage-{self.mesh_id}-{os.getpid()}-{next(_names)}")
+        self.segment = Segment(path, board + layout.total_bytes, create=True)
+        self.board = Board(self.segment, layout.num_buckets)
+        self.data = self.segment.tensor(board, layout.total_bytes)
+
+    @property
+    def address(self) -> dict:
+        """What a local receiver needs to map the segment."""
+        return {"path": self.segment.path, "size": self.segment.size,
+                "board_bytes": Board.nbytes(self.layout.num_buckets)}
+
+    def view(self, i: int) -> torch.Tensor:
+        start, end = self.layout.span(i)
+        return self.data[start:end]
+
+    def pack(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Pack every bucket; runs in its own thread during a send. Bucket i is
+        checksummed on a second thread while bucket i+1 is copied."""
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
+                pending = None
+                for i in range(self.layout.num_buckets):
+                    pack_bucket(state, self.layout, i, self.view(i))
+                    job = sums.submit(checksum, self.view(i))
+                    if pending is not None:
+                        self._announce(*pending)
+                    pending = (i, job)
+                self._announce(*pending)
+        except BaseException as e:
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+            raise
+
+    def _announce(self, i: int, job: Future) -> None:
+        crc = job.result()
+        self.checksums[i] = crc
+        self.board.announce(i, self.version, crc)
+        with self._cond:
+            self._ready = i
+            self._cond.notify_all()
+
+    def bucket(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
+        """Wait (in-process) until bucket i is packed; return its bytes and checksum."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready >= i or self._error, timeout):
+                raise TimeoutError(f"bucket {i} not packed within {timeout}s")
+            if self._ready < i:
+                raise RuntimeError(f"packing failed: {self._error!r}")
+        return self.view(i), self.checksums[i]
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.unlink()
+
+
+@dataclass
+class Snapshot:
+    """What a send works from: the sender's tensors for one version, their layout, and
+    (for CPU transports) the host staging they are being packed into."""
+    version: int
+    state: dict[str, torch.Tensor]
+    layout: Layout
+    staging: HostStaging | None
