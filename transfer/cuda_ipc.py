@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .layout import checksum, pack_bucket
+from .layout import byte_views, pack_bucket
 from .staging import Board, Segment
 
 _names = itertools.count()
@@ -38,7 +38,7 @@ class CudaIpcSend:
             from torch.multiprocessing.reductions import reduce_tensor
             self.buf = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
             self.handle = reduce_tensor(self.buf)       # (rebuild function, its arguments)
-            path = os.path.join(self.shm_dir, f"loongsage-ipc-{self.mesh_id}-{os.getpid()}-{next(_names)}")
+            path = os.path.join(self.shm_dir, f"loongsage-{self.mesh_id}-ipc-{os.getpid()}-{next(_names)}")
             self.segment = Segment(path, Board.nbytes(layout.num_buckets), create=True)
             self.board = Board(self.segment, layout.num_buckets)
         self.board.clear()
@@ -46,11 +46,13 @@ class CudaIpcSend:
 
     def send(self, snapshot) -> None:
         layout = snapshot.layout
+        views = byte_views(snapshot.state)
         with torch.cuda.device(self.device):
             for i in range(layout.num_buckets):
                 start, end = layout.span(i)
-                pack_bucket(snapshot.state, layout, i, self.buf[start:end])
-                crc = checksum(self.buf[start:end])   # reads the sums back: the bucket is done
+                # The checksum is read back to the host, so the bucket is complete on
+                # the device before it is announced.
+                crc = pack_bucket(views, layout, i, self.buf[start:end])
                 self.board.announce(i, snapshot.version, crc)
 
     def close(self) -> None:

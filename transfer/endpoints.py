@@ -126,11 +126,11 @@ class Sender:
             return seconds
 
     def _as_error(self, e: Exception, m: _SenderMesh, transport: str, version: int) -> TransferError:
+        who = ",".join(m.members.get(transport, ["*"]))
         # A failed link is rebuilt on the next prepare: its peers may hold half a version.
         self._close_link(m, transport)
         if isinstance(e, TransferError):
             return e
-        who = ",".join(m.members.get(transport, ["*"]))
         return TransferError(f"{transport} failed on the sender: {e!r}", receiver=who,
                              transport=transport, version=version)
 

@@ -73,9 +73,9 @@ class Layout:
     def _ends(self) -> list[int]:
         return [s.offset + s.nbytes for s in self.slots]
 
-    def pieces(self, i: int) -> Iterator[tuple[Slot, int, int]]:
-        """The parts of tensors inside bucket i, as (slot, lo, hi) byte ranges of the tensor."""
-        start, end = self.span(i)
+    def pieces(self, start: int, end: int) -> Iterator[tuple[Slot, int, int]]:
+        """The parts of tensors inside the flat byte range [start, end), as (slot, lo, hi)
+        byte ranges of each tensor."""
         k = bisect.bisect_right(self._ends, start)
         while k < len(self.slots) and self.slots[k].offset < end:
             s = self.slots[k]
@@ -100,14 +100,34 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack_bucket(state: Mapping[str, torch.Tensor], layout: Layout, i: int,
-                out: torch.Tensor) -> None:
-    """Copy the parts of `state` that fall in bucket i into `out` (uint8, bucket-sized,
-    any device: a host segment, a GPU staging buffer)."""
-    start, _ = layout.span(i)
-    for slot, lo, hi in layout.pieces(i):
-        dst = slot.offset + lo - start
-        out[dst:dst + hi - lo].copy_(as_bytes(state[slot.name])[lo:hi])
+def byte_views(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor as flat bytes, made once per version (not once per piece packed)."""
+    return {name: as_bytes(t) for name, t in state.items()}
+
+
+# On CPU a bucket is packed and summed 1 MiB at a time, so the checksum reads the bytes
+# from cache, not memory: 1 GB packs in 82 ms this way against 140 ms for a copy, then a
+# checksum pass (memory bandwidth, not arithmetic, is what both passes wait on).
+PACK_CHUNK = 1 << 20
+
+
+def pack_bucket(views: Mapping[str, torch.Tensor], layout: Layout, i: int,
+                out: torch.Tensor) -> int:
+    """Copy bucket i of a version (`views`: byte_views of its tensors) into `out`
+    (uint8, bucket-sized, any device) and return the bucket's checksum."""
+    start, end = layout.span(i)
+    n = end - start
+    whole = n - n % BLOCK_BYTES
+    step = PACK_CHUNK if out.device.type == "cpu" else max(n, 1)   # GPU: one pass each
+    sums = []
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        for slot, a, b in layout.pieces(start + lo, start + hi):
+            dst = slot.offset + a - start
+            out[dst:dst + b - a].copy_(views[slot.name][a:b])
+        if min(hi, whole) > lo:
+            sums.append(_block_sums(out[lo:min(hi, whole)]))
+    return _fold(sums, out[whole:n])
 
 
 _WORDS_PER_BLOCK = BLOCK_BYTES // 8
@@ -118,14 +138,19 @@ def checksum(buf: torch.Tensor) -> int:
 
     zlib.crc32 runs at ~4 GB/s here, a quarter of memcpy, which would make the checksum
     the bottleneck. Instead: sum each 4 KiB block as int64 words (wrapping, so the result
-    does not depend on summation order or device), then crc32 the block sums. Any
-    single-bit flip changes its block's sum; blocks out of order or from an older
+    does not depend on summation order, chunking or device), then crc32 the block sums.
+    Any single-bit flip changes its block's sum; blocks out of order or from an older
     version change the crc. Measured 35 GB/s on one core vs 17 GB/s memcpy."""
     whole = buf.numel() - buf.numel() % BLOCK_BYTES
-    crc = 0
-    if whole:
-        sums = buf[:whole].view(torch.int64).view(-1, _WORDS_PER_BLOCK).sum(dim=1)
-        crc = zlib.crc32(sums.cpu().numpy().tobytes())
-    if whole < buf.numel():
-        crc = zlib.crc32(buf[whole:].cpu().numpy().tobytes(), crc)
+    return _fold([_block_sums(buf[:whole])] if whole else [], buf[whole:])
+
+
+def _block_sums(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(torch.int64).view(-1, _WORDS_PER_BLOCK).sum(dim=1)
+
+
+def _fold(block_sums: list[torch.Tensor], tail: torch.Tensor) -> int:
+    crc = zlib.crc32(torch.cat(block_sums).cpu().numpy().tobytes()) if block_sums else 0
+    if tail.numel():
+        crc = zlib.crc32(tail.cpu().numpy().tobytes(), crc)
     return crc

@@ -64,16 +64,18 @@ class TransferMesh:
             self.dead.discard(n)
 
     def plan(self) -> dict[str, Route]:
-        """The route per receiver, with the reason it was chosen."""
-        if self.sender_party is None:
-            self.discover()
-        self.routes = {n: plan_route(self.sender_party, p, self.cfg.transport)
-                       for n, p in self.parties.items()}
+        """The route per receiver, with the reason it was chosen (discovering any party
+        not yet described)."""
+        missing = [n for n in self.receivers if n not in self.parties]
+        if missing or self.sender_party is None:
+            self._describe(missing, sender=self.sender_party is None)
+        self.routes = {n: plan_route(self.sender_party, self.parties[n], self.cfg.transport)
+                       for n in self.receivers}
         return dict(self.routes)
 
     def topology_table(self) -> str:
         if self.sender_party is None:
-            self.discover()
+            self.plan()
         return format_table([self.sender_party, *self.parties.values()], self.routes)
 
     def add_receiver(self, name: str, handle) -> Route:
@@ -101,7 +103,7 @@ class TransferMesh:
         """Send `version` to every live receiver that serves an older one. Returns the
         step's metrics; raises TransferError (with .failures and .metrics) if any
         receiver failed, after the others have applied the version."""
-        routes = self.routes or self.plan()
+        routes = self.routes if self.routes.keys() == self.receivers.keys() else self.plan()
         due = sorted(n for n in routes if n not in self.dead and self.versions[n] < version)
         t0 = time.perf_counter()
         if not due:
@@ -164,6 +166,11 @@ class TransferMesh:
             reason = "receiver process died"
             if isinstance(sent, Exception):
                 reason += f" (sender: {_cause(sent)})"
+        elif isinstance(error, TimeoutError):
+            # Wedged outside every bounded wait: it may still be mid-receive, so it gets
+            # nothing more until add_receiver brings it back (e.g. after a restart).
+            self.dead.add(name)
+            reason = f"{error}; excluded until add_receiver"
         else:
             reason = repr(error)
         return TransferError(reason, receiver=name, transport=transport, version=version,

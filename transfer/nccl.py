@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import TransferError
-from .layout import checksum, pack_bucket
+from .layout import byte_views, pack_bucket
 from .links import reuse_buffer
 
 _generation = itertools.count()
@@ -52,16 +52,16 @@ class NcclSend:
                                  self.device, self.td)
         staging = [torch.empty(layout.bucket_bytes, dtype=torch.uint8, device=self.device)
                    for _ in range(2)]
-        in_flight = [None, None]
+        in_flight, views = [None, None], byte_views(snapshot.state)
         for i in range(layout.num_buckets):
             try:
                 start, end = layout.span(i)
                 buf = staging[i % 2][:end - start]
                 if in_flight[i % 2] is not None:     # the broadcast still reading this buffer
                     in_flight[i % 2].wait(self.td)
-                pack_bucket(snapshot.state, layout, i, buf)
-                header = torch.tensor([snapshot.version, i, checksum(buf)],
-                                      dtype=torch.int64, device=self.device)
+                crc = pack_bucket(views, layout, i, buf)
+                header = torch.tensor([snapshot.version, i, crc], dtype=torch.int64,
+                                      device=self.device)
                 self.pg.broadcast(header, 0, self.td).wait(self.td)
                 in_flight[i % 2] = self.pg.broadcast(buf, 0, self.td)
             except Exception as e:

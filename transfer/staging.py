@@ -13,7 +13,6 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from .config import BLOCK_BYTES
-from .layout import Layout, checksum, pack_bucket
+from .layout import Layout, byte_views, pack_bucket
 
 
 class Segment:
@@ -58,6 +57,21 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_orphans(shm_dir: str) -> None:
+    """Remove segments left by senders that were killed (a SIGKILL runs no cleanup).
+    Segment names carry the creator's pid: loongsage-<mesh>-<pid>-<n>."""
+    for name in os.listdir(shm_dir):
+        parts = name.split("-")
+        if parts[0] != "loongsage" or len(parts) < 4 or not parts[-2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[-2]), 0)
+        except ProcessLookupError:
+            _unlink_quietly(os.path.join(shm_dir, name))
+        except PermissionError:
+            pass    # alive, someone else's
 
 
 class Board:
@@ -122,6 +136,7 @@ class HostStaging:
     def _map(self, layout: Layout) -> None:
         if self.segment is not None:
             self.segment.unlink()
+        remove_orphans(self.shm_dir)
         board = Board.nbytes(layout.num_buckets)
         path = os.path.join(self.shm_dir, f"loongsage-{self.mesh_id}-{os.getpid()}-{next(_names)}")
         self.segment = Segment(path, board + layout.total_bytes, create=True)
@@ -139,31 +154,22 @@ class HostStaging:
         return self.data[start:end]
 
     def pack(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Pack every bucket; runs in its own thread during a send. Bucket i is
-        checksummed on a second thread while bucket i+1 is copied."""
+        """Pack and announce every bucket in order; runs on its own thread during a send,
+        so transports move bucket i while bucket i+1 packs."""
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="checksum") as sums:
-                pending = None
-                for i in range(self.layout.num_buckets):
-                    pack_bucket(state, self.layout, i, self.view(i))
-                    job = sums.submit(checksum, self.view(i))
-                    if pending is not None:
-                        self._announce(*pending)
-                    pending = (i, job)
-                self._announce(*pending)
+            views = byte_views(state)
+            for i in range(self.layout.num_buckets):
+                crc = pack_bucket(views, self.layout, i, self.view(i))
+                self.checksums[i] = crc
+                self.board.announce(i, self.version, crc)
+                with self._cond:
+                    self._ready = i
+                    self._cond.notify_all()
         except BaseException as e:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
             raise
-
-    def _announce(self, i: int, job: Future) -> None:
-        crc = job.result()
-        self.checksums[i] = crc
-        self.board.announce(i, self.version, crc)
-        with self._cond:
-            self._ready = i
-            self._cond.notify_all()
 
     def bucket(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
         """Wait (in-process) until bucket i is packed; return its bytes and checksum."""

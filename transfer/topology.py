@@ -35,7 +35,10 @@ def local_device(device: str | torch.device | None = None) -> str:
     """The device this process keeps its weights on. None: the GPU Ray gave the actor,
     if any, else CPU."""
     if device is not None:
-        return str(torch.device(device))
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # name the GPU: "cuda:N"
+            device = torch.device("cuda", torch.cuda.current_device())
+        return str(device)
     import ray
     if torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids():
         return f"cuda:{torch.cuda.current_device()}"
