@@ -1,0 +1,17 @@
+"""Built-in tasks: deterministic synthetic prompt sets with exact answers, offline.
+
+A task is a small object with `name`, `make_rows(split, size, seed) -> list[dict]`
+(each row has `prompt` and `answer`) and `vocab` (the characters its prompts and answers
+use). `data.path: builtin:NAME` reads a task instead of a file.
+"""
+from __future__ import annotations
+
+from stages.tasks.arith import AdditionTask, MultiplicationTask, ReverseTask
+
+TASKS = {t.name: t for t in (AdditionTask, MultiplicationTask, ReverseTask)}
+
+
+def get_task(name: str, **kwargs):
+    if name not in TASKS:
+        raise ValueError(f"unknown built-in task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](**kwargs)

@@ -1,0 +1,84 @@
+"""The pipeline builder: source -> map stages (Ray Data) -> batcher -> update.
+
+    Pipeline([PromptSource(...), Stage(AgentFlowRollout, cfg.rollout, engines=...),
+              Stage(Reward, cfg.reward), WindowedBatcher(...), Update(trainer)])
+
+The map stages between the source and the batcher run as Ray Data streaming
+`map_batches` over `pyarrow.Table` batches, each in its own actor pool (a stage's
+heavy state loads once per actor). Columns are checked when the pipeline is built:
+a stage that needs a column no earlier stage produces fails here, before anything runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+
+class PipelineError(ValueError):
+    pass
+
+
+class Stage:
+    """A map stage: a callable class `cls(*args, **kwargs)` with `__call__(pa.Table) -> pa.Table`.
+
+    workers: actor pool size; num_cpus: logical CPUs per actor (threads are the stage's
+    business); batch_rows: rows per call (None = one group block per call);
+    max_concurrency: concurrent calls per actor (a threaded actor when > 1).
+    """
+
+    def __init__(self, cls: type, *args, workers: int = 1, num_cpus: float = 0.1, batch_rows: int | None = None,
+                 inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1, **kwargs):
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+        self.workers, self.num_cpus, self.batch_rows, self.max_concurrency = workers, num_cpus, batch_rows, max_concurrency
+        self.inputs = tuple(inputs if inputs is not None else getattr(cls, "inputs", ()))
+        self.outputs = tuple(outputs if outputs is not None else getattr(cls, "outputs", ()))
+
+    @property
+    def name(self) -> str:
+        return getattr(self.cls, "__name__", str(self.cls))
+
+
+def _name(obj: Any) -> str:
+    return obj.name if isinstance(obj, Stage) else type(obj).__name__
+
+
+class Pipeline:
+    def __init__(self, stages: list):
+        if len(stages) < 3:
+            raise PipelineError("a pipeline needs at least a source, a batcher and an update")
+        self.source, *self.maps, self.batcher, self.update = stages
+        if not hasattr(self.source, "dataset"):
+            raise PipelineError(f"first stage {_name(self.source)} is not a source (it has no .dataset())")
+        for s in self.maps:
+            if not isinstance(s, Stage):
+                raise PipelineError(f"{_name(s)}: stages between the source and the batcher must be Stage(...)")
+        self.columns = self.check_columns()
+
+    def check_columns(self) -> list[str]:
+        """Walk the chain once; every input must be produced upstream. Returns the final columns."""
+        available = list(self.source.outputs)
+        for s in [*self.maps, self.batcher, self.update]:
+            missing = [c for c in getattr(s, "inputs", ()) if c not in available]
+            if missing:
+                raise PipelineError(f"stage {_name(s)} needs column {missing[0]!r}, which no earlier stage "
+                                    f"produces (available: {', '.join(available)})")
+            available += [c for c in getattr(s, "outputs", ()) if c not in available]
+        return available
+
+    def dataset(self, start: int, num_groups: int, groups_per_block: int):
+        """The lazy Ray Dataset of stages source -> ... -> last map stage."""
+        from ray.data import ActorPoolStrategy
+
+        n = getattr(self.source, "n_samples", 1)
+        ds = self.source.dataset(start, num_groups, groups_per_block)
+        for s in self.maps:
+            remote_args = {"max_concurrency": s.max_concurrency} if s.max_concurrency > 1 else {}
+            ds = ds.map_batches(s.cls, fn_constructor_args=s.args, fn_constructor_kwargs=s.kwargs,
+                                batch_size=s.batch_rows or groups_per_block * n, batch_format="pyarrow",
+                                compute=ActorPoolStrategy(size=s.workers), num_cpus=s.num_cpus, **remote_args)
+        return ds
+
+    def stream(self, start: int, num_groups: int, groups_per_block: int) -> Iterator[pa.Table]:
+        ds = self.dataset(start, num_groups, groups_per_block)
+        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)

@@ -1,0 +1,149 @@
+"""Recipe config: frozen dataclasses, one per stage, mirrored 1:1 in YAML.
+
+A recipe file is a mapping `section -> {key: value}`; each section is the config
+dataclass of one stage, defined next to that stage. Command-line overrides are
+`section.key=value` (values parsed as YAML). Any unknown section or key is an error
+that lists the valid ones, so a typo never silently runs the default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from stages.agentflow.rollout import RolloutConfig
+from stages.batcher import BatcherConfig
+from stages.model import ModelConfig
+from stages.prompts import DataConfig
+from stages.reward import RewardConfig
+from stages.update.losses import AlgorithmConfig
+from stages.update.trainer import TrainerConfig
+from transfer import TransferConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 5                 # evaluate every N steps (0 = only at start and end)
+    num_prompts: int = 200         # held-out prompts per evaluation
+    temperature: float = 1.0       # sampled at the training temperature by default
+    n_samples: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Run-level settings: where Ray is, how often to checkpoint, the seed."""
+    steps: int = 40                # training steps (weight versions) to run
+    seed: int = 0
+    ray_address: str = ""          # "" = start local Ray; "auto" or "ray://..." joins a cluster
+    ray_num_cpus: int = 0          # logical CPUs for local Ray (0 = this machine's count)
+    checkpoint_every: int = 0      # 0 = only at the end
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def _coerce(value, typ, where: str):
+    """Check/convert one leaf value against its annotated type."""
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        return _build(typ, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        return None if value is None else _coerce(value, args[0], where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(typ)[:1] or (object,)
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if typ in (int, float, str, bool) and not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data, where: str):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown key {where + '.' if where else ''}{unknown[0]}; valid keys"
+                          f"{' of ' + where if where else ''}: {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where or 'config'}: {e}") from e
+
+
+def to_dict(cfg) -> dict:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else (list(v) if isinstance(v, tuple) else v)
+    return out
+
+
+def apply_override(tree: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form section.key=value")
+    dotted, raw = override.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {k} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML recipe (or start from defaults), apply `a.b=value` overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+    for o in overrides:
+        apply_override(tree, o)
+    return _build(Config, tree, "")
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

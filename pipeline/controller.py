@@ -1,0 +1,276 @@
+"""The single controller: builds the actors and the pipeline, then runs the step loop.
+
+    for each step:
+        batch   = next B complete groups from the stream   (rollout runs in Ray Data)
+        metrics = trainer.train_step(batch)                 (update)
+        version += 1; publish weights to every engine       (weight sync)
+        gate.consumed(batch groups, version)                (the window moves on)
+
+The driver holds no weights. It keeps the version clock, writes the run directory
+(config.yaml, metrics.jsonl, rollouts/, checkpoints/) and evaluates periodically.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from pipeline.builder import Pipeline, Stage
+from pipeline.config import Config, ConfigError, dump_config
+from pipeline.evaluate import evaluate
+from pipeline.metrics import MetricsWriter
+from pipeline.resources import plan_resources
+from pipeline.schema import conform
+from pipeline.window import Gate, capacity, make_strategy
+from stages.agentflow.engine import HFEngine
+from stages.agentflow.rollout import AgentFlowRollout, load_agent
+from stages.batcher import WindowedBatcher
+from stages.model import load_tokenizer, resolve_model_path
+from stages.prompts import PromptSource, load_prompts
+from stages.reward import Reward, load_reward_fn
+from stages.update.stage import Update
+from stages.update.trainer import TorchTrainer
+
+CHUNK_STEPS = 50   # the stream is opened in chunks of this many steps' groups (+ window capacity)
+
+
+def init_ray(cfg: Config, num_cpus: int) -> None:
+    if ray.is_initialized():
+        return
+    if cfg.run.ray_address:
+        ray.init(address=cfg.run.ray_address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_code_roots())}})
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.verbose_stats_logs = False
+
+
+def _code_roots() -> list[str]:
+    """Make the project importable in workers even when it is run from a source checkout."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+class Controller:
+    def __init__(self, cfg: Config, run_dir: str | Path, rows: list[dict] | None = None,
+                 on_step: Callable[[dict], None] | None = None, log: Callable[[str], None] = print):
+        self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
+        self.validate()
+        self.model_path = resolve_model_path(cfg.model, log=log)
+        self.tok = load_tokenizer(self.model_path)
+        self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
+        self.test = self._load_test()
+        self.version = 0
+        self.step = 0
+
+    # ---- start-up checks: everything that can be wrong is found before an actor exists
+    def validate(self) -> None:
+        c = self.cfg
+        load_reward_fn(c.reward.fn)
+        load_agent(c.rollout.agent)
+        make_strategy(c.rollout.window)
+        capacity(c.batcher.groups_per_step, c.rollout.stale_steps)
+        step_samples = c.batcher.groups_per_step * c.rollout.n_samples
+        mb = c.trainer.mini_batch_size
+        if mb and step_samples % mb:
+            raise ConfigError(f"trainer.mini_batch_size={mb} does not divide batcher.groups_per_step x "
+                              f"rollout.n_samples = {step_samples}")
+        if c.run.steps <= 0:
+            raise ConfigError(f"run.steps must be > 0, got {c.run.steps}")
+
+    def _load_test(self) -> pa.Table | None:
+        c = self.cfg.data
+        path = c.test_path or (c.path if c.path.startswith("builtin:") else "")
+        if not path or self.cfg.eval.num_prompts == 0:
+            return None
+        return load_prompts(c, path=path, split="test", size=self.cfg.eval.num_prompts).slice(
+            0, self.cfg.eval.num_prompts)
+
+    # ---- actors ----------------------------------------------------------------------
+    def start(self) -> None:
+        c = self.cfg
+        res = self.res = plan_resources(c)
+        init_ray(c, res.ray_num_cpus)
+        engine_cls = ray.remote(HFEngine)
+        self.engines = [engine_cls.options(num_cpus=res.engine_cpus, max_concurrency=16, name=None).remote(
+            self.model_path, c.model.dtype, c.run.seed + i, res.engine_threads, f"engine{i}")
+            for i in range(c.rollout.num_engines)]
+        trainer_cfg = _replace(c.trainer, num_threads=res.trainer_threads)
+        self.trainer = ray.remote(TorchTrainer).options(num_cpus=res.trainer_cpus).remote(
+            self.model_path, trainer_cfg, c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
+        self.gate = ray.remote(Gate).options(num_cpus=0).remote(
+            c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
+        self.sync = WeightSync(self.trainer, self.engines, c)
+        ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
+        self.pipeline = Pipeline([
+            self.source,
+            Stage(AgentFlowRollout, c.rollout, self.engines, self.gate, self.model_path,
+                  workers=c.rollout.num_workers, num_cpus=res.worker_cpus),
+            Stage(Reward, c.reward, self.model_path, num_cpus=res.worker_cpus),
+            WindowedBatcher(c.batcher, c.rollout.n_samples, c.rollout.stale_steps, make_strategy(c.rollout.window)),
+            Update(self.trainer),
+        ])
+        self.reward_local = Reward(c.reward, self.model_path)
+
+    def stop(self) -> None:
+        for h in getattr(self, "engines", []) + [getattr(self, "trainer", None), getattr(self, "gate", None)]:
+            if h is not None:
+                ray.kill(h)
+
+    # ---- the run ---------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(c, self.run_dir / "config.yaml")
+        self.metrics = MetricsWriter(self.run_dir)
+        self.start()
+        try:
+            last = self._evaluate() if self.test is not None else {}
+            for table, wait_s in self.batches():
+                t0 = time.time()
+                m = self.pipeline.update(table)
+                t1 = time.time()
+                self.version += 1
+                sync_m = self.sync.publish(self.version)
+                ray.get(self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())), self.version))
+                self.step += 1
+                self._record(table)
+                line = m | sync_m | self._rollout_metrics(table) | {
+                    "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": time.time() - t1}
+                if self.test is not None and c.eval.every and self.step % c.eval.every == 0 and self.step < c.run.steps:
+                    line |= self._evaluate(write=False)
+                if c.run.checkpoint_every and self.step % c.run.checkpoint_every == 0:
+                    self.checkpoint()
+                self._emit(line)
+                if self.step >= c.run.steps:
+                    break
+            if self.step < c.run.steps:
+                self.log(f"the data stream ended after {self.step} of {c.run.steps} steps "
+                         f"(dropped: {self.pipeline.batcher.stats})")
+            final = self._evaluate() if self.test is not None else {}
+            self.checkpoint()
+            return {"steps": self.step, "version": self.version, "initial": last, "final": final,
+                    "run_dir": str(self.run_dir)}
+        finally:
+            ray.get(self.gate.close.remote())
+            self.metrics.close()
+
+    def batches(self):
+        """Yield (step table, seconds waited) as soon as B eligible complete groups exist."""
+        c = self.cfg
+        B = c.batcher.groups_per_step
+        gpb = c.rollout.groups_per_batch or B
+        batcher = self.pipeline.batcher
+        t_wait = time.time()
+        start = self.step * B
+        while self.step < c.run.steps:
+            count = min(c.run.steps - self.step, CHUNK_STEPS) * B + capacity(B, c.rollout.stale_steps)
+            yield from self._chunk(start, count, gpb, batcher, t_wait)
+            start += count
+            t_wait = time.time()
+
+    def _chunk(self, start, count, gpb, batcher, t_wait):
+        c, B = self.cfg, self.cfg.batcher.groups_per_step
+        stream = self.pipeline.stream(start, count, gpb)
+        try:
+            for part in stream:
+                done = batcher.feed(part)
+                if done:
+                    ray.get(self.gate.collected.remote(done))
+                state = ray.get(self.gate.snapshot.remote()) if batcher.strategy else None
+                while True:
+                    table, dropped = batcher.take(self.version, _StateView(state, B) if state else None)
+                    if dropped:
+                        ray.get(self.gate.release.remote(dropped))
+                    if table is None:
+                        break
+                    yield conform(table), time.time() - t_wait
+                    t_wait = time.time()
+                    if self.step >= c.run.steps:
+                        return
+        finally:
+            stream.close()
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _rollout_metrics(self, t: pa.Table) -> dict:
+        rewards = t.column("reward").to_pylist()
+        lens = [len(r) for r in t.column("response_ids").to_pylist()]
+        status = t.column("status").to_pylist()
+        span = max(t.column("t_done").to_pylist()) - min(t.column("t_dispatch").to_pylist())
+        return {"rollout/reward_mean": sum(rewards) / len(rewards),
+                "rollout/accuracy": sum(r >= 1 - 1e-6 for r in rewards) / len(rewards),
+                "rollout/response_len": sum(lens) / len(lens), "rollout/samples": len(rewards),
+                "rollout/tokens": sum(lens), "rollout/failed": status.count("failed"),
+                "rollout/truncated": status.count("truncated"), "rollout/span_s": span}
+
+    def _evaluate(self, write: bool = True) -> dict:
+        c = self.cfg
+        m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature, c.rollout.max_new_tokens,
+                     c.eval.n_samples)
+        if write:
+            self._emit(m)
+        return m
+
+    def _emit(self, metrics: dict) -> None:
+        line = self.metrics.write(self.step, metrics | {"version": self.version})
+        if self.on_step:
+            self.on_step(line)
+
+    def _record(self, table: pa.Table) -> None:
+        d = self.run_dir / "rollouts" / f"step={self.step:06d}"
+        d.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, d / "part-0.parquet")
+
+    def checkpoint(self) -> str:
+        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        return ray.get(self.trainer.save.remote(str(path), self.model_path))
+
+
+class _StateView:
+    """What a window strategy's can_collect sees, rebuilt from the gate's snapshot."""
+
+    def __init__(self, snap: dict, B: int):
+        self.groups_per_step, self.capacity = B, snap["capacity"]
+        self._min = snap["min_uncompleted"]
+
+    def min_uncompleted(self, default: int) -> int:
+        return default if self._min < 0 else self._min
+
+
+class WeightSync:
+    """After each update: the trainer's weights reach every engine, tagged with the new version."""
+
+    def __init__(self, trainer, engines: list, cfg: Config):
+        self.trainer, self.engines = trainer, engines
+
+    def publish(self, version: int) -> dict:
+        t0 = time.time()
+        ref = self.trainer.state_dict.remote()
+        ray.get([e.load_weights.remote(ref, version) for e in self.engines])
+        served = ray.get([e.weight_version.remote() for e in self.engines])
+        if any(v != version for v in served):
+            raise RuntimeError(f"weight sync: engines serve versions {served}, expected {version}")
+        return {"sync/seconds": time.time() - t0}
+
+
+def _replace(dc, **kw):
+    import dataclasses
+
+    return dataclasses.replace(dc, **kw)
+
+
+def run(cfg: Config, run_dir: str | Path, rows: list[dict] | None = None, on_step=None, log=print) -> dict:
+    ctl = Controller(cfg, run_dir, rows=rows, on_step=on_step, log=log)
+    try:
+        return ctl.run()
+    finally:
+        ctl.stop()

@@ -1,0 +1,46 @@
+"""Periodic evaluation on held-out prompts, straight on the engines (no training data path).
+
+Samples at the configured temperature (the training temperature by default), scores with
+the run's reward function, and reports eval/accuracy (fraction of samples with reward 1)
+and eval/reward_mean.
+"""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import ray
+
+from pipeline.schema import table_from_columns
+
+
+def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,
+             n_samples: int = 1) -> dict:
+    t0 = time.time()
+    rows = prompts.to_pylist()
+    reqs = [{"prompt_ids": tok(r["prompt"], add_special_tokens=False)["input_ids"], "max_new_tokens": max_new_tokens,
+             "temperature": temperature, "hold": True} for r in rows for _ in range(n_samples)]
+    shards = [reqs[i::len(engines)] for i in range(len(engines))]
+    outs = ray.get([e.generate.remote(s) for e, s in zip(engines, shards)])
+    results = [None] * len(reqs)
+    for i, out in enumerate(outs):
+        results[i::len(engines)] = out
+    expanded = [r for r in rows for _ in range(n_samples)]
+    table = table_from_columns({
+        "prompt": [r["prompt"] for r in expanded], "answer": [r["answer"] for r in expanded],
+        "data_source": [r["data_source"] for r in expanded],
+        "response_ids": [o["response_ids"] for o in results], "status": [o["status"] for o in results],
+        "error": [""] * len(results),
+    })
+    scored = reward_stage(table)
+    rewards = scored.column("reward").to_pylist()
+    out = {"eval/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards),
+           "eval/reward_mean": sum(rewards) / len(rewards),
+           "eval/response_len": sum(len(o["response_ids"]) for o in results) / len(results),
+           "eval/seconds": time.time() - t0, "eval/n": len(rewards)}
+    sources = scored.column("data_source").to_pylist()
+    if len(set(sources)) > 1:
+        for s in sorted(set(sources)):
+            rs = [r for r, src in zip(rewards, sources) if src == s]
+            out[f"eval/accuracy/{s}"] = sum(r >= 1.0 - 1e-6 for r in rs) / len(rs)
+    return out

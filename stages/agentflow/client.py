@@ -1,0 +1,54 @@
+"""Client side of the engines: micro-batches concurrent agent calls into one engine call.
+
+Many trajectories run concurrently (asyncio) in one rollout worker; each `generate` call
+of one token stream would waste the engine's batch. Requests issued within the same few
+milliseconds to the same engine are sent as one batch, and each caller gets its own result.
+"""
+from __future__ import annotations
+
+import asyncio
+
+
+class EngineClient:
+    def __init__(self, engine, window_s: float = 0.002):
+        self.engine = engine
+        self.window_s = window_s
+        self._pending: list[tuple[dict, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def generate(self, requests: list[dict]) -> list[dict]:
+        loop = asyncio.get_running_loop()
+        futs = []
+        for r in requests:
+            f = loop.create_future()
+            self._pending.append((r, f))
+            futs.append(f)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return list(await asyncio.gather(*futs))
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(self.window_s)
+        batch, self._pending = self._pending, []
+        try:
+            results = await self.engine.generate.remote([r for r, _ in batch])
+        except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the engine's error
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, f), res in zip(batch, results):
+            if not f.done():
+                f.set_result(res)
+
+
+class Affinity:
+    """Session affinity: every call of one trajectory (and one group) goes to the same engine."""
+
+    def __init__(self, engines: list):
+        if not engines:
+            raise ValueError("rollout needs at least one engine")
+        self.clients = [EngineClient(e) for e in engines]
+
+    def for_group(self, group_id: int) -> EngineClient:
+        return self.clients[group_id % len(self.clients)]

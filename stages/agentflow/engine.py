@@ -1,0 +1,165 @@
+"""Embedded rollout engine: an HF causal LM in a Ray actor, token ids in, token ids out.
+
+Why our own decode loop instead of `model.generate`: we need, per token, the sampled id,
+its log-probability under exactly the distribution sampled from (logits / temperature),
+and the weight version that produced it. Weight updates take the same lock as a decode
+step, so a step never sees half-loaded weights, and a sequence that spans an update
+records both versions (partial rollout) unless the request asks to hold the lock.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from stages.model import load_model, load_tokenizer
+
+
+class HFEngine:
+    """Batched sampling with a KV cache. Runs as a threaded Ray actor (max_concurrency > 1)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
+                 engine_id: str = "engine0"):
+        torch.set_num_threads(num_threads)
+        self.engine_id = engine_id
+        self.model = load_model(model_path, dtype)
+        self.tok = load_tokenizer(model_path)
+        self.eos_id = self.tok.eos_token_id
+        self.pad_id = self.tok.pad_token_id
+        self.version = 0
+        self._lock = threading.Lock()
+        self._gen = torch.Generator().manual_seed(seed)
+        self._abort_before = -1.0           # requests dispatched before this time are aborted
+        self.mesh_endpoint = None
+        # transformers 5.x renamed past_key_values -> cache; support both spellings
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.stats = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+
+    # ---- identity / weights --------------------------------------------------------
+    def info(self) -> dict:
+        return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
+                "version": self.version}
+
+    def weight_version(self) -> int:
+        return self.version
+
+    def weight_specs(self) -> dict:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+
+    def load_weights(self, named_tensors: dict, version: int) -> None:
+        """Apply one complete version atomically (between decode steps)."""
+        with self._lock:
+            self.model.load_state_dict(named_tensors, strict=False)
+            self.version = int(version)
+
+    def state_dict_ref(self):
+        return {n: t.clone() for n, t in self.model.state_dict().items()}
+
+    def mesh(self, method: str, *args, **kwargs):
+        if self.mesh_endpoint is None:
+            import transfer
+
+            self.mesh_endpoint = transfer.Receiver(target=self)
+        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight now (used when a run stops or a window is closed)."""
+        self._abort_before = time.time()
+
+    def pop_stats(self) -> dict:
+        out, self.stats = self.stats, {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        return out
+
+    # ---- generation ----------------------------------------------------------------
+    def generate(self, requests: list[dict]) -> list[dict]:
+        """Each request: prompt_ids, max_new_tokens, temperature, top_p, [prefix_ids, prefix_logprobs,
+        prefix_versions] (resume a partial rollout), [hold] (keep one version for the whole call).
+        Returns per request: response_ids, logprobs, versions, status (completed|truncated|aborted)."""
+        if not requests:
+            return []
+        t0 = time.time()
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):  # one decode loop per sampling setting
+            key = (int(r["max_new_tokens"]), float(r.get("temperature", 1.0)), float(r.get("top_p", 1.0)),
+                   bool(r.get("hold", False)))
+            groups.setdefault(key, []).append(i)
+        out: list[dict] = [{}] * len(requests)
+        for (max_new, temp, top_p, hold), idx in groups.items():
+            for i, res in zip(idx, self._decode([requests[i] for i in idx], max_new, temp, top_p, hold, t0)):
+                out[i] = res
+        self.stats["requests"] += len(requests)
+        self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
+        self.stats["busy_s"] += time.time() - t0
+        return out
+
+    def _decode(self, reqs, max_new, temp, top_p, hold, t_start):
+        n = len(reqs)
+        seqs = [list(r["prompt_ids"]) + list(r.get("prefix_ids", [])) for r in reqs]
+        resp = [list(r.get("prefix_ids", [])) for r in reqs]
+        lps = [list(r.get("prefix_logprobs", [])) for r in reqs]
+        vers = [list(r.get("prefix_versions", [])) for r in reqs]
+        done = [len(x) > 0 and x[-1] == self.eos_id for x in resp]
+        budget = [max_new - len(x) for x in resp]
+        width = max(map(len, seqs))
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, s in enumerate(seqs):  # left padding keeps the newest token in the last column
+            ids[i, width - len(s):] = torch.tensor(s)
+            mask[i, width - len(s):] = 1
+        cache, step_ids = None, ids
+        held = self._lock.acquire() if hold else False
+        try:
+            for _ in range(max(budget + [0])):
+                if all(d or b <= 0 for d, b in zip(done, budget)) or self._abort_before > t_start:
+                    break
+                pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+                with torch.no_grad():
+                    if not hold:
+                        self._lock.acquire()
+                    try:
+                        o = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                                       use_cache=True, **{self._cache_kw: cache})
+                        version = self.version
+                    finally:
+                        if not hold:
+                            self._lock.release()
+                cache = o[self._cache_kw]
+                tok, lp = self._sample(o.logits[:, -1].float(), temp, top_p)
+                for i in range(n):
+                    if done[i] or budget[i] <= 0:
+                        continue
+                    t = int(tok[i])
+                    resp[i].append(t)
+                    lps[i].append(float(lp[i]))
+                    vers[i].append(version)
+                    budget[i] -= 1
+                    done[i] = t == self.eos_id
+                alive = torch.tensor([not d and b > 0 for d, b in zip(done, budget)])
+                step_ids = torch.where(alive, tok, torch.full_like(tok, self.pad_id)).unsqueeze(1)
+                mask = torch.cat([mask, alive.long().unsqueeze(1)], dim=1)
+        finally:
+            if held:
+                self._lock.release()
+        aborted = self._abort_before > t_start
+        return [{"response_ids": resp[i], "logprobs": lps[i], "versions": vers[i],
+                 "status": "completed" if done[i] else ("aborted" if aborted and budget[i] > 0 else "truncated")}
+                for i in range(n)]
+
+    def _sample(self, logits: torch.Tensor, temp: float, top_p: float):
+        """Sample one token per row; logprob is under the tempered distribution (what the trainer computes)."""
+        if temp <= 0:  # greedy
+            logp = torch.log_softmax(logits, -1)
+            tok = logits.argmax(-1)
+            return tok, logp.gather(-1, tok[:, None])[:, 0]
+        logp = torch.log_softmax(logits / temp, -1)
+        probs = logp.exp()
+        if top_p < 1.0:
+            sp, si = probs.sort(-1, descending=True)
+            keep = sp.cumsum(-1) - sp < top_p
+            probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
+        tok = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
+        return tok, logp.gather(-1, tok[:, None])[:, 0]

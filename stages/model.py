@@ -1,0 +1,132 @@
+"""Policy model and tokenizer: load a local HF directory, or build the built-in tiny one.
+
+Engines, the trainer and teachers all load through here so they agree on the tokenizer.
+With `model.path` empty the project builds its own tiny Qwen2 policy for a built-in task
+(character tokenizer, briefly SFT-warmed so RL has signal) and caches it on disk keyed by
+every setting that shapes it: the second run loads it in a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""                    # local HF directory; "" = built-in tiny model below
+    dtype: str = "float32"
+    # built-in tiny model (used only when path is "")
+    builtin_task: str = "addition"
+    builtin_digits: int = 2
+    hidden_size: int = 128
+    num_layers: int = 4
+    warmup_steps: int = 150           # SFT steps: deliberately partial, RL does the rest
+    warmup_rows: int = 1000
+    warmup_lr: float = 1e-3
+    cache_dir: str = "~/.cache/loongsage/models"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECIAL = ["<pad>", "<eos>", "<bos>"]
+
+
+def build_char_tokenizer(chars: str):
+    """Character-level fast tokenizer: <pad>=0, <eos>=1, <bos>=2, then `chars` in order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + list(dict.fromkeys(chars)))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    tok.padding_side = "left"
+    return tok
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise ValueError(f"model directory {p} has no tokenizer (expected tokenizer.json or tokenizer_config.json)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - HF raises many types; the message names the directory
+        raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
+    if tok.eos_token_id is None:
+        raise ValueError(f"model directory {p}: tokenizer has no eos token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model directory {p} has no config.json (not an HF model directory)")
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=_DTYPES[dtype])
+    model.eval()
+    return model
+
+
+def validate_model_dir(path: str) -> None:
+    """Fail at start, before any actor exists, if the directory is not usable."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model.path {path!r} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model directory {p} has no config.json (not an HF model directory)")
+    load_tokenizer(path)
+
+
+def resolve_model_path(cfg: ModelConfig, log=print) -> str:
+    """The directory engines and the trainer load: cfg.path, or the cached built-in model."""
+    if cfg.path:
+        validate_model_dir(cfg.path)
+        return cfg.path
+    key = {k: v for k, v in asdict(cfg).items() if k not in ("path", "cache_dir")}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(os.path.expanduser(cfg.cache_dir)) / f"tiny-{cfg.builtin_task}-{digest}"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    log(f"building the built-in tiny model for task {cfg.builtin_task!r} (cached at {out}) ...")
+    build_tiny_model(cfg, out, log=log)
+    return str(out)
+
+
+def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stages.tasks import get_task
+    from stages.tasks.sft import sft
+
+    task = get_task(cfg.builtin_task, digits=cfg.builtin_digits)
+    tok = build_char_tokenizer(task.vocab)
+    torch.manual_seed(cfg.seed)
+    mcfg = Qwen2Config(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, dtype="float32",
+    )
+    model = Qwen2ForCausalLM(mcfg)
+    rows = task.make_rows("train", cfg.warmup_rows, seed=cfg.seed)
+    stats = sft(model, tok, rows, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed + 1, log=log)
+    log(f"built-in model warmed: final SFT loss {stats['loss']:.3f} in {stats['seconds']:.1f}s")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache

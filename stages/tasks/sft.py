@@ -1,0 +1,54 @@
+"""Supervised warm-up: teach a fresh tiny model the output format so RL has signal.
+
+Used to make the built-in quickstart policy and, later, specialist teachers. Loss is on
+the answer characters and the closing <eos> only (prompt tokens are context).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+
+def encode_sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 = ignored by the loss)."""
+    seqs, labels = [], []
+    for r in rows:
+        p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        a = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(map(len, seqs))
+    pad = tok.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    lab = torch.tensor([lb + [-100] * (width - len(lb)) for lb in labels])
+    return ids, mask, lab
+
+
+def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: int = 64,
+        seed: int = 1, warmup: int = 50, log=None) -> dict:
+    """AdamW with linear warm-up then constant lr; returns the final loss and wall time."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)))
+    rng = np.random.default_rng(seed)
+    t0, loss_v = time.time(), math.nan
+    for step in range(steps):
+        pick = rng.choice(len(rows), size=min(batch_size, len(rows)), replace=False)
+        ids, mask, lab = encode_sft_batch(tok, [rows[i] for i in pick])
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_v = float(loss)
+        if log and (step % 100 == 0 or step == steps - 1):
+            log(f"sft step {step}/{steps} loss {loss_v:.4f}")
+    model.eval()
+    return {"loss": loss_v, "seconds": time.time() - t0}

@@ -1,0 +1,187 @@
+"""Embedded trainer: torch on an HF causal LM, in a Ray actor.
+
+One `train_step(table)` = one RL update from one step's trajectories:
+rewards -> (overlong shaping) -> advantages -> [recompute old log-probs] -> IS correction
+-> mini-batches of the policy loss -> optimizer steps. Log-probs are taken of
+logits / temperature, the distribution the engine sampled from, so a fresh on-policy
+token has ratio 1 up to numerics (reported as the mismatch metrics).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from stages.model import load_model
+from stages.update.advantages import compute_advantages
+from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
+from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
+
+TRAINABLE = ("completed", "truncated")   # failed/aborted rows are recorded, never trained
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    mini_batch_size: int = 0         # samples per optimizer step; 0 = the whole step (one optimizer step)
+    ppo_epochs: int = 1
+    num_threads: int = 0             # torch threads in the trainer actor; 0 = pipeline/resources.py decides
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.mini_batch_size < 0:
+            raise ValueError(f"trainer.mini_batch_size must be >= 0, got {self.mini_batch_size}")
+        if self.ppo_epochs <= 0:
+            raise ValueError(f"trainer.ppo_epochs must be > 0, got {self.ppo_epochs}")
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors for one step: sequence = prompt + response."""
+    input_ids: torch.Tensor      # [B, L]
+    attn: torch.Tensor           # [B, L]
+    resp_pos: torch.Tensor       # [B, T] index in the sequence of the position predicting response token t
+    resp_ids: torch.Tensor       # [B, T]
+    mask: torch.Tensor           # [B, T] float: trained tokens
+    engine_lp: torch.Tensor      # [B, T]
+    versions: torch.Tensor       # [B, T]
+    rewards: torch.Tensor        # [B]
+    group_ids: torch.Tensor      # [B]
+    lengths: torch.Tensor        # [B]
+    truncated: torch.Tensor      # [B] bool
+
+
+def to_batch(table: pa.Table, pad_id: int) -> Batch:
+    cols = {c: table.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "response_logprobs",
+                                                        "loss_mask", "token_versions", "reward", "group_id", "status")}
+    n = table.num_rows
+    L = max(len(p) + len(r) for p, r in zip(cols["prompt_ids"], cols["response_ids"])) or 1
+    T = max((len(r) for r in cols["response_ids"]), default=0) or 1
+    ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, L), dtype=torch.long)
+    pos = torch.zeros((n, T), dtype=torch.long)
+    rid = torch.zeros((n, T), dtype=torch.long)
+    mask = torch.zeros((n, T))
+    elp = torch.zeros((n, T))
+    ver = torch.full((n, T), -1, dtype=torch.long)
+    for i in range(n):
+        p, r = cols["prompt_ids"][i], cols["response_ids"][i]
+        seq = p + r
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, : len(seq)] = 1
+        k = len(r)
+        if k:
+            pos[i, :k] = torch.arange(len(p) - 1, len(p) - 1 + k)
+            rid[i, :k] = torch.tensor(r, dtype=torch.long)
+            trainable = cols["status"][i] in TRAINABLE
+            mask[i, :k] = torch.tensor(cols["loss_mask"][i], dtype=torch.float) * float(trainable)
+            elp[i, :k] = torch.tensor(cols["response_logprobs"][i])
+            ver[i, :k] = torch.tensor(cols["token_versions"][i], dtype=torch.long)
+    return Batch(ids, attn, pos, rid, mask, elp, ver,
+                 torch.tensor(cols["reward"], dtype=torch.float), torch.tensor(cols["group_id"], dtype=torch.long),
+                 torch.tensor([len(r) for r in cols["response_ids"]]),
+                 torch.tensor([s == "truncated" for s in cols["status"]]))
+
+
+class TorchTrainer:
+    """Ray actor: owns the policy, the optimizer and (if KL is on) a frozen reference copy."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
+                 max_new_tokens: int = 0, dtype: str = "float32"):
+        torch.set_num_threads(max(1, cfg.num_threads))
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.algo = cfg, algo.resolved()
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.max_new_tokens = max_new_tokens
+        self.model = load_model(model_path, dtype)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.ref = load_model(model_path, dtype) if self.algo.kl_coef > 0 else None
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                     weight_decay=cfg.weight_decay)
+        self.version = 0
+        self.mesh_endpoint = None
+        self.rng = np.random.default_rng(cfg.seed)
+
+    # ---- weights --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "version": self.version}
+
+    def mesh(self, method: str, *args, **kwargs):
+        if self.mesh_endpoint is None:
+            import transfer
+
+            self.mesh_endpoint = transfer.Sender(state_fn=lambda: {n: t.detach() for n, t in
+                                                                    self.model.state_dict().items()})
+        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+
+    def save(self, path: str, tokenizer_dir: str = "") -> str:
+        self.model.save_pretrained(path)
+        if tokenizer_dir:
+            from stages.model import load_tokenizer
+
+            load_tokenizer(tokenizer_dir).save_pretrained(path)
+        return path
+
+    # ---- the update -----------------------------------------------------------------
+    def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False):
+        out = model(input_ids=b.input_ids[rows], attention_mask=b.attn[rows]).logits.float() / self.temperature
+        pos = b.resp_pos[rows]
+        logits = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))      # [b, T, V]
+        logp = torch.log_softmax(logits, -1)
+        lp = logp.gather(-1, b.resp_ids[rows][..., None])[..., 0]
+        ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+        return lp, ent
+
+    def train_step(self, table: pa.Table) -> dict:
+        t0 = time.time()
+        b = to_batch(table, self.pad_id)
+        algo = self.algo
+        rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
+                                       self.max_new_tokens or int(b.lengths.max()))
+        adv = compute_advantages(algo.advantage, rewards, b.group_ids, mask)
+        with torch.no_grad():
+            recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
+            ref_lp = self.logprobs(self.ref, b)[0] if self.ref is not None else None
+        old = old_policy_logprobs(algo, recomputed, b.engine_lp)
+        stale = (b.versions >= 0) & (b.versions < self.version)
+        metrics = mismatch_metrics(old if recomputed is not None else b.engine_lp, b.engine_lp, mask, stale)
+        weights, mask, is_m = is_weights(algo, old, b.engine_lp, mask)
+        metrics |= is_m
+        n = b.input_ids.shape[0]
+        mb = self.cfg.mini_batch_size or n
+        losses, gnorms, parts = [], [], []
+        for _ in range(self.cfg.ppo_epochs):
+            for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
+                rows = torch.as_tensor(np.sort(idx))
+                lp, ent = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef > 0)
+                loss, m = policy_loss(algo, lp, old[rows], adv[rows], mask[rows],
+                                      ref_logprobs=None if ref_lp is None else ref_lp[rows], entropy=ent,
+                                      is_weights=weights[rows])
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                self.opt.step()
+                losses.append(loss.item())
+                gnorms.append(float(gnorm))
+                parts.append(m)
+        self.version += 1
+        trained = mask.sum().item()
+        metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
+        metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms)),
+                    "train/tokens": trained, "train/samples": n, "train/seconds": time.time() - t0,
+                    "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
+                    "version": self.version}
+        return metrics
