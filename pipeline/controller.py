@@ -35,6 +35,7 @@ from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
 from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
+from transfer import TransferMesh
 
 CHUNK_STEPS = 50   # the stream is opened in chunks of this many steps' groups (+ window capacity)
 
@@ -52,6 +53,7 @@ def init_ray(cfg: Config, num_cpus: int) -> None:
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.verbose_stats_logs = False
+    ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
 
 
 def _code_roots() -> list[str]:
@@ -109,8 +111,12 @@ class Controller:
             self.model_path, trainer_cfg, c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
         self.gate = ray.remote(Gate).options(num_cpus=0).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
-        self.sync = WeightSync(self.trainer, self.engines, c)
         ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
+        self.mesh = TransferMesh(self.trainer, {f"engine{i}": e for i, e in enumerate(self.engines)}, c.transfer)
+        self.mesh.discover()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        routes = "\n".join(f"{n}: {r.transport} ({r.reason})" for n, r in self.mesh.plan().items())
+        (self.run_dir / "topology.txt").write_text(self.mesh.topology_table() + "\n\n" + routes + "\n")
         self.pipeline = Pipeline([
             self.source,
             Stage(AgentFlowRollout, c.rollout, self.engines, self.gate, self.model_path,
@@ -140,7 +146,7 @@ class Controller:
                 m = self.pipeline.update(table)
                 t1 = time.time()
                 self.version += 1
-                sync_m = self.sync.publish(self.version)
+                sync_m = self.publish(self.version)
                 ray.get(self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())), self.version))
                 self.step += 1
                 self._record(table)
@@ -162,6 +168,7 @@ class Controller:
                     "run_dir": str(self.run_dir)}
         finally:
             ray.get(self.gate.close.remote())
+            self.mesh.close()
             self.metrics.close()
 
     def batches(self):
@@ -230,6 +237,14 @@ class Controller:
         d.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, d / "part-0.parquet")
 
+    def publish(self, version: int) -> dict:
+        """After each update: the trainer's weights reach every engine, tagged with the new version."""
+        m = self.mesh.publish(version)
+        served = ray.get([e.weight_version.remote() for e in self.engines])
+        if any(v != version for v in served):
+            raise RuntimeError(f"weight sync: engines serve versions {served}, expected {version}")
+        return {k: v for k, v in m.items() if isinstance(v, (int, float))}
+
     def checkpoint(self) -> str:
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         return ray.get(self.trainer.save.remote(str(path), self.model_path))
@@ -244,22 +259,6 @@ class _StateView:
 
     def min_uncompleted(self, default: int) -> int:
         return default if self._min < 0 else self._min
-
-
-class WeightSync:
-    """After each update: the trainer's weights reach every engine, tagged with the new version."""
-
-    def __init__(self, trainer, engines: list, cfg: Config):
-        self.trainer, self.engines = trainer, engines
-
-    def publish(self, version: int) -> dict:
-        t0 = time.time()
-        ref = self.trainer.state_dict.remote()
-        ray.get([e.load_weights.remote(ref, version) for e in self.engines])
-        served = ray.get([e.weight_version.remote() for e in self.engines])
-        if any(v != version for v in served):
-            raise RuntimeError(f"weight sync: engines serve versions {served}, expected {version}")
-        return {"sync/seconds": time.time() - t0}
 
 
 def _replace(dc, **kw):

@@ -41,6 +41,8 @@ class RolloutConfig:
     stale_steps: float = 0.0           # 0 = synchronous on-policy
     window: str = "no-window"          # no-window | window-gated | windowed-fifo | dotted path
     timeout_s: float = 300.0           # per trajectory
+    partial: str = "interrupt"         # at a weight update: interrupt (continue under new weights) | wait
+    partial_mask_old: bool = False     # mask tokens generated before the sample's last update out of the loss
 
     def __post_init__(self):
         for k in ("n_samples", "max_new_tokens", "num_engines", "num_workers"):
@@ -50,6 +52,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.groups_per_batch must be >= 0, got {self.groups_per_batch}")
         if self.stale_steps < 0:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
+        if self.partial not in ("interrupt", "wait"):
+            raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
 
@@ -77,7 +81,8 @@ class AgentFlowRollout:
         self.tok = load_tokenizer(model_path)
         self.agent = load_agent(cfg.agent)
         self.affinity = Affinity(engines)
-        self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p}
+        self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                         "hold": cfg.partial == "wait"}
         self.loop = asyncio.new_event_loop()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
