@@ -47,7 +47,7 @@ def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss_v = float(loss)
+        loss_v = loss.item()
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"sft step {step}/{steps} loss {loss_v:.4f}")
     model.eval()

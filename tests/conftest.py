@@ -1,0 +1,35 @@
+"""Shared fixtures: one local Ray instance per test session, one tiny warmed model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: longer than the default run allows (run with -m slow)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from pipeline.controller import init_ray
+    from pipeline.config import load_config
+
+    init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny built-in Qwen2 for addition, briefly SFT-warmed (seconds), cached for the session."""
+    from stages.model import ModelConfig, resolve_model_path
+
+    cache = tmp_path_factory.mktemp("models")
+    return resolve_model_path(ModelConfig(warmup_steps=40, cache_dir=str(cache)), log=lambda *_: None)

@@ -1,0 +1,81 @@
+"""The embedded engine and trainer, and the rollout stage on a fake batch with a real engine actor."""
+import pyarrow as pa
+import pytest
+import torch
+
+from pipeline.schema import table_from_columns, with_columns
+from stages.agentflow.engine import HFEngine
+from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.update.losses import AlgorithmConfig
+from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch
+
+
+def _requests(eng, prompts, **kw):
+    return [{"prompt_ids": eng.tok(p, add_special_tokens=False)["input_ids"], "max_new_tokens": 5,
+             "temperature": 1.0} | kw for p in prompts]
+
+
+def test_engine_logprobs_match_trainer_and_versions_advance(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir, seed=1)
+    outs = eng.generate(_requests(eng, ["12+7=", "3+45=", "99+9="]))
+    assert all(len(o["response_ids"]) == len(o["logprobs"]) == len(o["versions"]) > 0 for o in outs)
+    assert all(set(o["versions"]) == {0} for o in outs)
+    assert {o["status"] for o in outs} <= {"completed", "truncated"}
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1), AlgorithmConfig())
+    rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
+             "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": 1.0 * i,
+             "group_id": 0, "status": o["status"]} for i, (r, o) in enumerate(zip(_requests(eng, ["12+7=", "3+45=", "99+9="]), outs))]
+    b = to_batch(pa.Table.from_pylist(rows), tr.pad_id)
+    with torch.no_grad():
+        lp = tr.logprobs(tr.model, b)[0]
+    assert ((lp - b.engine_lp).abs() * b.mask).max() < 1e-4     # same distribution as the engine sampled from
+    before = {n: t.clone() for n, t in tr.model.state_dict().items()}
+    m = tr.train_step(pa.Table.from_pylist(rows))
+    assert torch.isfinite(torch.tensor(m["train/loss"])) and m["version"] == 1
+    assert any(not torch.equal(before[n], t) for n, t in tr.model.state_dict().items())
+    eng.load_weights(tr.state_dict(), 1)
+    assert eng.weight_version() == 1
+    assert all(set(o["versions"]) == {1} for o in eng.generate(_requests(eng, ["1+1="])))
+
+
+def test_greedy_is_deterministic_and_failed_rows_are_not_trained(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir)
+    a = eng.generate(_requests(eng, ["5+5="], temperature=0.0))
+    b = eng.generate(_requests(eng, ["5+5="], temperature=0.0))
+    assert a[0]["response_ids"] == b[0]["response_ids"]
+    t = pa.Table.from_pylist([{"prompt_ids": [3, 4], "response_ids": [5, 1], "response_logprobs": [-1.0, -1.0],
+                               "loss_mask": [1, 1], "token_versions": [0, 0], "reward": 1.0, "group_id": 0,
+                               "status": s} for s in ("completed", "failed")])
+    assert to_batch(t, 0).mask.sum(1).tolist() == [2.0, 0.0]
+
+
+class Exploding:
+    async def run(self, ctx, sample):
+        if sample["sample_idx"] == 1:
+            raise RuntimeError("agent exploded")
+        await ctx.generate()
+
+
+def test_rollout_stage_on_fake_batch(ray_session, tiny_model_dir):
+    ray = ray_session
+    eng = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir)
+    batch = table_from_columns({"prompt_id": ["p0"] * 3, "group_id": [0, 0, 0], "sample_idx": [0, 1, 2],
+                                "prompt": ["12+30="] * 3})
+    stage = AgentFlowRollout(RolloutConfig(n_samples=3, max_new_tokens=4, agent="tests.test_engine_trainer.Exploding"),
+                             [eng], None, tiny_model_dir)
+    out = stage(batch)
+    assert set(AgentFlowRollout.outputs) <= set(out.column_names)
+    rows = out.to_pylist()
+    assert [r["status"] for r in rows][1] == "failed" and "agent exploded" in rows[1]["error"]
+    for r in (rows[0], rows[2]):
+        assert r["status"] in ("completed", "truncated") and r["error"] == ""
+        assert len(r["response_ids"]) == len(r["token_versions"]) == len(r["loss_mask"]) > 0
+        assert r["version_start"] == r["version_end"] == 0 and r["t_done"] >= r["t_dispatch"]
+    ray.kill(eng)
+
+
+def test_bad_agent_path_fails_at_start():
+    from stages.agentflow.rollout import load_agent
+
+    with pytest.raises(ValueError, match="rollout.agent 'no.such:Agent' does not import"):
+        load_agent("no.such:Agent")
