@@ -138,7 +138,8 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(c, self.run_dir / "config.yaml")
         self.metrics = MetricsWriter(self.run_dir)
-        self.start()
+        if not hasattr(self, "pipeline"):   # a caller may start() and swap in its own pipeline first
+            self.start()
         try:
             last = self._evaluate() if self.test is not None else {}
             for table, wait_s in self.batches():
