@@ -29,7 +29,7 @@ from pipeline.schema import conform
 from pipeline.window import Gate, capacity, make_strategy
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
-from stages.batcher import WindowedBatcher
+from stages.batcher import WindowedBatcher, mask_old_versions
 from stages.model import load_tokenizer, resolve_model_path
 from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
@@ -142,8 +142,12 @@ class Controller:
             self.start()
         try:
             last = self._evaluate() if self.test is not None else {}
+            self._t_step = time.time()
             for table, wait_s in self.batches():
                 t0 = time.time()
+                if c.rollout.partial_mask_old:
+                    table = mask_old_versions(table)
+                staleness = self._staleness(table)      # measured against the version being trained
                 m = self.pipeline.update(table)
                 t1 = time.time()
                 self.version += 1
@@ -151,7 +155,7 @@ class Controller:
                 ray.get(self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())), self.version))
                 self.step += 1
                 self._record(table)
-                line = m | sync_m | self._rollout_metrics(table) | {
+                line = m | sync_m | self._rollout_metrics(table) | staleness | self._pipeline_metrics(table, m) | {
                     "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": time.time() - t1}
                 if self.test is not None and c.eval.every and self.step % c.eval.every == 0 and self.step < c.run.steps:
                     line |= self._evaluate(write=False)
@@ -219,6 +223,28 @@ class Controller:
                 "rollout/response_len": sum(lens) / len(lens), "rollout/samples": len(rewards),
                 "rollout/tokens": sum(lens), "rollout/failed": status.count("failed"),
                 "rollout/truncated": status.count("truncated"), "rollout/span_s": span}
+
+    def _staleness(self, t: pa.Table) -> dict:
+        """current version - token version over trained tokens; how many rows span an update."""
+        gaps, spans = [], []
+        for vs, mask in zip(t.column("token_versions").to_pylist(), t.column("loss_mask").to_pylist()):
+            model = [v for v, k in zip(vs, mask) if v >= 0 and k]
+            gaps += [self.version - v for v in model]
+            spans.append(max(model) - min(model) if model else 0)
+        return {"staleness/mean": sum(gaps) / max(len(gaps), 1), "staleness/max": max(gaps, default=0),
+                "partial_ratio": sum(s > 0 for s in spans) / max(len(spans), 1), "partial_span_max": max(spans)}
+
+    def _pipeline_metrics(self, t: pa.Table, train_m: dict) -> dict:
+        """Buffer depth, filters and how busy each resource was during this step."""
+        now, wall = time.time(), time.time() - self._t_step
+        self._t_step = now
+        snap = ray.get(self.gate.snapshot.remote())
+        busy = ray.get([e.pop_stats.remote() for e in self.engines])
+        st = self.pipeline.batcher.stats
+        return {"pipeline_buf_size": snap["in_flight"] + snap["buffered"], "filter_drop": st.dropped_filter,
+                "stale_drop": st.dropped_stale, "samples_per_s": t.num_rows / max(wall, 1e-9), "step_wall_s": wall,
+                "rollout/busy_frac": sum(b["busy_s"] for b in busy) / len(busy) / max(wall, 1e-9),
+                "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)}
 
     def _evaluate(self, write: bool = True) -> dict:
         c = self.cfg

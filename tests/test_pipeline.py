@@ -84,3 +84,25 @@ def test_bad_input_fails_at_start(tmp_path, tiny_model_dir, override, match):
     extra = [] if o.startswith("model.path") else [f"model.path={tiny_model_dir}"]
     with pytest.raises((ValueError, ConfigError), match=match):
         Controller(load_config("configs/quickstart.yaml", FAST + extra + [o]), tmp_path / "r", log=lambda *_: None)
+
+
+def test_async_run_keeps_staleness_bound_and_trains_each_group_once(ray_session, tiny_model_dir, tmp_path):
+    cfg = load_config("configs/quickstart_async.yaml", FAST + [
+        f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "rollout.num_engines=1",
+        "rollout.groups_per_batch=1", "rollout.partial_mask_old=true"])
+    ctl = Controller(cfg, tmp_path / "async", log=lambda *_: None)
+    try:
+        assert ctl.run()["version"] == 4
+    finally:
+        ctl.stop()
+    lines = [m for m in read_metrics(tmp_path / "async") if "train/loss" in m]
+    assert all(m["staleness/max"] <= 1 for m in lines)
+    assert all(m["pipeline_buf_size"] <= 8 for m in lines)          # C = B * (1 + stale_steps)
+    seen = []
+    for k in range(1, 5):
+        rows = pq.read_table(tmp_path / "async" / "rollouts" / f"step={k:06d}").to_pylist()
+        seen += sorted({r["group_id"] for r in rows})
+        for r in rows:   # tokens of an older version than the row's newest carry no loss
+            assert all(m == 0 for v, m in zip(r["token_versions"], r["loss_mask"]) if v != r["version_end"])
+            assert all(k - 1 - v <= 1 for v in r["token_versions"])
+    assert len(seen) == len(set(seen)) == 16
