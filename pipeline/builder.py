@@ -66,12 +66,12 @@ class Pipeline:
             available += [c for c in getattr(s, "outputs", ()) if c not in available]
         return available
 
-    def dataset(self, start: int, num_groups: int, groups_per_block: int):
+    def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
         """The lazy Ray Dataset of stages source -> ... -> last map stage."""
         from ray.data import ActorPoolStrategy
 
         n = getattr(self.source, "n_samples", 1)
-        ds = self.source.dataset(start, num_groups, groups_per_block)
+        ds = self.source.dataset(start, num_groups, groups_per_block, skip)
         for s in self.maps:
             remote_args = {"max_concurrency": s.max_concurrency} if s.max_concurrency > 1 else {}
             ds = ds.map_batches(s.cls, fn_constructor_args=s.args, fn_constructor_kwargs=s.kwargs,
@@ -79,6 +79,7 @@ class Pipeline:
                                 compute=ActorPoolStrategy(size=s.workers), num_cpus=s.num_cpus, **remote_args)
         return ds
 
-    def stream(self, start: int, num_groups: int, groups_per_block: int) -> Iterator[pa.Table]:
-        ds = self.dataset(start, num_groups, groups_per_block)
+    def stream(self, start: int, num_groups: int, groups_per_block: int,
+               skip: frozenset = frozenset()) -> Iterator[pa.Table]:
+        ds = self.dataset(start, num_groups, groups_per_block, skip)
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)

@@ -45,6 +45,7 @@ class RunConfig:
     ray_address: str = ""          # "" = start local Ray; "auto" or "ray://..." joins a cluster
     ray_num_cpus: int = 0          # logical CPUs for local Ray (0 = this machine's count)
     checkpoint_every: int = 0      # 0 = only at the end
+    resume_from: str = ""          # a checkpoint dir (RUN/checkpoints/step_N) to continue from
     log_every: int = 1
 
 

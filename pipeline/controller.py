@@ -11,6 +11,7 @@ The driver holds no weights. It keeps the version clock, writes the run director
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -68,11 +69,13 @@ class Controller:
         self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
         self.validate()
         self.model_path = resolve_model_path(cfg.model, log=log)
+        self.done_seqs: set[int] = set()        # groups trained or dropped: never dispatched again
+        self.resume_state = self._load_resume(cfg.run.resume_from) if cfg.run.resume_from else None
         self.tok = load_tokenizer(self.model_path)
         self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
         self.test = self._load_test()
-        self.version = 0
-        self.step = 0
+        self.version = self.resume_state["version"] if self.resume_state else 0
+        self.step = self.resume_state["step"] if self.resume_state else 0
 
     # ---- start-up checks: everything that can be wrong is found before an actor exists
     def validate(self) -> None:
@@ -88,6 +91,17 @@ class Controller:
                               f"rollout.n_samples = {step_samples}")
         if c.run.steps <= 0:
             raise ConfigError(f"run.steps must be > 0, got {c.run.steps}")
+
+    def _load_resume(self, path: str) -> dict:
+        """A checkpoint holds HF weights, trainer_state.pt and controller.json (clock + consumed groups)."""
+        p = Path(path)
+        for f in ("config.json", "trainer_state.pt", "controller.json"):
+            if not (p / f).is_file():
+                raise ConfigError(f"run.resume_from={path}: not a resumable checkpoint (no {f})")
+        state = json.loads((p / "controller.json").read_text())
+        self.done_seqs = set(state["done_seqs"])
+        self.model_path = str(p)             # engines and the trainer start from the checkpoint's weights
+        return state
 
     def _load_test(self) -> pa.Table | None:
         c = self.cfg.data
@@ -109,6 +123,9 @@ class Controller:
         trainer_cfg = _replace(c.trainer, num_threads=res.trainer_threads)
         self.trainer = ray.remote(TorchTrainer).options(num_cpus=res.trainer_cpus).remote(
             self.model_path, trainer_cfg, c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
+        if self.resume_state:
+            ray.get(self.trainer.load_state.remote(self.cfg.run.resume_from))
+            ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
         self.gate = ray.remote(Gate).options(num_cpus=0).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
         ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
@@ -183,16 +200,17 @@ class Controller:
         gpb = c.rollout.groups_per_batch or B
         batcher = self.pipeline.batcher
         t_wait = time.time()
-        start = self.step * B
+        start = min(set(range(max(self.done_seqs, default=-1) + 2)) - self.done_seqs)   # first group not done
         while self.step < c.run.steps:
             count = min(c.run.steps - self.step, CHUNK_STEPS) * B + capacity(B, c.rollout.stale_steps)
+            count += sum(1 for q in self.done_seqs if q >= start)   # done groups in range are skipped
             yield from self._chunk(start, count, gpb, batcher, t_wait)
             start += count
             t_wait = time.time()
 
     def _chunk(self, start, count, gpb, batcher, t_wait):
         c, B = self.cfg, self.cfg.batcher.groups_per_step
-        stream = self.pipeline.stream(start, count, gpb)
+        stream = self.pipeline.stream(start, count, gpb, frozenset(self.done_seqs))
         try:
             for part in stream:
                 done = batcher.feed(part)
@@ -202,9 +220,11 @@ class Controller:
                 while True:
                     table, dropped = batcher.take(self.version, _StateView(state, B) if state else None)
                     if dropped:
+                        self.done_seqs.update(dropped)
                         ray.get(self.gate.release.remote(dropped))
                     if table is None:
                         break
+                    self.done_seqs.update(table.column("group_id").to_pylist())
                     yield conform(table), time.time() - t_wait
                     t_wait = time.time()
                     if self.step >= c.run.steps:
@@ -273,8 +293,15 @@ class Controller:
         return {k: v for k, v in m.items() if isinstance(v, (int, float))}
 
     def checkpoint(self) -> str:
+        """Weights (HF), optimizer + RNGs, and the controller's clock and consumed-group set.
+
+        Groups in flight are not saved: they were never trained, so a resumed run dispatches
+        them again; `done_seqs` makes sure no trained or dropped group comes back."""
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        return ray.get(self.trainer.save.remote(str(path), self.model_path))
+        ray.get(self.trainer.save.remote(str(path), self.model_path))
+        (path / "controller.json").write_text(json.dumps(
+            {"step": self.step, "version": self.version, "done_seqs": sorted(self.done_seqs)}))
+        return str(path)
 
 
 class _StateView:

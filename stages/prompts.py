@@ -110,9 +110,13 @@ class PromptSource:
 
     def groups(self, start: int, count: int) -> pa.Table:
         """Sample rows of groups [start, start + count): N rows per group, in order."""
+        return self.groups_for(range(start, start + count))
+
+    def groups_for(self, seq_list) -> pa.Table:
+        """Sample rows of the given group seqs, N rows per group, in the given order."""
         n = self.table.num_rows
         idx, seqs, orders = [], [], {}
-        for g in range(start, start + count):
+        for g in seq_list:
             epoch = g // n
             if epoch not in orders:
                 orders[epoch] = self.order(epoch)
@@ -126,7 +130,7 @@ class PromptSource:
         cols["sample_idx"] = np.tile(np.arange(k), len(idx)).tolist()
         return table_from_columns({c: cols[c] for c in self.outputs})
 
-    def dataset(self, start: int, num_groups: int, groups_per_block: int):
+    def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
         """A Ray Dataset of `num_groups` groups from `start`, one block per `groups_per_block` groups.
 
         Blocks are cut on group boundaries and each becomes exactly one rollout call: a call
@@ -134,6 +138,6 @@ class PromptSource:
         """
         import ray
 
-        blocks = [self.groups(g, min(groups_per_block, start + num_groups - g))
-                  for g in range(start, start + num_groups, groups_per_block)]
+        seqs = [g for g in range(start, start + num_groups) if g not in skip]   # skip: consumed before a resume
+        blocks = [self.groups_for(seqs[i:i + groups_per_block]) for i in range(0, len(seqs), groups_per_block)]
         return ray.data.from_arrow(blocks)

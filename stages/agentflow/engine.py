@@ -103,6 +103,9 @@ class HFEngine:
         lps = [list(r.get("prefix_logprobs", [])) for r in reqs]
         vers = [list(r.get("prefix_versions", [])) for r in reqs]
         done = [len(x) > 0 and x[-1] == self.eos_id for x in resp]
+        # a request with its own seed samples from its own stream: reproducible whatever it is batched with
+        gens = [torch.Generator().manual_seed(int(r["seed"]) + len(resp[i])) if "seed" in r else None
+                for i, r in enumerate(reqs)]
         budget = [max_new - len(x) for x in resp]
         width = max(map(len, seqs))
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
@@ -128,7 +131,7 @@ class HFEngine:
                         if not hold:
                             self._lock.release()
                 cache = o[self._cache_kw]
-                tok, lp = self._sample(o.logits[:, -1].float(), temp, top_p)
+                tok, lp = self._sample(o.logits[:, -1].float(), temp, top_p, gens)
                 for i in range(n):
                     if done[i] or budget[i] <= 0:
                         continue
@@ -149,7 +152,7 @@ class HFEngine:
                  "status": "completed" if done[i] else ("aborted" if aborted and budget[i] > 0 else "truncated")}
                 for i in range(n)]
 
-    def _sample(self, logits: torch.Tensor, temp: float, top_p: float):
+    def _sample(self, logits: torch.Tensor, temp: float, top_p: float, gens=None):
         """Sample one token per row; logprob is under the tempered distribution (what the trainer computes)."""
         if temp <= 0:  # greedy
             logp = torch.log_softmax(logits, -1)
@@ -161,5 +164,8 @@ class HFEngine:
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        tok = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
+        if gens is None or all(g is None for g in gens):
+            tok = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
+        else:
+            tok = torch.cat([torch.multinomial(p[None], 1, generator=g or self._gen)[:, 0] for p, g in zip(probs, gens)])
         return tok, logp.gather(-1, tok[:, None])[:, 0]

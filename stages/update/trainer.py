@@ -127,13 +127,27 @@ class TorchTrainer:
                                                                     self.model.state_dict().items()})
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
-    def save(self, path: str, tokenizer_dir: str = "") -> str:
+    def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True) -> str:
+        """HF-format weights (+ tokenizer); with_state adds what resuming needs: optimizer, RNGs, version."""
         self.model.save_pretrained(path)
         if tokenizer_dir:
             from stages.model import load_tokenizer
 
             load_tokenizer(tokenizer_dir).save_pretrained(path)
+        if with_state:
+            torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                        "np_rng": self.rng.bit_generator.state, "version": self.version},
+                       os.path.join(path, "trainer_state.pt"))
         return path
+
+    def load_state(self, path: str) -> int:
+        """Resume: the weights were loaded from `path` at start; restore optimizer, RNGs and version."""
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.rng.bit_generator.state = state["np_rng"]
+        self.version = int(state["version"])
+        return self.version
 
     # ---- the update -----------------------------------------------------------------
     def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False):
