@@ -1,0 +1,103 @@
+"""Run megatron-core on a CPU-only torch: the one place that papers over its CUDA calls.
+
+megatron-core assumes a GPU in a few places that have nothing to do with the maths:
+buffers created with `device="cuda"` or `torch.cuda.current_device()` (the DDP grad
+buffer, the optimizer's loss-scale and grad-norm scalars, the schedules' token counter),
+an assert that grads are `torch.cuda.FloatTensor`, and its RNG tracker, which forks the
+CUDA generator. Used ONLY when the trainer runs on CPU (tests, laptops); on a GPU none
+of this is imported. What it does:
+
+* `active()`: a TorchFunctionMode, entered around every trainer call, that maps a
+  CUDA device to the CPU in tensor factories and `.to()`/`.cuda()`, and lets
+  `Tensor.type()` report the CUDA type names megatron asserts on.
+* `install(seed)`: makes `torch.cuda.current_device()` answer "cpu" (and
+  `torch.cuda.synchronize()`, which the pipeline schedule calls, a no-op), and replaces the
+  RNG tracker with one that forks the CPU generator, seeded as
+  `model_parallel_cuda_manual_seed` seeds the CUDA one.
+
+Nothing here changes a result: the same kernels run on the same data, on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+
+_CPU = torch.device("cpu")
+
+
+def _to_cpu(device):
+    if device is None or isinstance(device, torch.dtype):
+        return device
+    if isinstance(device, int) and not isinstance(device, bool):   # an index means a CUDA device
+        return _CPU
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return _CPU
+    return device
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and (func is torch.Tensor.to or func in _device_constructors()):
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:     # t.to(device, ...): the device comes first
+            args = (args[0], _to_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def active():
+    """Context in which megatron's CUDA device requests land on the CPU (thread-local)."""
+    return _CudaAsCpu()
+
+
+def install(seed: int) -> None:
+    """Process-wide part of the shim; call once after parallel_state is initialised."""
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_shim is for CPU-only processes; this one sees a GPU")
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.synchronize = lambda device=None: None   # CPU ops are synchronous already
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _CpuRNGStatesTracker()
+    # the same seeds model_parallel_cuda_manual_seed derives (2718: megatron's offset)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _tracker_base():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    return CudaRNGStatesTracker
+
+
+class _CpuRNGStatesTracker(_tracker_base()):
+    """megatron's tracker, with named states of the CPU generator instead of the CUDA one."""
+
+    def add(self, name, seed):
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)

@@ -1,0 +1,35 @@
+"""Start the Megatron trainer's ranks as Ray actors and hand back the leader.
+
+    leader = launch(model_path, trainer_cfg, algo, mcfg, rank_options=placement.options("trainer"))
+    leader.train_step.remote(table)      # the same calls as on a TorchTrainer actor
+
+Every rank is created first, then all join one process group at once (rank 0's
+address), then the leader learns its peers. `rank_options` are the Ray actor options
+of each rank (resources, placement-group bundle), one dict per rank in rank order;
+pipeline/placement.py builds them so that each TP group shares a node.
+"""
+from __future__ import annotations
+
+import ray
+
+from stages.update.losses import AlgorithmConfig
+from stages.update.trainer import TrainerConfig
+
+from .config import MegatronConfig
+
+
+def launch(model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, mcfg: MegatronConfig,
+           temperature: float = 1.0, max_new_tokens: int = 0, dtype: str = "float32",
+           rank_options: list[dict] | None = None, num_cpus: float = 1.0):
+    from .trainer import MegatronTrainer
+
+    opts = rank_options or [{"num_cpus": num_cpus}] * mcfg.world_size
+    if len(opts) != mcfg.world_size:
+        raise ValueError(f"{len(opts)} rank placements for {mcfg.world_size} ranks "
+                         f"(tensor x pipeline x data parallel)")
+    cls = ray.remote(MegatronTrainer)
+    ranks = [cls.options(**o).remote(model_path, cfg, algo, temperature, max_new_tokens, dtype, mcfg) for o in opts]
+    addr, port = ray.get(ranks[0].rendezvous.remote())
+    ray.get([r.setup.remote(i, addr, port) for i, r in enumerate(ranks)])
+    ray.get(ranks[0].connect.remote(ranks[1:]))
+    return ranks[0]

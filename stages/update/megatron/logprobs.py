@@ -1,0 +1,54 @@
+"""Per-token log-probs and entropy from vocab-parallel logits (each TP rank holds a slice
+of the vocabulary), without gathering the full [.., vocab] tensor on any rank.
+
+  log p(y) = z_y - log sum_v exp(z_v)          megatron's vocab_parallel_cross_entropy
+  H        = log S - (sum_v exp(z_v) z_v) / S   partial sums all-reduced over TP
+
+where z = logits / temperature. Vocabulary rows megatron pads (to a multiple of TP)
+are pushed to -1e30 first, so they carry no probability: the distribution is HF's.
+"""
+from __future__ import annotations
+
+import torch
+
+_PAD_LOGIT = -1e30       # finite, so exp() gives 0 and 0 * logit stays 0 in the entropy
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    width = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    if start + width <= vocab:
+        return logits
+    ids = torch.arange(start, start + width, device=logits.device)
+    return logits.masked_fill(ids >= vocab, _PAD_LOGIT)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: int, temperature: float = 1.0,
+                   with_entropy: bool = False):
+    """logits [..., V/tp] (this rank's vocab slice), targets [...] global ids ->
+    (log-probs [...], entropy [...] or None), float32, differentiable."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    z = mask_padded_vocab(logits.float() / temperature, vocab)
+    ent = _entropy(z) if with_entropy else None
+    # vocab_parallel_cross_entropy shifts its input in place: give it its own copy
+    lp = -vocab_parallel_cross_entropy(z.clone() if with_entropy else z, targets)
+    return lp, ent
+
+
+def _entropy(z: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as all_reduce
+
+    zmax = z.detach().max(-1, keepdim=True).values
+    dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    z = z - zmax
+    e = z.exp()
+    # forward: sum over ranks; backward: identity, which is right because every rank
+    # computes the same loss from the reduced sums and owns the gradient of its own slice
+    s = all_reduce(e.sum(-1))
+    ez = all_reduce((e * z).sum(-1))
+    return s.log() - ez / s

@@ -1,0 +1,348 @@
+"""Megatron-core trainer: the same update as the torch trainer, on a TP x PP x DP model.
+
+Every rank is a Ray actor running this class. Rank 0, the leader, is the handle the
+controller and the TransferMesh hold; each of its public methods (train_step,
+state_dict, save, mesh, info) runs the matching `rank_*` method on every peer and on
+itself, since all ranks must join the same collectives. With one rank it is a drop-in
+for TorchTrainer.
+
+One train_step, on every rank (TorchTrainer's algorithm box, item for item):
+  rewards -> overlong shaping -> advantages (whole step, every rank)
+  -> recomputed old / reference log-probs (each DP rank its rows; all-gathered)
+  -> IS correction -> per mini-batch: megatron's forward-backward schedule over
+  micro-batches -> megatron's optimizer (grad clipping over all model-parallel ranks).
+The loss of a micro-batch is returned to the schedule as (loss x n, n), n being the
+count the loss aggregation divides by (tokens for token_mean, sequences otherwise);
+with calculate_per_token_loss megatron sums these over micro-batches and DP ranks and
+divides the gradients by the total n, which is the mini-batch loss TorchTrainer takes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from functools import partial
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+
+from stages.update.advantages import compute_advantages
+from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
+from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
+from stages.update.trainer import Batch, TrainerConfig, to_batch
+
+from . import parallel
+from .config import MegatronConfig
+from .convert import Arch, to_megatron
+from .logprobs import token_logprobs
+from .model import DTYPES, HFReader, build_gpt, hf_config, layer_index, transformer_config
+
+
+class MegatronTrainer:
+    def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
+                 max_new_tokens: int = 0, dtype: str = "float32", mcfg: MegatronConfig = MegatronConfig()):
+        torch.set_num_threads(max(1, cfg.num_threads))
+        torch.manual_seed(cfg.seed)
+        self.model_path, self.cfg, self.mcfg, self.dtype = model_path, cfg, mcfg, dtype
+        self.algo = algo.resolved()
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.max_new_tokens = max_new_tokens
+        self.hf = hf_config(model_path)
+        self.arch = Arch.from_hf(self.hf)
+        self.pad_id = self.hf.pad_token_id or 0
+        self.version = 0
+        self.peers: list = []
+        self.mesh_endpoint = None
+        self.rng = np.random.default_rng(cfg.seed)
+
+    # ---- start-up (launch.py calls these on every rank) -----------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        return parallel.free_address()
+
+    def setup(self, rank: int, addr: str, port: int) -> dict:
+        self.device = parallel.pick_device(self.mcfg)
+        self.on_cpu = self.device.type == "cpu"
+        parallel.init(rank, addr, port, self.mcfg, self.device, self.cfg.seed)
+        with self._ctx():
+            self._build()
+        return self.rank_info()
+
+    def connect(self, peers: list) -> None:
+        """Leader only: the other ranks' actor handles, in rank order."""
+        self.peers = list(peers)
+
+    def _ctx(self):
+        if self.on_cpu:
+            from . import cpu_shim
+            return cpu_shim.active()
+        return contextlib.nullcontext()
+
+    def _build(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        m = self.mcfg
+        self.config = transformer_config(self.arch, m.tensor_parallel, m.pipeline_parallel, self.dtype,
+                                         self.on_cpu, m.recompute_activations)
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.module = self._load_gpt()
+        self.ref = self._load_gpt().eval().requires_grad_(False) if self.algo.kl_coef > 0 else None
+        self.model = DistributedDataParallel(
+            self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                       use_distributed_optimizer=m.use_distributed_optimizer),
+            self.module)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        c = self.cfg
+        self.opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0], adam_beta2=c.betas[1],
+            adam_eps=1e-8, clip_grad=c.grad_clip, bf16=self.config.bf16, fp16=self.config.fp16,
+            params_dtype=self.config.params_dtype, use_distributed_optimizer=m.use_distributed_optimizer),
+            [self.model])
+        self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+        self.dp, self.dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+    def _load_gpt(self):
+        from megatron.core import parallel_state as ps
+
+        gpt = build_gpt(self.arch, self.config, self.first, self.last).to(self.device)
+        names = [n for n in gpt.state_dict() if not n.endswith("_extra_state")]
+        state = to_megatron(names, HFReader(self.model_path), self.arch, ps.get_tensor_model_parallel_rank(),
+                            self.mcfg.tensor_parallel, layer_index(gpt))
+        missing, unexpected = gpt.load_state_dict(state, strict=False)
+        missing = [n for n in missing if not n.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"HF -> megatron load: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return gpt
+
+    # ---- the leader's interface (same as TorchTrainer's) ----------------------------
+    def _everywhere(self, method: str, *args, peer_args: tuple | None = None):
+        """Run `method` on every rank (peers through Ray with `peer_args`, default `args`);
+        this rank's result first. When this rank fails, the peers' errors (they fail too,
+        at the latest on the collective timeout) are named with it: one is usually the cause."""
+        refs = [getattr(p, method).remote(*(args if peer_args is None else peer_args)) for p in self.peers]
+        try:
+            mine = getattr(self, method)(*args)
+        except Exception as e:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.mcfg.timeout_s + 30)
+            peers = [_error(r) for r in done]
+            raise RuntimeError(f"rank 0 failed in {method}: {e!r}; peer ranks: {peers or 'no answer'}") from e
+        return [mine, *ray.get(refs)]
+
+    def train_step(self, table: pa.Table) -> dict:
+        ref = (ray.put(table),) if self.peers else None       # one copy in the object store for all peers
+        return next(r for r in self._everywhere("rank_train_step", table, peer_args=ref) if r is not None)
+
+    def state_dict(self) -> dict:
+        return {n: t.detach().clone() for n, t in self._hf_state().items()}
+
+    def _hf_state(self) -> dict:
+        return self._everywhere("rank_hf_state")[0]
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "version": self.version, "ranks": 1 + len(self.peers)}
+
+    def rank_info(self) -> dict:
+        from megatron.core import parallel_state as ps
+
+        return {"pid": os.getpid(), "device": str(self.device), "rank": torch.distributed.get_rank(),
+                "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                "dp_rank": ps.get_data_parallel_rank()}
+
+    def mesh(self, method: str, *args, **kwargs):
+        if self.mesh_endpoint is None:
+            import transfer
+
+            self.mesh_endpoint = transfer.Sender(state_fn=self._hf_state)
+        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+
+    def save(self, path: str, tokenizer_dir: str = "") -> str:
+        """HF format: config, safetensors (shared tensors once), tokenizer."""
+        from huggingface_hub import save_torch_state_dict
+
+        state = self._hf_state()
+        if self.arch.tied:
+            state = {n: t for n, t in state.items() if n != "lm_head.weight"}
+        os.makedirs(path, exist_ok=True)
+        save_torch_state_dict({n: t.detach().cpu().contiguous() for n, t in state.items()}, path)
+        self.hf.save_pretrained(path)
+        if tokenizer_dir:
+            from stages.model import load_tokenizer
+
+            load_tokenizer(tokenizer_dir).save_pretrained(path)
+        return path
+
+    def shutdown(self) -> None:
+        """Leader only: stop the peer ranks (their actors hold no state worth keeping)."""
+        for p in self.peers:
+            ray.kill(p)
+        self.peers = []
+
+    # ---- what every rank runs --------------------------------------------------------
+    def rank_hf_state(self):
+        with self._ctx():
+            return parallel.gather_hf_state(self.module, self.arch, layer_index(self.module))
+
+    def rank_train_step(self, table: pa.Table) -> dict | None:
+        with self._ctx():
+            return self._train_step(table)
+
+    def _train_step(self, table: pa.Table) -> dict | None:
+        t0 = time.time()
+        b = to_batch(table, self.pad_id)
+        algo = self.algo
+        rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
+                                       self.max_new_tokens or int(b.lengths.max()))
+        adv = compute_advantages(algo.advantage, rewards, b.group_ids, mask)
+        recomputed = None if algo.decoupled else self.logprobs(self.module, b)
+        ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
+        metrics, fields = {}, self._inputs(b)
+        if self.last:     # only the last stage sees logits, so only it computes the loss
+            old = old_policy_logprobs(algo, recomputed, b.engine_lp)
+            stale = (b.versions >= 0) & (b.versions < self.version)
+            metrics = mismatch_metrics(old if recomputed is not None else b.engine_lp, b.engine_lp, mask, stale)
+            weights, mask, is_m = is_weights(algo, old, b.engine_lp, mask)
+            metrics |= is_m
+            fields |= {"old": old, "adv": adv, "mask": mask, "weights": weights, "ref": ref_lp}
+        n = b.input_ids.shape[0]
+        mb = self.cfg.mini_batch_size or n
+        parts, gnorms = [], []
+        for _ in range(self.cfg.ppo_epochs):
+            for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
+                part, gnorm = self._optimizer_step(np.sort(idx), fields)
+                parts.append(part)
+                gnorms.append(gnorm)
+        self.version += 1
+        if not (self.last and self.tp_rank == 0 and self.dp_rank == 0):
+            return None
+        trained = mask.sum().item()
+        metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0] if k != "loss"}
+        metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
+                    "train/grad_norm": float(np.mean(gnorms)), "train/tokens": trained, "train/samples": n,
+                    "train/seconds": time.time() - t0,
+                    "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "version": self.version}
+        return metrics
+
+    def _inputs(self, b: Batch) -> dict:
+        L = b.input_ids.shape[1]
+        return {"ids": b.input_ids, "pos": torch.arange(L).expand_as(b.input_ids), "resp_pos": b.resp_pos,
+                "resp_ids": b.resp_ids, "mask": b.mask}
+
+    # ---- forward / backward through megatron's schedules ------------------------------
+    def _micro_batches(self, rows: list[int], fields: dict) -> list[dict]:
+        """This DP rank's share of `rows`, cut into micro-batches. Pipeline stages exchange
+        fixed-shape activations, so with PP every micro-batch is padded to the same size
+        with copies of a row whose mask is zero (they add nothing to loss or counts)."""
+        mine = rows[self.dp_rank::self.dp]
+        size = self.mcfg.micro_batch_size or max(len(mine), 1)
+        chunks = [mine[i:i + size] for i in range(0, len(mine), size)] or [[]]
+        pad = self.mcfg.pipeline_parallel > 1
+        out = []
+        for c in chunks:
+            fill = (size if pad else max(len(c), 1)) - len(c)
+            idx = torch.tensor(c + [c[0] if c else rows[0]] * fill, dtype=torch.long)
+            keep = torch.tensor([1.0] * len(c) + [0.0] * fill)
+            item = {k: v[idx].to(self.device) for k, v in fields.items() if v is not None}
+            item["mask"] = item["mask"] * keep.to(self.device)[:, None]
+            item["real"] = len(c)
+            out.append(item)
+        return out
+
+    def _run(self, model, items: list[dict], loss_func, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        L = items[0]["ids"].shape[1]
+        causal = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)[None, None]
+
+        def forward_step(data_iterator, model):
+            item = next(data_iterator)
+            out = model(item["ids"], item["pos"], attention_mask=causal)
+            return out, partial(loss_func, item)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(items), model=[model], num_microbatches=len(items),
+            seq_length=L, micro_batch_size=items[0]["ids"].shape[0], forward_only=forward_only)
+
+    def _token_lp(self, logits: torch.Tensor, item: dict, with_entropy: bool = False):
+        pos = item["resp_pos"]
+        picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))   # [m, T, V/tp]
+        return token_logprobs(picked, item["resp_ids"], self.arch.vocab, self.temperature, with_entropy)
+
+    def logprobs(self, model, b: Batch) -> torch.Tensor | None:
+        """No-grad log-probs [B, T] of every row, on the last stage (None elsewhere): each
+        DP rank computes its rows, then the DP ranks swap them."""
+        rows = list(range(b.input_ids.shape[0]))
+        items = self._micro_batches(rows, self._inputs(b))
+
+        def keep_lp(item, logits):
+            lp, _ = self._token_lp(logits, item)
+            return lp.sum() * 0, torch.tensor(0, dtype=torch.int, device=self.device), {"lp": lp.detach()}
+
+        with torch.no_grad():
+            out = self._run(model, items, keep_lp, forward_only=True)
+        if not self.last:
+            return None
+        mine = torch.cat([o["lp"][: it["real"]] for o, it in zip(out, items)]).cpu()
+        return self._gather_rows(mine, len(rows), b.resp_ids.shape[1])
+
+    def _gather_rows(self, mine: torch.Tensor, n: int, T: int) -> torch.Tensor:
+        """Rows r::dp live on DP rank r; put them back in row order on every DP rank."""
+        if self.dp == 1:
+            return mine
+        per = -(-n // self.dp)
+        buf = torch.zeros(per, T, dtype=mine.dtype)
+        buf[: len(mine)] = mine
+        parts = [torch.empty_like(buf) for _ in range(self.dp)]
+        torch.distributed.all_gather(parts, buf.to(self.device), group=self.dp_group)
+        full = torch.empty(n, T, dtype=mine.dtype)
+        for r, part in enumerate(parts):
+            full[r::self.dp] = part.cpu()[: len(range(r, n, self.dp))]
+        return full
+
+    def _optimizer_step(self, rows: np.ndarray, fields: dict) -> tuple[dict, float]:
+        items = self._micro_batches(rows.tolist(), fields)
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+        reports = self._run(self.model, items, self._loss, forward_only=False)
+        ok, gnorm, _ = self.opt.step()
+        return self._reduce_reports(reports), float(gnorm if gnorm is not None else 0.0)
+
+    def _loss(self, item: dict, logits: torch.Tensor):
+        algo = self.algo
+        lp, ent = self._token_lp(logits, item, with_entropy=algo.entropy_coef > 0)
+        mask = item["mask"]
+        loss, m = policy_loss(algo, lp, item["old"], item["adv"], mask, ref_logprobs=item.get("ref"),
+                              entropy=ent, is_weights=item["weights"])
+        tokens = mask.sum()
+        n = tokens if algo.loss_agg == "token_mean" else (mask.sum(1) > 0).sum()
+        report = {"n": float(n), "tokens": float(tokens)} | m
+        return loss * n, n.to(torch.int).reshape(()), report
+
+    def _reduce_reports(self, reports: list[dict]) -> dict:
+        """Micro-batch metrics -> the mini-batch's, weighted as its loss is (over DP too)."""
+        if not self.last:
+            return {}
+        keys = [k for k in reports[0] if k not in ("n", "tokens")]
+        sums = torch.zeros(len(keys) + 2, dtype=torch.float64)    # weighted sums, then n and tokens
+        for r in reports:
+            sums += torch.tensor([r[k] * r[_weight(k)] for k in keys] + [r["n"], r["tokens"]], dtype=torch.float64)
+        if self.dp > 1:
+            torch.distributed.all_reduce(sums, group=self.dp_group)
+        totals = {"n": sums[-2].item(), "tokens": sums[-1].item()}
+        return {k: sums[i].item() / max(totals[_weight(k)], 1.0) for i, k in enumerate(keys)}
+
+
+def _error(ref) -> str:
+    try:
+        ray.get(ref)
+        return "ok"
+    except Exception as e:      # noqa: BLE001 - reported, not handled
+        return repr(e)[:500]
+
+
+def _weight(metric: str) -> str:
+    """What a policy_loss metric is averaged over: tokens, or the loss's own normaliser."""
+    return "tokens" if metric in ("clipfrac", "approx_kl") else "n"
