@@ -1,6 +1,7 @@
 """Reward stage: trajectories -> scalar rewards, built-in rules or a user function.
 
 Input columns:  prompt, answer, response_ids, status
+                (optional, from AgentFlow: agent_reward, agent_info, transcript)
 Output columns: reward, reward_info, status, error
 
 User reward functions plug in by dotted path (`reward.fn: mypkg.rewards:score`) with the
@@ -11,6 +12,12 @@ signature
 
 (`async def` works too). The function runs in a worker thread with a timeout: an
 exception or a timeout marks only that row `failed`, with the error and reward 0.
+
+Agents: when the agent itself reported a reward (a black-box agent's last stdout line,
+an environment's rewards) the row's `agent_reward` is the reward and reward.fn is not
+called; reward_info is {"source": "agent", ...the agent's info}. Otherwise, for rows with
+a transcript, `response` is the final model turn's text and `row["transcript"]` the whole
+final transcript as a list of {role, content} (chat messages for black-box agents).
 """
 from __future__ import annotations
 
@@ -67,6 +74,10 @@ def load_reward_fn(name: str):
     return fn
 
 
+def _has_agent_reward(row: dict) -> bool:
+    return row.get("agent_reward") is not None and row["status"] not in ("failed", "aborted")
+
+
 class Reward:
     inputs = ("prompt", "answer", "response_ids", "status")
     outputs = ("reward", "reward_info", "status", "error")
@@ -81,11 +92,14 @@ class Reward:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
-        futures = [None if r["status"] in ("failed", "aborted") else self.pool.submit(self._score, r) for r in rows]
+        futures = [None if r["status"] in ("failed", "aborted") or _has_agent_reward(r) else
+                   self.pool.submit(self._score, r) for r in rows]
         out = {k: [] for k in self.outputs}
         for r, fut in zip(rows, futures):
             reward, info, status, error = 0.0, {}, r["status"], r.get("error") or ""
-            if fut is not None:
+            if _has_agent_reward(r):
+                reward, info = r["agent_reward"], {"source": "agent", **json.loads(r.get("agent_info") or "{}")}
+            elif fut is not None:
                 try:
                     reward, info = fut.result(timeout=self.cfg.timeout_s)
                 except cf.TimeoutError:
@@ -99,9 +113,14 @@ class Reward:
         return with_columns(batch, out)
 
     def _score(self, row: dict) -> tuple[float, dict]:
-        ids = row["response_ids"]
-        eos = self.tok.eos_token_id
-        text = self.tok.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+        transcript = json.loads(row.get("transcript") or "[]")
+        if transcript:  # an agent's trajectory: the final model turn is the answer
+            row = row | {"transcript": transcript}
+            text = next((m["content"] or "" for m in reversed(transcript) if m["role"] == "assistant"), "")
+        else:
+            ids = row["response_ids"]
+            eos = self.tok.eos_token_id
+            text = self.tok.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
         res = self.fn(row["prompt"], text, row.get("answer") or "", row)
         if asyncio.iscoroutine(res):
             res = asyncio.run(res)

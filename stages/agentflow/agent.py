@@ -1,15 +1,36 @@
-"""The Agent protocol and the context a white-box agent drives generation through.
+"""The Agent protocol and the context every agent runs in.
 
-An agent is any object with `async def run(ctx, sample) -> None`. It calls
-`await ctx.generate(...)` for model turns and `ctx.add_tokens(...)` for tool or
-environment text; AgentFlow owns the token stream, so the trajectory is built in token
-space (model tokens loss_mask=1, everything else 0) and never re-tokenised.
+An agent is any object with `async def run(ctx, sample) -> None`; `sample` is the row
+(prompt, answer, data_source, ...). Both kinds of agent use the same protocol:
+
+* white-box: Python code that drives the token stream itself --
+      gen = await ctx.generate(stop=[...])       model turn (loss_mask=1)
+      await ctx.call_tool("calculator", {...})   tool result  (loss_mask=0)
+      await ctx.step(env, gen.text)               environment observation (loss_mask=0) + reward
+      ctx.add_text(...) / ctx.add_messages([...]) any other context (loss_mask=0)
+* black-box: code that only speaks the OpenAI API --
+      async with ctx.openai_endpoint() as ep:     ep.base_url, ep.api_key for this trajectory
+          ...run the program against it...
+  the proxy records every call and the trajectory becomes the last call's token stream.
+
+AgentFlow owns the token stream, so the trajectory is built in token space and model
+tokens are never re-tokenised. A turn past `max_turns` raises TurnLimitReached, which the
+rollout turns into a `truncated` trajectory (what was generated is kept).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
+from stages.agentflow.session import TurnLimitReached
+from stages.agentflow.stream import TokenStream
+from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
+
+__all__ = ["Agent", "AgentContext", "Generation", "SingleTurnAgent", "TurnLimitReached"]
 
 
 @runtime_checkable
@@ -23,55 +44,143 @@ class Generation:
     logprobs: list[float]
     versions: list[int]
     status: str           # completed | truncated | aborted
-    text: str
+    text: str             # the turn's text, special tokens skipped
+    stopped: bool = False  # ended on one of the `stop` strings
 
 
-@dataclass
 class AgentContext:
-    """Per-trajectory state: the prompt, the growing response and its per-token records."""
-    client: "object"                  # EngineClient: async generate(list[request]) on the engines
-    tokenizer: "object"
-    prompt_ids: list[int]
-    sampling: dict                    # max_new_tokens, temperature, top_p
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    status: str = "completed"
-    turns: int = 0
-    info: dict = field(default_factory=dict)
+    """Per-trajectory state: one token stream, tools, the turn limit and, for black-box agents, a proxy."""
 
-    async def generate(self, **overrides) -> Generation:
-        """Continue the token stream (prompt + everything so far) with one model turn."""
-        req = {"prompt_ids": self.prompt_ids + self.response_ids, **self.sampling, **overrides}
-        (out,) = await self.client.generate([req])
-        self.response_ids += out["response_ids"]
-        self.logprobs += out["logprobs"]
-        self.versions += out["versions"]
-        self.loss_mask += [1] * len(out["response_ids"])
-        self.status = out["status"]
+    def __init__(self, client, tokenizer, prompt_ids: list[int], sampling: dict, *, prompt_text: str = "",
+                 messages: list[dict] | None = None, max_turns: int = 0, tools: ToolRegistry | None = None,
+                 proxy=None):
+        self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
+        self.stream = TokenStream(list(prompt_ids), prompt_text)
+        self.messages = messages            # chat history when the prompt is chat messages, else None
+        self.max_turns = max_turns
+        self.tools = tools if tools is not None else ToolRegistry(BUILTIN_TOOLS)
+        self.proxy = proxy
+        self.status = "completed"
+        self.turns = self.tool_calls = 0
+        self.segments = 1
+        self.gen_s = 0.0                    # time spent waiting on the engines
+        self.reward: float | None = None    # set by environments or black-box agents; overrides reward.fn
+        self.info: dict = {}
+        self.transcript: list[dict] = list(messages) if messages else [{"role": "user", "content": prompt_text}]
+        self.detail = ""                    # diagnostics (a subprocess's stderr tail) for a failure message
+        self.turn_limited = False           # the turn limit stopped this trajectory
+
+    # the stream's records, under the names the trajectory schema uses
+    prompt_ids = property(lambda self: self.stream.prompt_ids)
+    response_ids = property(lambda self: self.stream.response_ids)
+    logprobs = property(lambda self: self.stream.logprobs)
+    versions = property(lambda self: self.stream.versions)
+    loss_mask = property(lambda self: self.stream.loss_mask)
+
+    @property
+    def turns_left(self) -> int | None:
+        return None if not self.max_turns else self.max_turns - self.turns
+
+    # ---- model turns -------------------------------------------------------------------
+    async def generate(self, stop: list[str] | None = None, **overrides) -> Generation:
+        """Continue the stream with one model turn. `stop` strings end the turn (kept in the stream:
+        the model produced them and later turns see them); `overrides` change sampling for this turn."""
+        if self.max_turns and self.turns >= self.max_turns:
+            self.turn_limited = True
+            raise TurnLimitReached(f"turn limit reached: {self.max_turns} model turns")
+        context = self.stream.ids
+        t0 = time.perf_counter()
+        (out,) = await self.client.generate([{**self.sampling, **overrides, "prompt_ids": context}])
+        self.gen_s += time.perf_counter() - t0
+        ids, stopped = cut_at_stop(self.tokenizer, context, out["response_ids"], stop or [], keep_stop=True)
+        lps, vers = out["logprobs"][: len(ids)], out["versions"][: len(ids)]
+        self.stream.add_model(ids, lps, vers, decode_continuation(self.tokenizer, context, ids))
+        self.status = "completed" if stopped else out["status"]
         self.turns += 1
-        text = self.tokenizer.decode(out["response_ids"], skip_special_tokens=True)
-        return Generation(out["response_ids"], out["logprobs"], out["versions"], out["status"], text)
+        text = decode_continuation(self.tokenizer, context, ids, skip_special=True)
+        self.transcript.append({"role": "assistant", "content": text})
+        if self.messages is not None:
+            self.messages.append({"role": "assistant", "content": text})
+        return Generation(ids, lps, vers, self.status, text, stopped)
 
-    def add_tokens(self, token_ids: list[int]) -> None:
-        """Append tool/environment tokens: context for later turns, never trained on."""
-        self.response_ids += list(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
-        self.versions += [-1] * len(token_ids)
-        self.loss_mask += [0] * len(token_ids)
+    # ---- context the model did not write (loss_mask=0) ----------------------------------
+    def add_tokens(self, token_ids: list[int], role: str = "context") -> None:
+        text = decode_continuation(self.tokenizer, self.stream.ids, list(token_ids))
+        self.stream.add_context(list(token_ids), text)
+        self.transcript.append({"role": role, "content": text})
 
-    def add_text(self, text: str) -> None:
-        self.add_tokens(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def add_text(self, text: str, role: str = "context") -> None:
+        self.stream.add_context(encode(self.tokenizer, text), text)
+        self.transcript.append({"role": role, "content": text})
+
+    def add_messages(self, messages: list[dict]) -> None:
+        """Chat prompts only: append messages through the chat template, tokenising only the new text.
+        If the template renders the history differently (not append-only) the stream restarts from
+        the rendered text: a new segment, counted, never a silent re-tokenisation."""
+        if self.messages is None:
+            raise ValueError("add_messages needs a chat prompt (the row's prompt as a JSON list of messages); "
+                             "use add_text for plain-text prompts")
+        new = normalise_messages(messages)
+        self.messages += new
+        self.transcript += new
+        text = render(self.tokenizer, self.messages)
+        delta = self.stream.extension(text)
+        if delta is None:
+            self.stream = TokenStream(encode(self.tokenizer, text), text)
+            self.segments += 1
+        else:
+            self.stream.add_context(encode(self.tokenizer, delta), delta)
+
+    def _observe(self, text: str, role: str) -> None:
+        if self.messages is not None:
+            self.add_messages([{"role": role, "content": text}])
+        else:
+            self.add_text(text, role=role)
+
+    async def call_tool(self, name: str, args: dict | str | None = None) -> str:
+        """Run a registered tool; its result text joins the stream (a `tool` message in chat mode)."""
+        result = await self.tools.call(name, args)
+        self.tool_calls += 1
+        self._observe(result, "tool")
+        return result
+
+    async def step(self, env, action: str):
+        """One environment step: the observation joins the stream, the reward adds to ctx.reward."""
+        res = env.step(action)
+        if asyncio.iscoroutine(res):
+            res = await res
+        self.reward = (self.reward or 0.0) + float(res.reward)
+        self.info.update(res.info)
+        if not res.done and res.observation:
+            self._observe(res.observation, "user")
+        return res
+
+    # ---- black-box agents ------------------------------------------------------------
+    @asynccontextmanager
+    async def openai_endpoint(self):
+        """An OpenAI-compatible base URL and key for this trajectory only. On exit the recorded
+        calls become the trajectory; an agent that never called the model fails."""
+        if self.proxy is None:
+            raise RuntimeError("this context has no proxy: black-box agents run inside AgentFlowRollout")
+        ep = await self.proxy.open(self.client, self.sampling, self.max_turns)
+        try:
+            yield ep
+        finally:
+            self.proxy.close(ep)
+            self._adopt(ep.session)
+        if ep.session.calls == 0:
+            raise RuntimeError("the agent made no model calls")
+
+    def _adopt(self, session) -> None:
+        self.turns, self.segments, self.gen_s = session.calls, session.segments, self.gen_s + session.gen_s
+        self.turn_limited = session.truncated
+        if session.final is not None:
+            self.stream = session.final.stream
+            self.transcript = session.transcript
+            self.status = session.status
 
     def result(self) -> dict:
-        model_versions = [v for v in self.versions if v >= 0]
-        return {
-            "response_ids": self.response_ids, "response_logprobs": self.logprobs,
-            "token_versions": self.versions, "loss_mask": self.loss_mask, "status": self.status,
-            "version_start": min(model_versions, default=-1), "version_end": max(model_versions, default=-1),
-            "info": json.dumps(self.info),
-        }
+        return self.stream.columns() | {"status": self.status}
 
 
 class SingleTurnAgent:

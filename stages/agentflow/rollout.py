@@ -2,17 +2,28 @@
 
 Input columns:  prompt_id, group_id, sample_idx, prompt
 Output columns: prompt_ids, response_ids, response_logprobs, loss_mask, token_versions,
-                version_start, version_end, status, error, t_dispatch, t_done
+                version_start, version_end, status, error, t_dispatch, t_done,
+                agent_reward (float, null = none: reward.fn decides), agent_info (JSON),
+                transcript (JSON list of {role, content}), agent_stats (struct: turns,
+                tool_calls, segments, wall_s, gen_s, fail = ""|timeout|exit|error)
 
 Why it exists: every agent, white-box or black-box, reaches the engines through here, so
-the window gate, engine affinity, timeouts and per-token versions live in one place.
-Before generating a group the stage asks the window gate; it never runs ahead of the
-staleness bound. A failing agent marks its own row `failed` and the batch goes on.
+the window gate, engine affinity, timeouts, turn limits and per-token versions live in
+one place. Before generating a group the stage asks the window gate; it never runs ahead
+of the staleness bound. Agents run concurrently on one asyncio loop per worker; black-box
+agents reach the engines through this worker's proxy (stages/agentflow/proxy.py), which
+lives on the same loop. A failing agent marks its own row `failed` and the batch goes on.
+
+`rollout.agent` is a built-in name (single_turn, retry, calculator), a dotted path to an
+Agent class (or to an agent object, e.g. an `@openai_agent` function), or
+`cmd:<command line>` for a subprocess black-box agent (stages/agentflow/blackbox.py).
+A row's prompt is plain text, or chat messages as a JSON list rendered by the chat template.
 """
 from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import time
 import traceback
 from dataclasses import dataclass
@@ -22,18 +33,57 @@ import ray
 
 from pipeline.schema import with_columns
 from stages.agentflow.agent import AgentContext, SingleTurnAgent
-from stages.agentflow.client import Affinity
+from stages.agentflow.blackbox import AgentExit, SubprocessAgent
+from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
+from stages.agentflow.client import Affinity, EngineClient
+from stages.agentflow.workflows import CalculatorAgent, RetryAgent
 
-BUILTIN_AGENTS = {"single_turn": SingleTurnAgent}
+
+class HandoffClient(EngineClient):
+    """EngineClient whose flush hands its batch to a task of its own instead of awaiting it.
+
+    EngineClient._flush awaits the engine while still being "the flusher", so a request
+    that arrives during that wait joins `_pending` without a flush of its own and, if no
+    later request comes (every agent of the batch waiting on its next turn), waits
+    forever. Multi-turn agents hit exactly that; one-shot batches never do.
+    """
+
+    def __init__(self, engine, window_s: float = 0.002):
+        super().__init__(engine, window_s)
+        self._sending: set[asyncio.Task] = set()   # strong references: the loop keeps only weak ones
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(self.window_s)
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch) -> None:
+        try:
+            results = await self.engine.generate.remote([r for r, _ in batch])
+        except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the engine's error
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for (_, f), res in zip(batch, results):
+            if not f.done():
+                f.set_result(res)
+
+
+BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculator": CalculatorAgent}
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     n_samples: int = 8                 # N: samples per prompt (a group)
-    max_new_tokens: int = 8
+    max_new_tokens: int = 8            # per model turn (and the cap on a proxy call's max_tokens)
     temperature: float = 1.0
     top_p: float = 1.0
-    agent: str = "single_turn"         # built-in name or dotted path to an Agent class
+    agent: str = "single_turn"         # built-in name | dotted path | "cmd:<command>" (subprocess black-box)
+    max_turns: int = 8                 # model turns (proxy calls) per trajectory; 0 = unlimited
+    max_agents: int = 0                # agents running at once per worker; 0 = all of a batch
     num_engines: int = 1
     engine_threads: int = 0            # torch threads per engine; 0 = decided by pipeline/resources.py
     num_workers: int = 1               # rollout worker actors (asyncio inside each)
@@ -43,72 +93,142 @@ class RolloutConfig:
     timeout_s: float = 300.0           # per trajectory
     partial: str = "interrupt"         # at a weight update: interrupt (continue under new weights) | wait
     partial_mask_old: bool = False     # mask tokens generated before the sample's last update out of the loss
+    proxy_host: str = "127.0.0.1"      # black-box proxy bind address (loopback unless you mean it)
+    proxy_port: int = 0                # 0 = any free port
+    proxy_max_body_mb: float = 8.0     # larger request bodies get 413
+    proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p override an agent's request
 
     def __post_init__(self):
         for k in ("n_samples", "max_new_tokens", "num_engines", "num_workers"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"rollout.{k} must be > 0, got {getattr(self, k)}")
-        if self.groups_per_batch < 0:
-            raise ValueError(f"rollout.groups_per_batch must be >= 0, got {self.groups_per_batch}")
+        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
         if self.partial not in ("interrupt", "wait"):
             raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
+            raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
 
 
 def load_agent(name: str):
+    """An Agent from `rollout.agent`; every way it can be wrong is a ValueError naming it."""
     if name in BUILTIN_AGENTS:
         return BUILTIN_AGENTS[name]()
+    if name.startswith("cmd:"):
+        return SubprocessAgent(name[4:].strip())
     mod, _, attr = name.replace(":", ".").rpartition(".")
     try:
-        return getattr(importlib.import_module(mod), attr)()
+        obj = getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"rollout.agent {name!r} does not import: {e}") from e
+        raise ValueError(f"rollout.agent {name!r} does not import: {e} (built-in agents: "
+                         f"{', '.join(BUILTIN_AGENTS)}; or a dotted path, or cmd:<command>)") from e
+    agent = obj() if isinstance(obj, type) else obj
+    if not asyncio.iscoroutinefunction(getattr(agent, "run", None)):
+        raise ValueError(f"rollout.agent {name!r} is not an Agent: it needs `async def run(self, ctx, sample)`")
+    return agent
+
+
+STATS_TYPE = pa.struct([("turns", pa.int32()), ("tool_calls", pa.int32()), ("segments", pa.int32()),
+                        ("wall_s", pa.float64()), ("gen_s", pa.float64()), ("fail", pa.string())])
+EXTRA_TYPES = {"agent_reward": pa.float64(), "agent_info": pa.string(), "transcript": pa.string(),
+               "agent_stats": STATS_TYPE}
 
 
 class AgentFlowRollout:
     inputs = ("prompt_id", "group_id", "sample_idx", "prompt")
     outputs = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "token_versions",
-               "version_start", "version_end", "status", "error", "t_dispatch", "t_done")
+               "version_start", "version_end", "status", "error", "t_dispatch", "t_done", *EXTRA_TYPES)
 
     def __init__(self, cfg: RolloutConfig, engines: list, gate=None, model_path: str = ""):
+        from stages.agentflow.proxy import Proxy
         from stages.model import load_tokenizer
 
         self.cfg = cfg
         self.gate = gate
-        self.tok = load_tokenizer(model_path)
+        self.tok = ensure_chat_template(load_tokenizer(model_path))
         self.agent = load_agent(cfg.agent)
         self.affinity = Affinity(engines)
+        self.affinity.clients = [HandoffClient(e) for e in engines]   # see HandoffClient: multi-turn needs it
         self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "hold": cfg.partial == "wait"}
         self.loop = asyncio.new_event_loop()
+        # started on first use, on self.loop: it serves while a batch runs, which is when agents call it
+        self.proxy = Proxy(self.tok, cfg.proxy_host, cfg.proxy_port, int(cfg.proxy_max_body_mb * 2 ** 20),
+                           cfg.proxy_force_sampling)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         if self.gate is not None:
             seqs = sorted({r["group_id"] for r in rows})
             if ray.get(self.gate.acquire.remote(seqs)) < 0:   # window closed: the run is stopping
-                return with_columns(batch, _columns([_aborted() for _ in rows]))
-        results = self.loop.run_until_complete(self._all(rows))
-        return with_columns(batch, _columns(results))
+                return _table(batch, [_aborted() for _ in rows])
+        return _table(batch, self.loop.run_until_complete(self._all(rows)))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.proxy.stop())
 
     async def _all(self, rows: list[dict]) -> list[dict]:
-        return await asyncio.gather(*(self._one(r) for r in rows))
+        limit = asyncio.Semaphore(self.cfg.max_agents or len(rows) or 1)
+        return await asyncio.gather(*(self._one(r, limit) for r in rows))
 
-    async def _one(self, row: dict) -> dict:
-        t0 = time.time()
-        try:
-            prompt_ids = self.tok(row["prompt"], add_special_tokens=False)["input_ids"]
-            ctx = AgentContext(self.affinity.for_group(row["group_id"]), self.tok, prompt_ids, dict(self.sampling))
-            await asyncio.wait_for(self.agent.run(ctx, row), timeout=self.cfg.timeout_s)
-            out = ctx.result() | {"prompt_ids": prompt_ids, "error": ""}
-        except asyncio.TimeoutError:
-            out = _failed(f"agent timed out after {self.cfg.timeout_s}s")
-        except Exception as e:  # noqa: BLE001 - one row fails, never the batch
-            out = _failed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
-        return out | {"t_dispatch": t0, "t_done": time.time()}
+    def _context(self, row: dict) -> AgentContext:
+        messages = _chat_prompt(row["prompt"])
+        text = render(self.tok, messages) if messages else row["prompt"]
+        return AgentContext(self.affinity.for_group(row["group_id"]), self.tok, encode(self.tok, text),
+                            dict(self.sampling), prompt_text=text, messages=messages, max_turns=self.cfg.max_turns,
+                            proxy=self.proxy)
+
+    async def _one(self, row: dict, limit: asyncio.Semaphore) -> dict:
+        t_dispatch = time.time()
+        async with limit:
+            t0, ctx, fail = time.time(), None, ""
+            try:
+                ctx = self._context(row)
+                await asyncio.wait_for(self.agent.run(ctx, row), timeout=self.cfg.timeout_s)
+                out = ctx.result() | {"error": ""}
+            except asyncio.TimeoutError:
+                fail, out = "timeout", _failed(f"agent timed out after {self.cfg.timeout_s}s{_tail(ctx)}")
+            except Exception as e:  # noqa: BLE001 - one row fails, never the batch
+                if ctx is not None and ctx.turn_limited:
+                    # the turn limit ended the agent, however it then ended: keep what it made, as truncated
+                    out = ctx.result() | {"status": "truncated",
+                                          "error": f"stopped by the turn limit: {type(e).__name__}: {e}"}
+                elif isinstance(e, AgentExit):
+                    fail, out = "exit", _failed(f"{e}{_tail(ctx)}")
+                else:
+                    fail, out = "error", _failed(f"{type(e).__name__}: {e}{_tail(ctx)}\n"
+                                                 f"{traceback.format_exc(limit=3)}")
+        return out | _agent_columns(ctx, fail, time.time() - t0) | {"t_dispatch": t_dispatch, "t_done": time.time()}
+
+
+def _chat_prompt(prompt: str) -> list[dict] | None:
+    """A prompt that is a JSON list of chat messages; None for plain text."""
+    if not prompt.lstrip().startswith("["):
+        return None
+    try:
+        messages = json.loads(prompt)
+    except ValueError:
+        return None
+    return normalise_messages(messages) if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+        else None
+
+
+def _tail(ctx) -> str:
+    return f"\n--- agent stderr (tail) ---\n{ctx.detail}" if ctx is not None and ctx.detail else ""
+
+
+def _agent_columns(ctx, fail: str, wall_s: float) -> dict:
+    ok = ctx is not None and not fail
+    return {"agent_reward": ctx.reward if ok else None, "agent_info": json.dumps(ctx.info if ok else {}),
+            "transcript": json.dumps(ctx.transcript if ok else []),
+            "agent_stats": {"turns": ctx.turns if ctx else 0, "tool_calls": ctx.tool_calls if ctx else 0,
+                            "segments": ctx.segments if ctx else 0, "wall_s": wall_s,
+                            "gen_s": ctx.gen_s if ctx else 0.0, "fail": fail}}
 
 
 def _failed(error: str, status: str = "failed") -> dict:
@@ -117,8 +237,16 @@ def _failed(error: str, status: str = "failed") -> dict:
 
 
 def _aborted() -> dict:
-    return _failed("window closed before dispatch", "aborted") | {"t_dispatch": time.time(), "t_done": time.time()}
+    now = time.time()
+    return _failed("window closed before dispatch", "aborted") | _agent_columns(None, "", 0.0) | {
+        "t_dispatch": now, "t_done": now}
 
 
-def _columns(results: list[dict]) -> dict[str, list]:
-    return {k: [r[k] for r in results] for k in AgentFlowRollout.outputs}
+def _table(batch: pa.Table, results: list[dict]) -> pa.Table:
+    """The batch with the stage's columns set; extra (non-schema) columns get their declared types."""
+    table = with_columns(batch, {k: [r[k] for r in results] for k in AgentFlowRollout.outputs if k not in EXTRA_TYPES})
+    for name, typ in EXTRA_TYPES.items():
+        arr = pa.array([r[name] for r in results], type=typ)
+        idx = table.schema.get_field_index(name)
+        table = table.set_column(idx, name, arr) if idx >= 0 else table.append_column(name, arr)
+    return table

@@ -1,0 +1,156 @@
+"""Black-box agents: programs that only speak the OpenAI API, run per trajectory.
+
+Subprocess (`rollout.agent: "cmd:python examples/agents/addition.py"`): the command runs
+once per trajectory with
+
+    OPENAI_BASE_URL, OPENAI_API_KEY   this trajectory's proxy endpoint and key
+    LOONGSAGE_SAMPLE                  the row as JSON (prompt, answer, data_source, ids)
+
+and ends by exiting. If its last stdout line is a JSON object with a numeric `reward`
+(and optionally `info`), that reward is the trajectory's, used instead of reward.fn.
+A non-zero exit, a crash or a hang past rollout.timeout_s fails the row with the stderr
+tail; the agent runs in its own process group, which is killed when the trajectory ends,
+so no agent process outlives its trajectory.
+
+A leading `python`/`python3` in the command means this interpreter (sys.executable). A
+relative script path that does not exist in the working directory is looked up in the
+project root, so the shipped examples run from anywhere.
+
+In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent`
+and set `rollout.agent: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop
+(use openai.AsyncOpenAI); a plain def runs in a thread. Returning {"reward": ...} works
+like the subprocess's last line.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+TAIL_BYTES = 4096
+
+
+class AgentExit(RuntimeError):
+    """A black-box agent process exited non-zero (or was killed by a signal)."""
+
+
+def resolve_command(cmd: str) -> list[str]:
+    argv = shlex.split(cmd)
+    if not argv:
+        raise ValueError("rollout.agent 'cmd:' needs a command line after the colon")
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    for i, a in enumerate(argv[1:], 1):
+        if a.endswith(".py") and not os.path.isabs(a) and not os.path.exists(a) and (PROJECT_ROOT / a).exists():
+            argv[i] = str(PROJECT_ROOT / a)
+    exe = argv[0] if os.path.sep in argv[0] else _which(argv[0])
+    if exe is None or not os.access(exe, os.X_OK):
+        raise ValueError(f"agent command {cmd!r}: {argv[0]!r} is not an executable")
+    scripts = [a for a in argv[1:] if a.endswith(".py")]
+    if scripts and not os.path.exists(scripts[0]):
+        raise ValueError(f"agent command {cmd!r}: script {scripts[0]} not found")
+    return argv
+
+
+def _which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+def sample_json(sample: dict) -> str:
+    return json.dumps({k: v for k, v in sample.items() if isinstance(v, (str, int, float, bool)) or v is None})
+
+
+def reported_reward(ctx, stdout: str) -> None:
+    """Adopt {"reward": x, "info": {...}} from the agent's last stdout line, if it is one."""
+    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    try:
+        last = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return
+    if not isinstance(last, dict) or "reward" not in last:
+        return
+    if isinstance(last["reward"], bool) or not isinstance(last["reward"], (int, float)):
+        raise ValueError(f"the agent reported a non-numeric reward: {last['reward']!r}")
+    ctx.reward = float(last["reward"])
+    if isinstance(last.get("info"), dict):
+        ctx.info.update(last["info"])
+
+
+class _Tail:
+    """Keeps the last TAIL_BYTES of a stream (an agent may print without bound)."""
+
+    def __init__(self):
+        self.data = b""
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            self.data = (self.data + chunk)[-TAIL_BYTES:]
+
+    def text(self) -> str:
+        return self.data.decode(errors="replace")
+
+
+class SubprocessAgent:
+    def __init__(self, cmd: str):
+        self.cmd = cmd
+        self.argv = resolve_command(cmd)
+
+    async def run(self, ctx, sample: dict) -> None:
+        async with ctx.openai_endpoint() as ep:
+            env = os.environ | {"OPENAI_BASE_URL": ep.base_url, "OPENAI_API_KEY": ep.api_key,
+                                "LOONGSAGE_SAMPLE": sample_json(sample)}
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own process group: killable as one
+            out, err = _Tail(), _Tail()
+            readers = [asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
+            try:
+                rc = await proc.wait()
+                _kill_group(proc.pid)  # children it left behind would hold the pipes open
+                await asyncio.wait(readers, timeout=5)
+            finally:
+                ctx.detail = err.text()
+                _kill_group(proc.pid)
+                for r in readers:
+                    r.cancel()
+                if proc.returncode is None:
+                    await proc.wait()
+            if rc != 0:  # raised inside the endpoint: the exit, not "no model calls", is the error
+                how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                raise AgentExit(f"agent {self.cmd!r} {how}")
+        reported_reward(ctx, out.text())
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class OpenAIFunctionAgent:
+    """An in-process black-box agent: a function given a base URL, a key and the sample."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def run(self, ctx, sample: dict) -> None:
+        async with ctx.openai_endpoint() as ep:
+            if asyncio.iscoroutinefunction(self.fn):
+                res = await self.fn(ep.base_url, ep.api_key, sample)
+            else:
+                res = await asyncio.to_thread(self.fn, ep.base_url, ep.api_key, sample)
+        if isinstance(res, dict) and "reward" in res:
+            reported_reward(ctx, json.dumps(res))
+
+
+def openai_agent(fn) -> OpenAIFunctionAgent:
+    """Decorator: `@openai_agent def solve(base_url, api_key, sample): ...` is an Agent."""
+    return OpenAIFunctionAgent(fn)

@@ -1,0 +1,157 @@
+"""Chat text <-> token ids, shared by white-box contexts and the black-box proxy.
+
+Rendering uses the tokenizer's own chat template. A tokenizer without one (the built-in
+character tokenizer) gets FALLBACK_TEMPLATE, which is deliberately plain so that any
+vocabulary can spell it:
+
+    each message's content, concatenated, with no role markers;
+    an assistant message ends with the eos token;
+    an assistant tool call is written `<tool_call>{"name": ..., "arguments": ...}</tool_call>`;
+    no generation prompt (the model continues right after the last message).
+
+So `[{"role": "user", "content": "37+48="}]` renders to exactly "37+48=", the format the
+built-in tiny model was warmed on. Tools are not described to the model by this template;
+the agent's own prompt must do that.
+
+Tool calls in generated text are read in the Hermes/Qwen form `<tool_call>{json}</tool_call>`,
+which is also what the fallback template writes back, so a tool-calling turn round-trips.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+FALLBACK_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}{%- endif -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- for tc in m['tool_calls'] or [] -%}"
+    "{%- set f = tc['function'] -%}"
+    "<tool_call>{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{%- if f['arguments'] is string %} {{ f['arguments'] }}{% else %} {{ f['arguments'] | tojson }}{% endif -%}"
+    "}</tool_call>"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def ensure_chat_template(tok):
+    """Give a tokenizer without a chat template the documented fallback (in place)."""
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = FALLBACK_TEMPLATE
+    return tok
+
+
+def render(tok, messages: list[dict], tools: list | None = None, generation_prompt: bool = True) -> str:
+    """The prompt text for `messages` (already normalised by `normalise_messages`)."""
+    kw = {"tools": tools} if tools else {}
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+
+
+def encode(tok, text: str) -> list[int]:
+    # special tokens come from the template text itself; never let the tokenizer add a second bos
+    return tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def normalise_messages(messages) -> list[dict]:
+    """OpenAI chat messages -> plain dicts with string content. Raises ValueError naming the bad message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _check_tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        out.append(msg)
+    return out
+
+
+def _content_text(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):  # content parts: only text parts can reach a text model
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _check_tool_calls(calls, i: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name")
+    return calls
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split generated text into (content before the first call, OpenAI tool_calls). Unparseable
+    blocks stay in the content: the agent then sees what the model actually wrote."""
+    calls = []
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        args = args if isinstance(args, str) else json.dumps(args)
+        calls.append({"id": "call_" + secrets.token_hex(8), "type": "function",
+                      "function": {"name": str(name), "arguments": args}})
+    if not calls:
+        return text, []
+    return text[: text.index("<tool_call>")].strip(), calls
+
+
+def decode_continuation(tok, context_ids: list[int], new_ids: list[int], skip_special: bool = False) -> str:
+    """Text of `new_ids` as it reads after `context_ids`. Decoding a continuation alone can
+    lose a leading space (SentencePiece); decoding it with a few context tokens and cutting
+    their text off does not."""
+    kw = {"skip_special_tokens": skip_special, "clean_up_tokenization_spaces": False}
+    ctx = context_ids[-4:]
+    head = tok.decode(ctx, **kw)
+    full = tok.decode(ctx + new_ids, **kw)
+    return full[len(head):] if full.startswith(head) else tok.decode(new_ids, **kw)
+
+
+def cut_at_stop(tok, context_ids: list[int], ids: list[int], stops: list[str],
+                keep_stop: bool) -> tuple[list[int], bool]:
+    """Cut generated ids at the first stop string. Returns (kept ids, stopped?).
+
+    keep_stop=False (OpenAI semantics) keeps the tokens wholly before the stop string;
+    keep_stop=True keeps through the token that completes it (a white-box agent that stops
+    on its own call syntax keeps that syntax in the stream it trains on).
+    """
+    if not stops:
+        return ids, False
+
+    def text(k: int) -> str:  # stop strings match the text an agent reads: special tokens skipped
+        return decode_continuation(tok, context_ids, ids[:k], skip_special=True)
+
+    full = text(len(ids))
+    hits = [(full.find(s), s) for s in stops if s and s in full]
+    if not hits:
+        return ids, False
+    pos, stop = min(hits)
+    limit = pos + len(stop) if keep_stop else pos
+    k = next(k for k in range(len(ids) + 1) if len(text(k)) >= limit)  # smallest prefix reaching the limit
+    if not keep_stop and len(text(k)) > pos:
+        k -= 1  # that token straddles the stop string: drop it too
+    return ids[:k], True

@@ -1,0 +1,116 @@
+"""A black-box trajectory as the proxy records it: calls in, one token stream out.
+
+Every model call of one trajectory lands here. A call's prompt (chat-template text, or
+completion text / ids) is matched against the streams recorded so far (the "tips": one
+per choice of every recent call). If it extends a tip, the new prompt is that tip's ids
+plus the tokens of the new text only, so the model's earlier tokens are reused, never
+re-tokenised. If it extends none (the agent edited or summarised its history, or the
+chat template is not append-only), the call starts a new segment from scratch; segments
+are counted. The trajectory a row trains on is the stream of the last call (choice 0).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from stages.agentflow.chat import cut_at_stop, decode_continuation, encode
+from stages.agentflow.stream import TokenStream
+
+MAX_TIPS = 64   # recent streams kept as extension candidates; older ones are dropped
+
+
+class TurnLimitReached(RuntimeError):
+    pass
+
+
+@dataclass
+class Choice:
+    stream: TokenStream       # the whole stream after this call (prompt, context, this completion)
+    ids: list[int]            # this completion's ids (after any stop-string cut)
+    logprobs: list[float]
+    versions: list[int]
+    text: str                 # what the agent sees (special tokens skipped)
+    finish_reason: str        # stop | length
+    status: str               # engine status: completed | truncated | aborted
+    engine_s: float           # time this call waited on the engine
+
+
+class Session:
+    def __init__(self, client, tok, sampling: dict, max_turns: int = 0):
+        self.client, self.tok, self.sampling, self.max_turns = client, tok, sampling, max_turns
+        self.tips: list[TokenStream] = []
+        self.final: Choice | None = None
+        self.transcript: list[dict] = []
+        self.calls = self.segments = 0
+        self.gen_s = 0.0
+        self.truncated = False      # the turn limit cut the agent off
+        self.closed = False
+
+    # ---- prompt assembly -----------------------------------------------------------
+    def base_for_text(self, text: str) -> TokenStream:
+        """The stream a prompt text continues: a recorded tip plus the new text's tokens, or a new segment."""
+        best = max((t for t in self.tips if text.startswith(t.text)), key=lambda t: len(t.text), default=None)
+        if best is None:
+            self.segments += 1
+            return TokenStream(encode(self.tok, text), text)
+        base = best.copy()
+        delta = text[len(best.text):]
+        base.add_context(encode(self.tok, delta), delta)
+        return base
+
+    def base_for_ids(self, ids: list[int]) -> TokenStream:
+        """Token-in prompts (completions with a list of ids) match tips id for id."""
+        best = max((t for t in self.tips if ids[: len(t.ids)] == t.ids), key=lambda t: len(t.ids), default=None)
+        if best is None:
+            self.segments += 1
+            return TokenStream(list(ids), self.tok.decode(ids, skip_special_tokens=False))
+        base = best.copy()
+        delta = list(ids[len(best.ids):])
+        base.add_context(delta, decode_continuation(self.tok, best.ids, delta))
+        return base
+
+    # ---- generation ----------------------------------------------------------------
+    def admit(self) -> None:
+        """Count a call, or refuse it past the turn limit (before its prompt is assembled)."""
+        if self.closed:
+            raise RuntimeError("the trajectory has ended")
+        if self.max_turns and self.calls >= self.max_turns:
+            self.truncated = True
+            raise TurnLimitReached(f"turn limit reached: this trajectory may make {self.max_turns} model calls")
+        self.calls += 1
+
+    async def complete(self, base: TokenStream, n: int, max_tokens: int, temperature: float, top_p: float,
+                       stop: list[str], seed: int | None = None) -> list[Choice]:
+        """Generate `n` choices continuing `base` (the call was admitted) and record them as tips."""
+        req = {**self.sampling, "prompt_ids": base.ids, "max_new_tokens": max_tokens,
+               "temperature": temperature, "top_p": top_p}
+        t0 = time.perf_counter()
+        reqs = [req] * n if seed is None else [req | {"seed": seed + i} for i in range(n)]
+        outs = await self.client.generate(reqs)
+        engine_s = time.perf_counter() - t0
+        self.gen_s += engine_s
+        choices = [self._choice(base, out, stop, engine_s) for out in outs]
+        self.tips = (self.tips + [c.stream for c in choices])[-MAX_TIPS:]
+        if not self.closed:
+            self.final = choices[0]
+        return choices
+
+    def _choice(self, base: TokenStream, out: dict, stop: list[str], engine_s: float) -> Choice:
+        ids, stopped = cut_at_stop(self.tok, base.ids, out["response_ids"], stop, keep_stop=False)
+        k = len(ids)
+        stream = base.copy()
+        stream.add_model(ids, out["logprobs"][:k], out["versions"][:k], decode_continuation(self.tok, base.ids, ids))
+        status = "completed" if stopped else out["status"]
+        text = decode_continuation(self.tok, base.ids, ids, skip_special=True)
+        return Choice(stream, ids, out["logprobs"][:k], out["versions"][:k], text,
+                      "stop" if status == "completed" else "length", status, engine_s)
+
+    # ---- the trajectory ----------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        if self.truncated:
+            return "truncated"
+        return self.final.status if self.final else "failed"
+
+    def close(self) -> None:
+        self.closed = True

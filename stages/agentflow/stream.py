@@ -1,0 +1,56 @@
+"""One trajectory's token stream: the ids the engine saw, with per-token records.
+
+Both kinds of agent build their trajectory here. Model tokens are appended exactly as
+the engine returned them (ids, logprobs, versions; loss_mask=1); everything else (tool
+results, environment observations, chat-template glue between turns) is appended as
+loss_mask=0 context. Next to the ids the stream keeps `text`: the text those ids stand
+for, as rendered (prompt/context) or decoded (model turns). A later prompt whose text
+starts with `text` extends this stream by its remainder alone, so earlier tokens are
+never re-tokenised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenStream:
+    prompt_ids: list[int]
+    text: str = ""                      # text of prompt + response so far
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)   # -1 for context tokens
+    loss_mask: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add_context(self, ids: list[int], text: str) -> None:
+        """Tokens the model did not produce: context for later turns, never trained on."""
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.text += text
+
+    def add_model(self, ids: list[int], logprobs: list[float], versions: list[int], text: str) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.loss_mask += [1] * len(ids)
+        self.text += text
+
+    def extension(self, text: str) -> str | None:
+        """The part of `text` beyond this stream, or None if `text` does not extend it."""
+        return text[len(self.text):] if text.startswith(self.text) else None
+
+    def copy(self) -> "TokenStream":
+        return TokenStream(list(self.prompt_ids), self.text, list(self.response_ids), list(self.logprobs),
+                           list(self.versions), list(self.loss_mask))
+
+    def columns(self) -> dict:
+        model_versions = [v for v in self.versions if v >= 0]
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
+                "response_logprobs": self.logprobs, "token_versions": self.versions, "loss_mask": self.loss_mask,
+                "version_start": min(model_versions, default=-1), "version_end": max(model_versions, default=-1)}

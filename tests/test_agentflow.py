@@ -1,0 +1,288 @@
+"""AgentFlow rollout stage on fake Arrow batches, with a real HFEngine actor.
+
+White-box: multi-turn agents with tools and an environment produce the right loss masks.
+Black-box: subprocess agents (the shipped example and deliberately broken ones) run
+through the real proxy; their rows, rewards and failures are checked, and no agent
+process outlives its trajectory.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+
+import openai
+import pytest
+import ray
+
+from pipeline.schema import table_from_columns
+from stages.agentflow.blackbox import openai_agent
+from stages.agentflow.chat import encode, render
+from stages.agentflow.engine import HFEngine
+from stages.agentflow.envs import RetryEnv
+from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig, load_agent
+from stages.agentflow.tools import calculate
+from stages.reward import Reward, RewardConfig
+
+GREEDY = dict(max_new_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session, tiny_model_dir):
+    eng = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=16).remote(tiny_model_dir)
+    ray.get(eng.info.remote())
+    yield eng
+    ray.kill(eng)
+
+
+@pytest.fixture
+def run_stage(engine, tiny_model_dir):
+    """Run AgentFlowRollout(cfg) on prompt rows; the stage's proxy is stopped afterwards."""
+    stages = []
+
+    def run(rows: list[dict], **cfg):
+        stage = AgentFlowRollout(RolloutConfig(**(GREEDY | cfg)), [engine], None, tiny_model_dir)
+        stages.append(stage)
+        n = len(rows)
+        batch = table_from_columns({"prompt_id": [f"p{i}" for i in range(n)], "group_id": list(range(n)),
+                                    "sample_idx": [0] * n, "data_source": ["addition"] * n,
+                                    "prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]})
+        return stage, stage(batch)
+
+    yield run
+    for s in stages:
+        s.close()
+
+
+def script(tmp_path, body: str) -> str:
+    p = tmp_path / "agent.py"
+    p.write_text(textwrap.dedent(body))
+    return f"cmd:python {p}"
+
+
+ROWS = [{"prompt": "37+48=", "answer": "85"}, {"prompt": "12+30=", "answer": "42"}]
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[(mask value, run length), ...]"""
+    out = []
+    for m in mask:
+        if out and out[-1][0] == m:
+            out[-1] = (m, out[-1][1] + 1)
+        else:
+            out.append((m, 1))
+    return out
+
+
+# ---- white-box ----------------------------------------------------------------------------------
+class ToolUser:
+    """A toy white-box agent: answer, check with the calculator, answer again."""
+
+    async def run(self, ctx, sample):
+        await ctx.generate()
+        await ctx.call_tool("calculator", {"expression": sample["prompt"].rstrip("=")})
+        await ctx.generate()
+
+
+def test_white_box_tool_turns_have_the_right_masks(run_stage, tiny_model_dir):
+    stage, out = run_stage(ROWS[:1], agent=f"{__name__}:ToolUser")
+    (row,) = out.to_pylist()
+    tok = stage.tok
+    assert row["status"] in ("completed", "truncated") and row["error"] == ""
+    result_ids = encode(tok, "85")
+    mask, ids = row["loss_mask"], row["response_ids"]
+    (m1, n1), (m0, n0), (m2, n2) = _runs(mask)
+    assert (m1, m0, m2) == (1, 0, 1) and ids[n1:n1 + n0] == result_ids
+    assert row["token_versions"][n1:n1 + n0] == [-1] * n0 and row["response_logprobs"][n1:n1 + n0] == [0.0] * n0
+    assert all(v == 0 for v in row["token_versions"][:n1] + row["token_versions"][n1 + n0:])
+    assert row["agent_stats"]["turns"] == 2 and row["agent_stats"]["tool_calls"] == 1
+    roles = [m["role"] for m in json.loads(row["transcript"])]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+
+
+def test_retry_agent_env_feedback_and_reward(run_stage):
+    _, out = run_stage(ROWS, agent="retry")
+    tok_prompt_len = {r["prompt"]: len(r["prompt"]) for r in ROWS}  # the char tokenizer: a token per character
+    for row in out.to_pylist():
+        stats, runs = row["agent_stats"], _runs(row["loss_mask"])
+        attempts = json.loads(row["agent_info"])["attempts"]
+        assert stats["turns"] == attempts and stats["fail"] == ""
+        # model turns alternate with the question asked again (loss_mask 0), one per wrong attempt
+        assert [m for m, _ in runs] == [1, 0] * (attempts - 1) + [1]
+        assert all(n == tok_prompt_len[row["prompt"]] for m, n in runs if m == 0)
+        right = json.loads(row["transcript"])[-1]["content"] == row["answer"]
+        assert row["agent_reward"] == (0.5 ** (attempts - 1) if right else 0.0)
+
+
+def test_retry_env_rewards_the_first_right_attempt():
+    env = RetryEnv({"prompt": "1+1=", "answer": "2"}, max_attempts=3)
+    assert env.step("3").observation == "1+1=" and not env.step("4").done
+    last = env.step("2")
+    assert last.done and last.reward == 0.25
+    assert RetryEnv({"prompt": "1+1=", "answer": "2"}).step(" 2 ").reward == 1.0
+    assert calculate("12+34*2") == "80" and calculate("7/2") == "3.5"
+    with pytest.raises(ValueError):
+        calculate("__import__('os')")
+
+
+def test_turn_limit_truncates_and_keeps_the_trajectory(run_stage):
+    _, out = run_stage(ROWS[:1], agent="retry", max_turns=2)
+    (row,) = out.to_pylist()
+    if json.loads(row["agent_info"]).get("attempts") == 1:   # right at once: nothing to cut
+        assert row["status"] == "completed"
+        return
+    assert row["status"] == "truncated" and "turn limit" in row["error"]
+    assert row["agent_stats"]["turns"] == 2 and row["loss_mask"].count(1) > 0
+
+
+def test_chat_prompt_rows_use_the_chat_template(run_stage):
+    messages = [{"role": "user", "content": "37+48="}]
+    stage, out = run_stage([{"prompt": json.dumps(messages), "answer": "85"}])
+    (row,) = out.to_pylist()
+    assert row["prompt_ids"] == encode(stage.tok, render(stage.tok, messages))
+
+
+# ---- black-box --------------------------------------------------------------------------------------
+def test_subprocess_example_agent_through_the_stage_and_reward(run_stage, tiny_model_dir):
+    stage, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py --tries 2")
+    rows = out.to_pylist()
+    for row in rows:
+        assert row["status"] in ("completed", "truncated"), row["error"]
+        tries = json.loads(row["agent_info"])["tries"]
+        stats = row["agent_stats"]
+        assert stats["turns"] == len(tries) and stats["segments"] == 1 and stats["fail"] == ""
+        assert row["prompt_ids"] == encode(stage.tok, row["prompt"])
+        assert [m for m, _ in _runs(row["loss_mask"])] == [1, 0] * (len(tries) - 1) + [1]
+        assert row["agent_reward"] == {1: 1.0, 2: 0.5 if tries[-1] == row["answer"] else 0.0}[len(tries)]
+        assert json.loads(row["transcript"])[-1] == {"role": "assistant", "content": tries[-1]}
+    scored = Reward(RewardConfig(fn="exact_match"), tiny_model_dir)(out).to_pylist()
+    for row, s in zip(rows, scored):   # the agent's own reward wins over reward.fn
+        assert s["reward"] == row["agent_reward"] and json.loads(s["reward_info"])["source"] == "agent"
+
+
+def seen(prompt, response, answer, row):
+    """A reward fn that reports what it was given."""
+    return {"reward": 0.25, "response": response, "roles": [m["role"] for m in row["transcript"]]}
+
+
+def test_without_a_reported_reward_reward_fn_reads_the_final_turn(run_stage, tmp_path, tiny_model_dir):
+    agent = script(tmp_path, """
+        import json, os, urllib.request
+        req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/completions",
+            data=json.dumps({"prompt": json.loads(os.environ["LOONGSAGE_SAMPLE"])["prompt"]}).encode(),
+            headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+        print("the model said", json.load(urllib.request.urlopen(req))["choices"][0]["text"])
+    """)
+    _, out = run_stage(ROWS[:1], agent=agent)
+    (row,) = out.to_pylist()
+    assert row["agent_reward"] is None and row["status"] in ("completed", "truncated")
+    (scored,) = Reward(RewardConfig(fn=f"{__name__}:seen"), tiny_model_dir)(out).to_pylist()
+    info = json.loads(scored["reward_info"])
+    assert scored["reward"] == 0.25 and info["roles"] == ["prompt", "assistant"]
+    assert info["response"] == json.loads(row["transcript"])[-1]["content"]
+
+
+def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_path):
+    agent = script(tmp_path, """
+        import json, os, sys
+        if json.loads(os.environ["LOONGSAGE_SAMPLE"])["prompt"] == "12+30=":
+            print("boom: the agent broke", file=sys.stderr)
+            sys.exit(3)
+        sys.argv[1:] = ["--tries", "2"]
+        import runpy; runpy.run_path(%r, run_name="__main__")
+    """ % os.path.abspath("examples/agents/addition.py"))
+    _, out = run_stage(ROWS, agent=agent)
+    ok, bad = out.to_pylist()
+    assert ok["status"] in ("completed", "truncated") and ok["agent_reward"] is not None
+    assert bad["status"] == "failed" and "exited with code 3" in bad["error"]
+    assert "boom: the agent broke" in bad["error"]
+    assert bad["agent_stats"]["fail"] == "exit" and bad["response_ids"] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")   # a zombie is dead, unreaped
+    except FileNotFoundError:
+        return False
+
+
+def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp_path):
+    pids = tmp_path / "pids"
+    agent = script(tmp_path, f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pids)!r}, "w").write(f"{{child.pid}}")
+        print("thinking very hard", file=sys.stderr, flush=True)
+        time.sleep(600)
+    """)
+    _, out = run_stage(ROWS[:1], agent=agent, timeout_s=3.0)
+    (row,) = out.to_pylist()
+    assert row["status"] == "failed" and "timed out after 3.0s" in row["error"]
+    assert "thinking very hard" in row["error"] and row["agent_stats"]["fail"] == "timeout"
+    assert not _alive(int(pids.read_text()))
+
+
+def test_an_agent_cut_off_by_the_turn_limit_is_truncated_not_failed(run_stage):
+    _, out = run_stage(ROWS[:1], agent="cmd:python examples/agents/addition.py --tries 2", max_turns=1)
+    (row,) = out.to_pylist()
+    if row["agent_reward"] == 1.0:   # right on the first call: the limit never bit
+        return
+    assert row["status"] == "truncated" and "turn limit" in row["error"] and "exited with code 1" in row["error"]
+    assert row["agent_stats"]["turns"] == 1 and row["loss_mask"].count(1) > 0
+
+
+@openai_agent
+async def solve(base_url, api_key, sample):
+    """An in-process black-box agent on the official async client."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": sample["prompt"]}])
+    await client.close()
+    said = r.choices[0].message.content
+    return {"reward": float(said == sample["answer"]), "info": {"said": said}}
+
+
+def test_in_process_openai_agent(run_stage):
+    assert load_agent(f"{__name__}:solve") is solve
+    _, out = run_stage(ROWS, agent=f"{__name__}:solve")
+    for row in out.to_pylist():
+        said = json.loads(row["agent_info"])["said"]
+        assert row["status"] in ("completed", "truncated") and row["agent_reward"] == float(said == row["answer"])
+        assert row["agent_stats"]["turns"] == 1 and row["loss_mask"] == [1] * len(row["response_ids"])
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("no.such.module:Agent", "does not import"),
+    (f"{__name__}:ROWS", "is not an Agent"),
+    ("cmd:python no/such/agent.py", "not found"),
+    ("cmd:no-such-binary-xyz", "is not an executable"),
+    ("cmd:", "needs a command line"),
+])
+def test_bad_agent_settings_fail_at_start(name, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_agent(name)
+
+
+def test_agent_commands_run_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # the shipped example is found in the project root; python is this interpreter
+    agent = load_agent("cmd:python examples/agents/addition.py")
+    assert agent.argv[0] == sys.executable and os.path.isfile(agent.argv[1]) and os.path.isabs(agent.argv[1])
+
+
+def test_requests_arriving_while_a_batch_is_at_the_engine_are_served(engine):
+    """A multi-turn agent's next call often arrives while other agents' batch is generating."""
+    from stages.agentflow.rollout import HandoffClient
+
+    async def main():
+        client = HandoffClient(engine)
+        busy = [{"prompt_ids": [6, 10, 13], "max_new_tokens": 48, "temperature": 1.0}] * 64
+        first = asyncio.ensure_future(client.generate(busy))
+        await asyncio.sleep(0.05)              # the first batch has left for the engine
+        assert not first.done()
+        late = await asyncio.wait_for(client.generate([{"prompt_ids": [6], "max_new_tokens": 1}]), 30)
+        return await first, late
+
+    first, (late,) = asyncio.run(main())
+    assert len(first) == 64 and len(late["response_ids"]) == 1
