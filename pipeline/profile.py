@@ -1,0 +1,505 @@
+"""Profiler: a span for every stage call and every driver phase -> RUN_DIR/profile/*.parquet.
+
+A span is one piece of work on one actor:
+
+    stage     the stage class (AgentFlowRollout, Reward, ...) or a driver phase:
+              batcher (the driver waiting for the next step's groups), update, sync, eval
+    actor     who did it: "Reward:4711" (stage name : pid), "driver", "trainer", "engines"
+    step      the training step a driver span belongs to (-1 for stage calls)
+    batch_id  first group seq in the batch (-1 if none): follows one block through the stages
+    rows_in, rows_out, tokens (response tokens out), start, end (unix s)
+    wait_s    how long the actor sat idle before this span began
+    overhead_s the profiler's own time spent recording this actor's previous span
+
+Recording is cheap enough to stay on: a stage call costs two clock reads, a few Arrow
+reductions and one fire-and-forget actor call to a `SpanSink` (num_cpus=0), which buffers
+and writes a Parquet part every few seconds (atomically: an aborted run leaves whole parts
+and no `_complete-*.json` marker, which the loader reports). benchmarks/profile_overhead.py
+measures the cost against step time.
+
+The rest of the module reads it back: `load_spans` (pandas), `stage_table`, `utilization`,
+`bubbles`, `queue_depths`, `throughput`, `staleness`, matplotlib plots, and
+`profile_report` (what `loongsage profile RUN_DIR` prints and draws).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+SPAN_SCHEMA = pa.schema([
+    ("stage", pa.string()), ("actor", pa.string()), ("step", pa.int64()), ("batch_id", pa.int64()),
+    ("rows_in", pa.int64()), ("rows_out", pa.int64()), ("tokens", pa.int64()),
+    ("start", pa.float64()), ("end", pa.float64()), ("wait_s", pa.float64()), ("overhead_s", pa.float64()),
+])
+DRIVER_ACTORS = ("driver", "trainer", "engines")
+STEP_PHASES = ("batcher", "update", "sync")     # a step's window; eval and checkpoints fall outside
+
+
+class ProfileError(ValueError):
+    pass
+
+
+class ProfileWarning(UserWarning):
+    pass
+
+
+# ---- recording ----------------------------------------------------------------------------
+
+class SpanSink:
+    """Buffers spans from every actor; writes `part-<session>-<k>.parquet` every `flush_s` or `flush_spans`."""
+
+    def __init__(self, out_dir: str, flush_spans: int = 2048, flush_s: float = 5.0):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.session = f"{int(time.time() * 1000)}"      # a resumed run adds parts next to the first run's
+        self.flush_spans, self.flush_s = flush_spans, flush_s
+        self.buf: list[dict] = []
+        self.parts = self.count = 0
+        self.busy_s, self.last_flush = 0.0, time.time()
+
+    def add(self, spans: list[dict]) -> None:
+        t0 = time.perf_counter()
+        self.buf.extend(spans)
+        if len(self.buf) >= self.flush_spans or time.time() - self.last_flush >= self.flush_s:
+            self.flush()
+        self.busy_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        self.last_flush = time.time()
+        if not self.buf:
+            return
+        name = f"part-{self.session}-{self.parts:05d}.parquet"
+        tmp = self.dir / f".{name}.tmp"
+        pq.write_table(pa.Table.from_pylist(self.buf, schema=SPAN_SCHEMA), tmp)
+        os.replace(tmp, self.dir / name)
+        self.count += len(self.buf)
+        self.parts += 1
+        self.buf = []
+
+    def close(self) -> dict:
+        t0 = time.perf_counter()
+        self.flush()
+        self.busy_s += time.perf_counter() - t0
+        summary = {"session": self.session, "spans": self.count, "parts": self.parts, "sink_busy_s": self.busy_s}
+        (self.dir / f"_complete-{self.session}.json").write_text(json.dumps(summary))
+        return summary
+
+
+class _Clock:
+    """Per actor: idle time between calls, in-flight calls (threaded actors), the last span's cost."""
+
+    def __init__(self, stage: str, actor: str, send):
+        self.stage, self.actor, self.send = stage, actor, send
+        self.idle_since, self.inflight, self.overhead = time.time(), 0, 0.0
+        self.lock = threading.Lock()
+
+    def begin(self) -> tuple[float, float]:
+        with self.lock:
+            t = time.time()
+            wait = t - self.idle_since if self.inflight == 0 else 0.0
+            self.inflight += 1
+        return t, wait
+
+    def end(self, batch, out, start: float, wait: float) -> None:
+        end, t = time.time(), time.perf_counter()
+        with self.lock:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle_since = end
+        self.emit(t, stage=self.stage, start=start, end=end, wait_s=wait, batch_id=_batch_id(batch),
+                  rows_in=_rows(batch), rows_out=_rows(out), tokens=_tokens(out))
+
+    def emit(self, t_begin: float, **span) -> None:
+        """Send one span; what recording it cost is measured here and carried by the next span."""
+        self.send([{"actor": self.actor, "step": -1, "batch_id": -1, "rows_in": 0, "rows_out": 0, "tokens": 0,
+                    "wait_s": 0.0} | span | {"overhead_s": self.overhead}])
+        self.overhead = time.perf_counter() - t_begin
+
+
+def _rows(t) -> int:
+    return 0 if t is None else int(getattr(t, "num_rows", 0))
+
+
+def _batch_id(t) -> int:
+    if t is None or "group_id" not in getattr(t, "column_names", ()) or t.num_rows == 0:
+        return -1
+    return int(pc.min(t.column("group_id")).as_py())
+
+
+def _tokens(t) -> int:
+    if t is None or "response_ids" not in getattr(t, "column_names", ()):
+        return 0
+    return int(pc.sum(pc.list_value_length(t.column("response_ids"))).as_py() or 0)
+
+
+def profiled(cls: type, profiler: "Profiler | None") -> type:
+    """`cls` as a map stage that records a span per call (`cls` itself when profiler is None).
+
+    A subclass: same constructor, same columns, `__call__` timed around the original. Ray
+    pickles it with the sink's actor handle, so each actor of the pool sends its own spans.
+    """
+    if profiler is None:
+        return cls
+    name, call, send = getattr(cls, "__name__", "stage"), cls.__call__, profiler.send
+
+    def __init__(self, *args, **kwargs):
+        cls.__init__(self, *args, **kwargs)
+        self._span_clock = _Clock(name, f"{name}:{os.getpid()}", send)
+
+    def __call__(self, batch):
+        start, wait = self._span_clock.begin()
+        out = None
+        try:
+            out = call(self, batch)
+            return out
+        finally:
+            self._span_clock.end(batch, out, start, wait)
+
+    async def __acall__(self, batch):
+        start, wait = self._span_clock.begin()
+        out = None
+        try:
+            out = await call(self, batch)
+            return out
+        finally:
+            self._span_clock.end(batch, out, start, wait)
+
+    body = __acall__ if inspect.iscoroutinefunction(call) else __call__
+    return type(name, (cls,), {"__init__": __init__, "__call__": body, "__doc__": cls.__doc__})
+
+
+class Profiler:
+    """Driver side: owns the sink (a Ray actor, or an in-process object with remote=False) and records driver spans."""
+
+    def __init__(self, run_dir: str | Path, remote: bool = True):
+        out = str(Path(run_dir) / "profile")
+        if remote:
+            import ray
+
+            self.sink = ray.remote(SpanSink).options(num_cpus=0).remote(out)
+            self.send = self.sink.add.remote
+        else:
+            self.sink = SpanSink(out)
+            self.send = self.sink.add
+        self._clocks: dict[str, _Clock] = {}
+
+    def add(self, stage: str, start: float, end: float, *, actor: str = "driver", step: int = -1,
+            rows_in: int = 0, rows_out: int = 0, tokens: int = 0) -> None:
+        t = time.perf_counter()
+        clock = self._clocks.get(actor) or self._clocks.setdefault(actor, _Clock(stage, actor, self.send))
+        wait = max(0.0, start - clock.idle_since)
+        clock.idle_since = max(clock.idle_since, end)
+        clock.emit(t, stage=stage, start=start, end=end, step=step, rows_in=rows_in, rows_out=rows_out,
+                   tokens=tokens, wait_s=wait)
+
+    def close(self) -> dict:
+        """Flush everything and mark the profile complete; returns the sink's summary."""
+        if isinstance(self.sink, SpanSink):
+            return self.sink.close()
+        import ray
+
+        summary = ray.get(self.sink.close.remote())
+        ray.kill(self.sink)
+        return summary
+
+
+# ---- loading ------------------------------------------------------------------------------
+
+def load_spans(run_dir: str | Path):
+    """Every span of a run as a pandas DataFrame (+ `duration_s`, and `t` = start relative to the first span).
+
+    A part that does not read (truncated) or a session without its completion marker (an
+    aborted run) gives a ProfileWarning naming the file; the readable spans still load and
+    `df.attrs["complete"]` is False.
+    """
+    d = Path(run_dir) / "profile"
+    if not d.is_dir():
+        raise ProfileError(f"{d}: no profile directory (is {run_dir} a run directory?)")
+    parts = sorted(d.glob("part-*.parquet"))
+    if not parts:
+        raise ProfileError(f"{d}: empty profile (no part-*.parquet): the run stopped before its first flush")
+    tables, complete = [], True
+    for p in parts:
+        try:
+            t = pq.read_table(p)
+        except (pa.ArrowInvalid, OSError) as e:
+            warnings.warn(f"{p}: unreadable, left out ({e})", ProfileWarning, stacklevel=2)
+            complete = False
+            continue
+        missing = [c for c in SPAN_SCHEMA.names if c not in t.column_names]
+        if missing:
+            raise ProfileError(f"{p}: not a span file (missing {', '.join(missing)})")
+        tables.append(t.select(SPAN_SCHEMA.names).cast(SPAN_SCHEMA))
+    if not tables:
+        raise ProfileError(f"{d}: no readable span file")
+    for session in sorted({p.name.split("-")[1] for p in parts}):
+        if not (d / f"_complete-{session}.json").is_file():
+            warnings.warn(f"{d}: the run that wrote session {session} did not finish (no _complete-{session}.json): "
+                          f"spans after its last flush are missing", ProfileWarning, stacklevel=2)
+            complete = False
+    df = pa.concat_tables(tables).to_pandas().sort_values(["start", "end"], kind="stable").reset_index(drop=True)
+    df["duration_s"] = df["end"] - df["start"]
+    df["t"] = df["start"] - df["start"].min()
+    df.attrs["complete"] = complete
+    df.attrs["t0"] = float(df["start"].min())
+    return df
+
+
+def sink_summaries(run_dir: str | Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "profile").glob("_complete-*.json"))]
+
+
+# ---- analysis -----------------------------------------------------------------------------
+
+def stage_order(spans) -> list[str]:
+    """Stages in pipeline order: map stages by their first call, then the driver phases."""
+    first = spans.groupby("stage")["start"].min().sort_values()
+    driver = set(spans.loc[spans["actor"].isin(DRIVER_ACTORS), "stage"])
+    return [s for s in first.index if s not in driver] + [s for s in first.index if s in driver]
+
+
+def stage_table(spans):
+    """Per stage: actors, calls, rows, tokens, busy/wait seconds, rows/s and tokens/s while busy, busy fraction."""
+    s = spans.assign(rows=np.maximum(spans["rows_in"], spans["rows_out"]))
+    g = s.groupby("stage")
+    t = g.agg(actors=("actor", "nunique"), calls=("start", "size"), rows=("rows", "sum"), tokens=("tokens", "sum"),
+              busy_s=("duration_s", "sum"), wait_s=("wait_s", "sum"))
+    wall = spans["end"].max() - spans["start"].min()
+    t["rows_per_s"] = t["rows"] / t["busy_s"].clip(lower=1e-9)
+    t["tokens_per_s"] = t["tokens"] / t["busy_s"].clip(lower=1e-9)
+    t["busy_frac"] = t["busy_s"] / (t["actors"] * max(wall, 1e-9))
+    return t.loc[stage_order(spans)]
+
+
+def _union(intervals) -> float:
+    """Total length of the union of (start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            total += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def utilization(spans):
+    """Per actor: busy seconds (union of its spans), idle seconds and busy fraction over the profiled wall time."""
+    import pandas as pd
+
+    wall = spans["end"].max() - spans["start"].min()
+    rows = [{"actor": a, "stage": g["stage"].iloc[0], "busy_s": _union(zip(g["start"], g["end"]))}
+            for a, g in spans.groupby("actor", sort=False)]
+    u = pd.DataFrame(rows).set_index("actor")
+    u["idle_s"] = wall - u["busy_s"]
+    u["busy_frac"] = u["busy_s"] / max(wall, 1e-9)
+    return u
+
+
+def bubbles(spans, rollouts=None):
+    """Per training step: its window (driver waits for data -> update -> sync) and who sat idle in it.
+
+    trainer_idle_s: the window minus the update. rollout_busy_s: generation inside the
+    window, from the rollouts' t_dispatch..t_done when given, else from map-stage spans.
+    """
+    import pandas as pd
+
+    d = spans[(spans["step"] > 0) & spans["stage"].isin(STEP_PHASES)]
+    if rollouts is not None and len(rollouts):
+        gen = list(zip(rollouts["t_dispatch"], rollouts["t_done"]))
+    else:
+        m = spans[~spans["actor"].isin(DRIVER_ACTORS)]
+        gen = list(zip(m["start"], m["end"]))
+    out = []
+    for step, g in d.groupby("step"):
+        lo, hi = g["start"].min(), g["end"].max()
+        update = g.loc[g["stage"] == "update", "duration_s"].sum()
+        busy = _union((max(s, lo), min(e, hi)) for s, e in gen if e > lo and s < hi)
+        out.append({"step": int(step), "wall_s": hi - lo, "trainer_busy_s": update, "trainer_idle_s": hi - lo - update,
+                    "rollout_busy_s": busy, "rollout_idle_s": hi - lo - busy})
+    b = pd.DataFrame(out)
+    if len(b):
+        b["trainer_idle_frac"] = b["trainer_idle_s"] / b["wall_s"].clip(lower=1e-9)
+        b["rollout_idle_frac"] = b["rollout_idle_s"] / b["wall_s"].clip(lower=1e-9)
+    return b
+
+
+def queue_depths(spans):
+    """Rows waiting in front of each stage over time: out of the stage before it, not yet into it.
+
+    Columns: t (s from the first span), queue (the stage waited for; "update" = the trainer), depth (rows).
+    """
+    import pandas as pd
+
+    order = [s for s in stage_order(spans) if s not in ("batcher", "sync", "eval")]
+    frames = []
+    for up, down in zip(order, order[1:]):
+        a, b = spans[spans["stage"] == up], spans[spans["stage"] == down]
+        ev = pd.concat([pd.DataFrame({"time": a["end"], "delta": a["rows_out"]}),
+                        pd.DataFrame({"time": b["start"], "delta": -b["rows_in"]})]).sort_values("time", kind="stable")
+        frames.append(pd.DataFrame({"t": ev["time"] - spans["start"].min(), "queue": down,
+                                    "depth": ev["delta"].cumsum().clip(lower=0)}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["t", "queue", "depth"])
+
+
+def throughput(spans, bin_s: float | None = None):
+    """Rows/s each stage completed per time bin (`bin_s`, default 1/30 of the run): index t, a column per stage."""
+    wall = spans["end"].max() - spans["start"].min()
+    bin_s = bin_s or max(wall / 30, 1e-3)
+    s = spans.assign(bin=((spans["end"] - spans["start"].min()) // bin_s) * bin_s,
+                     rows=np.maximum(spans["rows_in"], spans["rows_out"]))
+    table = s.pivot_table(index="bin", columns="stage", values="rows", aggfunc="sum", fill_value=0) / bin_s
+    table.index.name = "t"
+    return table[[c for c in stage_order(spans) if c in table.columns]]
+
+
+def staleness(rollouts) -> np.ndarray:
+    """Per trained token: the version trained at its step (step - 1) minus the version that generated it."""
+    out = []
+    for step, vs, mask in zip(rollouts["step"], rollouts["token_versions"], rollouts["loss_mask"]):
+        v, m = np.asarray(vs, dtype=np.int64), np.asarray(mask, dtype=bool)
+        keep = m & (v >= 0)
+        out.append(int(step) - 1 - v[keep])
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+# ---- plots --------------------------------------------------------------------------------
+
+def _axes(ax, size=(9, 4)):
+    if ax is not None:
+        return ax
+    from matplotlib.figure import Figure  # no pyplot: works headless and inside notebooks alike
+
+    return Figure(figsize=size, layout="constrained").add_subplot()
+
+
+def _colors(stages):
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return {s: cmap(i % 10) for i, s in enumerate(stages)}
+
+
+def plot_gantt(spans, ax=None):
+    """One row per actor, one bar per span, coloured by stage."""
+    order = stage_order(spans)
+    colors = _colors(order)
+    first_stage = spans.groupby("actor")["stage"].first()
+    actors = sorted(first_stage.index, key=lambda a: (order.index(first_stage[a]), a))
+    ax = _axes(ax, (10, 0.5 * len(actors) + 1.5))
+    t0 = spans["start"].min()
+    for i, a in enumerate(actors):
+        g = spans[spans["actor"] == a]
+        for stage, h in g.groupby("stage"):
+            ax.broken_barh(list(zip(h["start"] - t0, h["duration_s"])), (i - 0.4, 0.8), color=colors[stage])
+    ax.set_yticks(range(len(actors)), actors)
+    ax.set_xlabel("seconds since the first span")
+    ax.set_title("timeline per actor")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=colors[s], label=s) for s in order], loc="upper left", bbox_to_anchor=(1, 1))
+    return ax
+
+
+def plot_throughput(spans, ax=None, bin_s: float | None = None):
+    ax = _axes(ax)
+    th = throughput(spans, bin_s)
+    colors = _colors(stage_order(spans))
+    for stage in th.columns:
+        ax.plot(th.index, th[stage], label=stage, color=colors[stage], drawstyle="steps-post")
+    ax.set_xlabel("seconds since the first span")
+    ax.set_ylabel("rows / s")
+    ax.set_title("stage throughput over time")
+    ax.legend()
+    return ax
+
+
+def plot_staleness(rollouts, ax=None):
+    ax = _axes(ax, (6, 4))
+    s = staleness(rollouts)
+    top = int(s.max()) if len(s) else 0
+    ax.hist(s, bins=np.arange(-0.5, top + 1.5, 1.0), rwidth=0.8)
+    ax.set_xlabel("staleness (trained version - token version)")
+    ax.set_ylabel("trained tokens")
+    ax.set_title(f"staleness of {len(s)} trained tokens")
+    return ax
+
+
+def plot_bubbles(b, ax=None):
+    """Per step: the trainer's busy and idle seconds, stacked."""
+    ax = _axes(ax, (8, 4))
+    ax.bar(b["step"], b["trainer_busy_s"], label="trainer busy (update)")
+    ax.bar(b["step"], b["trainer_idle_s"], bottom=b["trainer_busy_s"], label="trainer idle (bubble)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("step time: update vs bubble")
+    ax.legend()
+    return ax
+
+
+# ---- report -------------------------------------------------------------------------------
+
+def profile_report(run_dir: str | Path, out_dir: str | Path | None = None, log=print) -> dict:
+    """Print the per-stage table, bubbles and profiler overhead; write PNG plots (default RUN_DIR/profile_report)."""
+    run_dir = Path(run_dir)
+    out = Path(out_dir) if out_dir else run_dir / "profile_report"
+    out.mkdir(parents=True, exist_ok=True)
+    spans = load_spans(run_dir)
+    rollouts = _rollouts(run_dir, log)
+    table, b = stage_table(spans), bubbles(spans, rollouts)
+    fmt = {"busy_s": "{:.2f}".format, "wait_s": "{:.2f}".format, "rows_per_s": "{:.1f}".format,
+           "tokens_per_s": "{:.1f}".format, "busy_frac": "{:.1%}".format}
+    log(f"per-stage profile of {run_dir} ({len(spans)} spans"
+        f"{'' if spans.attrs['complete'] else ', INCOMPLETE: see warnings'})")
+    log(table.to_string(formatters=fmt))
+    if len(b):
+        log(f"\nper step (mean of {len(b)}): wall {b['wall_s'].mean():.2f}s, trainer idle "
+            f"{b['trainer_idle_s'].mean():.2f}s ({b['trainer_idle_frac'].mean():.1%}), rollout idle "
+            f"{b['rollout_idle_s'].mean():.2f}s ({b['rollout_idle_frac'].mean():.1%})")
+    wall = spans["end"].max() - spans["start"].min()
+    cost = spans["overhead_s"].sum() + sum(s["sink_busy_s"] for s in sink_summaries(run_dir))
+    log(f"profiler overhead: {cost * 1e3:.1f} ms recording over {wall:.1f} s of run ({cost / max(wall, 1e-9):.3%})")
+    plots = {"gantt": plot_gantt(spans), "throughput": plot_throughput(spans)}
+    if len(b):
+        plots["bubbles"] = plot_bubbles(b)
+    if rollouts is not None:
+        plots["staleness"] = plot_staleness(rollouts)
+    paths = {}
+    for name, ax in plots.items():
+        paths[name] = out / f"{name}.png"
+        ax.figure.savefig(paths[name], dpi=100)
+    log("plots: " + ", ".join(str(p) for p in paths.values()))
+    return {"stages": table, "bubbles": b, "plots": paths, "spans": spans}
+
+
+def _rollouts(run_dir: Path, log):
+    from pipeline.recorder import Recording, RecordingError
+
+    try:
+        columns = ["token_versions", "loss_mask", "t_dispatch", "t_done"]
+        return Recording.open(run_dir / "rollouts").read(columns=columns).to_pandas()
+    except RecordingError as e:
+        log(f"(no staleness plot: {e})")
+        return None
+
+
+def cli_profile(run_dir: str, out_dir: str | None = None) -> int:
+    """`loongsage profile RUN_DIR [--out DIR]`; returns the exit code."""
+    import sys
+
+    try:
+        profile_report(run_dir, out_dir)
+    except ProfileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,169 @@
+"""Recorder and reader of RUN_DIR/rollouts/: the trajectories the trainer consumed, per step.
+
+    rollouts/step=000001/part-0.parquet     rows of step 1, in the order they were trained
+    rollouts/step=000002/part-0.parquet     ...
+
+A hive-partitioned Parquet dataset: `ray.data.read_parquet(dir)`, `pyarrow.dataset.dataset(
+dir, partitioning="hive")` and `pandas.read_parquet(dir)` all read it and get `step` as a
+column. Each step is written once, when it is consumed, so memory never holds more than one
+step. A file is written under a hidden temporary name and renamed when complete: an
+aborted run leaves at most a `.part-0.parquet.tmp` that no reader picks up, never a
+truncated `part-0.parquet`.
+
+File metadata carries the schema version (pipeline/schema.py), the step and the group size.
+`Recording.open` checks every file before anything reads rows: a file that is not whole
+Parquet, a missing column, a newer schema version or a group with missing samples is an
+error that names the file, so replay never trains on partial rows.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.schema import COLUMNS, SCHEMA_VERSION, conform
+
+VERSION_KEY = b"loongsage.schema_version"
+STEP_KEY = b"loongsage.step"
+N_SAMPLES_KEY = b"loongsage.n_samples"
+PART = "part-0.parquet"
+TMP = ".part-0.parquet.tmp"       # leading dot: pyarrow skips it; .tmp suffix: Ray's Parquet reader skips it
+INDEX_COLUMNS = ("group_id", "data_source", "reward")
+
+
+class RecordingError(ValueError):
+    pass
+
+
+class RecordingWarning(UserWarning):
+    pass
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step={step:06d}"
+
+
+class Recorder:
+    """Streams each consumed step to `run_dir/rollouts/step=N/part-0.parquet`."""
+
+    def __init__(self, run_dir: str | Path, n_samples: int):
+        self.root = Path(run_dir) / "rollouts"
+        self.n_samples = n_samples
+
+    def write(self, step: int, table: pa.Table) -> Path:
+        table = conform(table)
+        meta = dict(table.schema.metadata or {}) | {
+            VERSION_KEY: str(SCHEMA_VERSION).encode(), STEP_KEY: str(step).encode(),
+            N_SAMPLES_KEY: str(self.n_samples).encode()}
+        d = step_dir(self.root, step)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp, final = d / TMP, d / PART
+        pq.write_table(table.replace_schema_metadata(meta), tmp)
+        os.replace(tmp, final)       # atomic: readers see the whole step or nothing
+        return final
+
+
+@dataclass(frozen=True)
+class StepFile:
+    step: int
+    path: Path
+    rows: int
+    n_samples: int
+
+
+def _check_file(path: Path) -> StepFile:
+    """Read one file's footer (no rows) and check it is a whole recording of this schema."""
+    try:
+        f = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RecordingError(f"{path}: not a complete Parquet file ({e}). The run that wrote it was probably "
+                             f"aborted mid-write; delete this step directory to use the steps before it") from None
+    meta = f.schema_arrow.metadata or {}
+    if VERSION_KEY not in meta:
+        raise RecordingError(f"{path}: no {VERSION_KEY.decode()} in the file metadata: not written by the "
+                             f"LoongSage recorder")
+    version = int(meta[VERSION_KEY])
+    if version > SCHEMA_VERSION:
+        raise RecordingError(f"{path}: recorded with trajectory schema version {version}, newer than this "
+                             f"LoongSage's {SCHEMA_VERSION}; replay it with a newer LoongSage")
+    missing = [c for c in COLUMNS if c not in f.schema_arrow.names]
+    if missing:
+        raise RecordingError(f"{path}: missing column(s) {', '.join(missing)} of the trajectory schema")
+    step = int(meta.get(STEP_KEY, path.parent.name.split("=", 1)[-1]))
+    return StepFile(step, path, f.metadata.num_rows, int(meta.get(N_SAMPLES_KEY, 0)))
+
+
+class Recording:
+    """A checked recording: its step files and a per-group index (step, group_id, data_source, reward)."""
+
+    def __init__(self, root: Path, files: list[StepFile], groups: pa.Table, n_samples: int):
+        self.root, self.files, self.groups, self.n_samples = root, files, groups, n_samples
+        self._by_step = {f.step: f for f in files}
+
+    @classmethod
+    def open(cls, rollouts_dir: str | Path) -> "Recording":
+        root = Path(rollouts_dir)
+        if not root.is_dir():
+            raise RecordingError(f"{root}: no such recording directory (expected RUN_DIR/rollouts)")
+        unfinished = sorted(root.glob(f"step=*/{TMP}"))
+        for u in unfinished:
+            if not (u.parent / PART).exists():
+                warnings.warn(f"{u}: unfinished write of an aborted run; step {u.parent.name} is not part of the "
+                              f"recording", RecordingWarning, stacklevel=2)
+        paths = sorted(root.glob("step=*/*.parquet"))
+        if not paths:
+            raise RecordingError(f"{root}: empty recording (no step=N/*.parquet files)")
+        files = sorted((_check_file(p) for p in paths), key=lambda f: f.step)
+        dup = [a.path for a, b in zip(files, files[1:]) if a.step == b.step]
+        if dup:
+            raise RecordingError(f"{dup[0].parent}: more than one file for step {dup[0].parent.name}")
+        indexed = [_group_index(f) for f in files]
+        sizes = {f.path: n for f, (_, n) in zip(files, indexed)}
+        if len(set(sizes.values())) > 1:
+            raise RecordingError(f"{root}: group sizes differ between steps ({sizes}): not one run's recording")
+        return cls(root, files, pa.concat_tables([t for t, _ in indexed]), indexed[0][1])
+
+    @property
+    def steps(self) -> list[int]:
+        return [f.step for f in self.files]
+
+    def read_step(self, step: int, group_ids=None, columns=None) -> pa.Table:
+        """One step's rows in recorded order, optionally only the given groups / columns."""
+        t = pq.read_table(self._by_step[step].path, columns=columns)
+        if group_ids is not None:
+            t = t.filter(pc.is_in(t.column("group_id"), pa.array(sorted(group_ids), pa.int64())))
+        return t
+
+    def read(self, steps=None, columns=None) -> pa.Table:
+        """Rows of the given steps (default all) with a `step` column, like the hive readers give."""
+        parts = []
+        for s in (self.steps if steps is None else steps):
+            t = self.read_step(s, columns=columns)
+            parts.append(t.append_column("step", pa.array([s] * t.num_rows, pa.int32())))
+        return pa.concat_tables(parts, promote_options="default")
+
+
+def _group_index(f: StepFile) -> tuple[pa.Table, int]:
+    """Per group of one file: step, group_id, data_source, mean reward; and the group size.
+
+    A group with fewer rows than the recorded n_samples (or than the file's largest group,
+    for a file without that metadata) is an error."""
+    t = pq.read_table(f.path, columns=list(INDEX_COLUMNS))
+    g = t.group_by(["group_id", "data_source"], use_threads=False).aggregate(
+        [("reward", "mean"), ("reward", "count")])
+    rows = g.column("reward_count").to_pylist()
+    n = f.n_samples or max(rows)
+    short = [(gid, r) for gid, r in zip(g.column("group_id").to_pylist(), rows) if r != n]
+    if short:
+        gid, r = short[0]
+        raise RecordingError(f"{f.path}: group {gid} has {r} rows, expected {n} (rollout.n_samples); "
+                             f"a partial group cannot be trained")
+    if g.num_rows != len(set(g.column("group_id").to_pylist())):
+        raise RecordingError(f"{f.path}: a group spans several data sources")
+    return pa.table({"step": pa.array([f.step] * g.num_rows, pa.int64()), "group_id": g.column("group_id"),
+                     "data_source": g.column("data_source"), "reward": g.column("reward_mean")}), n

@@ -1,0 +1,286 @@
+"""Replay: train from a recorded rollouts/ dataset instead of generating.
+
+    replay("runs/a/rollouts", cfg, "runs/a-replay", ReplayConfig(steps=(1, 2)))
+    loongsage replay runs/a/rollouts [CONFIG] [replay.reward_min=0.5 ...] --run-dir DIR
+
+The source is the recording (`RecordedSource`); the rest is the same path a run takes:
+WindowedBatcher -> Update -> the TorchTrainer actor, with no engines, no weight sync and
+no evaluation. The batcher's staleness bound is off: recorded token versions count the
+recorded run's weights, and every recorded group already passed the bound once.
+
+In synchronous mode with the recording's config, a replay reproduces the recorded run's
+per-step loss, grad norm and final weights exactly, because everything the update
+reads is the same: the trainer's seed (torch and the mini-batch permutation RNG,
+both advanced only by train_step), its torch thread count (from the same resource plan),
+and each step's table row for row (recorded after the batcher's ordering, read back in
+file order, re-batched by the same batcher on the same group ids).
+
+Filters keep or drop whole groups (advantages are normalised within a group): recorded
+steps, data sources, and a range on the group's mean reward. Kept groups are re-batched
+B per step, so a filtered replay has fewer steps; groups left over at the end are
+reported, never trained as a short step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.recorder import Recorder, Recording, RecordingError
+
+CHUNK_STEPS = 50     # recorded steps read per Ray Dataset: memory holds a chunk, never the whole recording
+
+
+class ReplayError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Which recorded groups to train on (empty / None = no filter)."""
+    steps: tuple[int, ...] = ()            # recorded step numbers
+    data_sources: tuple[str, ...] = ()     # data_source values
+    reward_min: float | None = None        # inclusive bounds on a group's mean reward
+    reward_max: float | None = None
+
+
+def select_groups(rec: Recording, f: ReplayConfig) -> pa.Table:
+    """The recording's group index (step, group_id, data_source, reward) after the filters, in recorded order."""
+    g = rec.groups
+    if f.steps:
+        unknown = sorted(set(f.steps) - set(rec.steps))
+        if unknown:
+            raise ReplayError(f"replay.steps: {unknown} not in the recording {rec.root} "
+                              f"(it has steps {rec.steps[0]}..{rec.steps[-1]})")
+        g = g.filter(pc.is_in(g.column("step"), pa.array(f.steps, pa.int64())))
+    if f.data_sources:
+        have = set(rec.groups.column("data_source").to_pylist())
+        unknown = sorted(set(f.data_sources) - have)
+        if unknown:
+            raise ReplayError(f"replay.data_sources: {unknown} not in the recording (it has {sorted(have)})")
+        g = g.filter(pc.is_in(g.column("data_source"), pa.array(f.data_sources, pa.string())))
+    if f.reward_min is not None:
+        g = g.filter(pc.greater_equal(g.column("reward"), f.reward_min))
+    if f.reward_max is not None:
+        g = g.filter(pc.less_equal(g.column("reward"), f.reward_max))
+    return g
+
+
+class RecordedSource:
+    """A pipeline source whose rows are a recording's.
+
+    Seq g is the g-th kept group in recorded order (as PromptSource's seq g is the g-th
+    group of its prompt stream). Blocks never span two recorded steps, so with the
+    recording's groups_per_step the batcher forms exactly the recorded steps.
+    """
+    inputs: tuple = ()
+
+    def __init__(self, recording: Recording, groups: pa.Table):
+        self.rec, self.n_samples = recording, recording.n_samples
+        self.outputs = tuple(pq.read_schema(recording.files[0].path).names)
+        self.steps = groups.column("step").to_pylist()           # recorded step of each seq
+        self.group_ids = groups.column("group_id").to_pylist()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_ids)
+
+    def step_ends(self) -> list[int]:
+        """Seqs at which a recorded step ends (exclusive), in order."""
+        return [i + 1 for i in range(self.num_groups) if i + 1 == self.num_groups or self.steps[i + 1] != self.steps[i]]
+
+    def blocks(self, start: int, num_groups: int, groups_per_block: int, skip=frozenset()):
+        seqs = [g for g in range(start, min(start + num_groups, self.num_groups)) if g not in skip]
+        by_step: dict[int, list[int]] = {}
+        for g in seqs:
+            by_step.setdefault(self.steps[g], []).append(self.group_ids[g])
+        for step, gids in by_step.items():
+            table = self.rec.read_step(step, gids)
+            order = {gid: i for i, gid in enumerate(dict.fromkeys(table.column("group_id").to_pylist()))}
+            for i in range(0, len(gids), groups_per_block):
+                part = sorted(gids[i:i + groups_per_block], key=order.__getitem__)
+                yield table.filter(pc.is_in(table.column("group_id"), pa.array(part, pa.int64())))
+
+    def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
+        import ray
+
+        blocks = list(self.blocks(start, num_groups, groups_per_block, skip))
+        if not blocks:
+            raise ReplayError(f"no recorded groups at seqs [{start}, {start + num_groups}): the recording "
+                              f"{self.rec.root} holds {self.num_groups} after the filters")
+        return ray.data.from_arrow(blocks)
+
+
+def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayConfig = ReplayConfig(),
+           trackers=None, stages: tuple = (), log: Callable[[str], None] = print,
+           on_step: Callable[[dict], None] | None = None) -> dict:
+    """Train `cfg`'s trainer on a recording; write a run directory like a run's. Returns a summary.
+
+    stages: extra map stages between the recording and the batcher (e.g. Stage(Reward, ...)
+    to re-score with another reward function). trackers: a pipeline.trackers.TrackerConfig.
+    """
+    import ray
+
+    from pipeline.builder import Pipeline
+    from pipeline.config import dump_config
+    from pipeline.profile import Profiler
+    from pipeline.trackers import TrackerConfig, open_metrics
+    from stages.batcher import mask_old_versions
+    from stages.model import resolve_model_path
+    from stages.update.stage import Update
+
+    rec = Recording.open(rollouts_dir)
+    source = RecordedSource(rec, select_groups(rec, filters))
+    B, n = cfg.batcher.groups_per_step, cfg.rollout.n_samples
+    if rec.n_samples != n:
+        raise ReplayError(f"{rollouts_dir}: recorded with {rec.n_samples} samples per group, the config has "
+                          f"rollout.n_samples={n}")
+    steps = min(cfg.run.steps, source.num_groups // B)
+    if steps == 0:
+        raise ReplayError(f"{rollouts_dir}: {source.num_groups} groups pass the filters, fewer than one step "
+                          f"(batcher.groups_per_step={B})")
+    model_path = resolve_model_path(cfg.model, log=log)
+    trainer = start_trainer(cfg, model_path)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    pipeline = Pipeline([source, *stages, replay_batcher(cfg), Update(trainer)])
+    pipeline.profiler = profiler = Profiler(run_dir)
+    metrics = open_metrics(run_dir, trackers or TrackerConfig())
+    recorder = Recorder(run_dir, n)
+    loop = ReplayLoop(pipeline, source, cfg, steps)
+    try:
+        for table, wait_s in loop.batches():
+            t0 = time.time()
+            profiler.add("batcher", t0 - wait_s, t0, step=loop.step + 1, rows_out=table.num_rows)
+            if cfg.rollout.partial_mask_old:     # as the controller does; idempotent on recorded tables
+                table = mask_old_versions(table)
+            m = pipeline.update(table)
+            loop.step += 1
+            profiler.add("update", t0, time.time(), actor="trainer", step=loop.step, rows_in=table.num_rows)
+            recorder.write(loop.step, table)
+            line = metrics.write(loop.step, m | _rollout_metrics(table) | {
+                "version": loop.step, "time/rollout_wait_s": wait_s, "time/update_s": time.time() - t0})
+            if on_step:
+                on_step(line)
+        st = loop.batcher.stats
+        left = source.num_groups - loop.step * B - st.dropped_filter
+        if left or st.dropped_filter:
+            log(f"replay: trained {loop.step} steps of {B} groups; {left} kept group(s) left over, "
+                f"{st.dropped_filter} dropped by batcher.filter_equal_rewards")
+        ckpt = ray.get(trainer.save.remote(str(run_dir / "checkpoints" / f"step_{loop.step:06d}"), model_path))
+    finally:
+        metrics.close()
+        profiler.close()
+        ray.kill(trainer)
+    return {"steps": loop.step, "version": loop.step, "checkpoint": ckpt, "run_dir": str(run_dir)}
+
+
+def start_trainer(cfg, model_path: str):
+    """The trainer actor exactly as the controller builds it: same class, config, seed and thread count
+    (from the same resource plan), so its RNGs and reductions run as they did in the recorded run."""
+    import ray
+
+    from pipeline.controller import init_ray
+    from pipeline.resources import plan_resources
+    from stages.update.trainer import TorchTrainer
+
+    res = plan_resources(cfg)
+    init_ray(cfg, res.ray_num_cpus)
+    return ray.remote(TorchTrainer).options(num_cpus=res.trainer_cpus).remote(
+        model_path, dataclasses.replace(cfg.trainer, num_threads=res.trainer_threads), cfg.algorithm,
+        cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.model.dtype)
+
+
+def replay_batcher(cfg):
+    """The run's batcher without its staleness bound: recorded token versions count the recorded
+    run's weights, not the replay's, and every recorded group already passed the bound once."""
+    from stages.batcher import WindowedBatcher
+
+    return WindowedBatcher(cfg.batcher, cfg.rollout.n_samples, stale_steps=sys.maxsize)
+
+
+class ReplayLoop:
+    """The driver side of the stream, as the controller's: feed the batcher, take B groups per step."""
+
+    def __init__(self, pipeline, source: RecordedSource, cfg, steps: int):
+        self.pipeline, self.source, self.steps, self.step = pipeline, source, steps, 0
+        self.batcher = pipeline.batcher
+        self.gpb = cfg.rollout.groups_per_batch or cfg.batcher.groups_per_step
+        self.chunk = CHUNK_STEPS * cfg.batcher.groups_per_step
+
+    def batches(self):
+        from pipeline.schema import conform
+
+        ends, start, t_wait = self.source.step_ends(), 0, time.time()
+        while self.step < self.steps and start < self.source.num_groups:
+            stop = next(e for e in ends if e >= min(start + self.chunk, ends[-1]))   # whole recorded steps
+            stream = self.pipeline.stream(start, stop - start, self.gpb)
+            try:
+                for part in stream:
+                    self.batcher.feed(part)
+                    while self.step < self.steps:
+                        table, _ = self.batcher.take(self.step)      # the version trained next = steps done
+                        if table is None:
+                            break
+                        yield conform(table), time.time() - t_wait
+                        t_wait = time.time()
+            finally:
+                stream.close()
+            start = stop
+
+
+def _rollout_metrics(t: pa.Table) -> dict:
+    rewards = t.column("reward").to_pylist()
+    lens = pc.list_value_length(t.column("response_ids")).to_pylist()
+    return {"rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
+            "rollout/tokens": sum(lens), "rollout/response_len": sum(lens) / len(lens)}
+
+
+def read_rollouts(path: str | Path, filters: ReplayConfig = ReplayConfig()):
+    """A recording (RUN_DIR or RUN_DIR/rollouts) as a pandas DataFrame with a `step` column, checked and filtered."""
+    path = Path(path)
+    rec = Recording.open(path / "rollouts" if (path / "rollouts").is_dir() else path)
+    keep = select_groups(rec, filters)
+    table = rec.read(sorted(set(keep.column("step").to_pylist())))
+    table = table.filter(pc.is_in(table.column("group_id"), keep.column("group_id")))
+    return table.to_pandas()
+
+
+def resolve_replay_config(rollouts_dir: str | Path, config: str | None, overrides: list[str]):
+    """The config a replay runs: CONFIG if given, else the recorded run's config.yaml, plus overrides."""
+    from pipeline.config import load_config
+
+    if config is None:
+        config = Path(rollouts_dir).resolve().parent / "config.yaml"
+        if not config.is_file():
+            raise ReplayError(f"no CONFIG given and no recorded config at {config}: pass the recipe the run used")
+    return load_config(config, overrides)
+
+
+def cli_replay(rollouts_dir: str, config: str | None, overrides: list[str], run_dir: str | None) -> int:
+    """`loongsage replay ROLLOUTS_DIR [CONFIG] [key=value ...] [--run-dir DIR]`; returns the exit code."""
+    import sys
+
+    from pipeline.config import ConfigError
+
+    if config is not None and "=" in config:      # `replay DIR key=value`: no CONFIG, the first override
+        config, overrides = None, [config, *overrides]
+    try:
+        cfg = resolve_replay_config(rollouts_dir, config, overrides)
+        out = Path(run_dir or f"{Path(rollouts_dir).resolve().parent}-replay-{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = replay(rollouts_dir, cfg, out, cfg.replay, trackers=cfg.trackers,
+                         on_step=lambda m: print(f"step {m['step']}: loss {m['train/loss']:+.5f} "
+                                                 f"grad_norm {m['train/grad_norm']:.4f}"))
+    except (ConfigError, RecordingError, ReplayError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"replayed {summary['steps']} steps; run directory {summary['run_dir']}")
+    return 0

@@ -1,0 +1,171 @@
+"""Metrics to the tools people use: TensorBoard, Weights & Biases, MLflow.
+
+metrics.jsonl stays the source of truth: `open_metrics` returns a writer with the same
+`write(step, metrics) -> line` / `close()` as pipeline.metrics.MetricsWriter that writes
+the jsonl line first and then hands its numbers to every enabled sink. A sink that fails
+while the run is going is warned about once and dropped; the run and the jsonl go on.
+`export_metrics` rebuilds the sinks from an existing metrics.jsonl after the fact.
+
+    trackers:
+      tensorboard: true          # RUN_DIR/tensorboard/ event files (needs the `tensorboard` package)
+      wandb: false               # wandb.init(mode=wandb_mode, dir=RUN_DIR); offline needs no account
+      mlflow: false              # file store RUN_DIR/mlruns unless mlflow_uri is set
+
+W&B and MLflow are imported only when enabled; enabling one that is not installed is an
+error at start, before anything trains. TensorBoard is on by default, so when its package
+is missing the run warns once and goes on with metrics.jsonl alone.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.metrics import MetricsWriter
+
+
+class TrackerError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "loongsage"
+    wandb_mode: str = "offline"        # offline | online | disabled
+    mlflow: bool = False
+    mlflow_uri: str = ""               # "" = file:RUN_DIR/mlruns
+    mlflow_experiment: str = "loongsage"
+
+    def __post_init__(self):
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"trackers.wandb_mode must be offline, online or disabled, got {self.wandb_mode!r}")
+
+
+def _numbers(line: dict) -> dict[str, float]:
+    """The loggable part of a metrics line: finite numbers, without the step and wall-clock keys."""
+    return {k: float(v) for k, v in line.items() if k not in ("step", "time_s") and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if config:
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
+
+    def log(self, step: int, numbers: dict) -> None:
+        for k, v in numbers.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, config: dict, cfg: TrackerConfig):
+        import wandb
+
+        self.run = wandb.init(project=cfg.wandb_project, dir=str(run_dir), mode=cfg.wandb_mode, config=config,
+                              name=run_dir.name, reinit=True)
+
+    def log(self, step: int, numbers: dict) -> None:
+        self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    def __init__(self, run_dir: Path, config: dict, cfg: TrackerConfig):
+        import mlflow
+
+        self.client = mlflow.MlflowClient(tracking_uri=cfg.mlflow_uri or (run_dir / "mlruns").resolve().as_uri())
+        exp = self.client.get_experiment_by_name(cfg.mlflow_experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.mlflow_experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
+        for k, v in _flatten(config).items():
+            self.client.log_param(self.run_id, k, str(v)[:500])
+
+    def log(self, step: int, numbers: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in numbers.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out |= _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None) -> list:
+    """The enabled sinks. A disabled one is never imported; an enabled one that is missing is an error
+    (TensorBoard, on by default, only warns)."""
+    run_dir, config, sinks = Path(run_dir), config or {}, []
+    if cfg.tensorboard:
+        try:
+            sinks.append(TensorBoardSink(run_dir, config))
+        except ImportError as e:
+            warnings.warn(f"TensorBoard event files off: {e} (pip install tensorboard); metrics.jsonl only",
+                          stacklevel=2)
+    for enabled, make, pkg in ((cfg.wandb, WandbSink, "wandb"), (cfg.mlflow, MlflowSink, "mlflow")):
+        if enabled:
+            try:
+                sinks.append(make(run_dir, config, cfg))
+            except ImportError as e:
+                raise TrackerError(f"trackers.{pkg}=true but {pkg} does not import ({e}); pip install {pkg}") from e
+    return sinks
+
+
+class TrackedMetrics:
+    """metrics.jsonl first, then every sink: the MetricsWriter interface."""
+
+    def __init__(self, writer: MetricsWriter, sinks: list):
+        self.writer, self.sinks = writer, sinks
+
+    def write(self, step: int, metrics: dict) -> dict:
+        line = self.writer.write(step, metrics)
+        numbers = _numbers(line)
+        for s in list(self.sinks):
+            try:
+                s.log(line["step"], numbers)
+            except Exception as e:     # a tracker must never stop training: the jsonl has the line
+                warnings.warn(f"{type(s).__name__} failed ({e!r}); dropped for the rest of the run", stacklevel=2)
+                self.sinks.remove(s)
+        return line
+
+    def close(self) -> None:
+        self.writer.close()
+        for s in self.sinks:
+            s.close()
+
+
+def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None) -> TrackedMetrics:
+    """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers."""
+    return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config))
+
+
+def export_metrics(run_dir: str | Path, cfg: TrackerConfig = TrackerConfig()) -> int:
+    """Replay an existing RUN_DIR/metrics.jsonl into the enabled sinks; returns the number of lines."""
+    from pipeline.metrics import read_metrics
+
+    lines = read_metrics(run_dir)
+    sinks = open_sinks(run_dir, cfg)
+    for line in lines:
+        for s in sinks:
+            s.log(line["step"], _numbers(line))
+    for s in sinks:
+        s.close()
+    return len(lines)
