@@ -14,16 +14,26 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
 
 
-@pytest.fixture(scope="session")
-def ray_session():
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_ray_per_module():
+    """Each test module starts without Ray: some build their own (multi-raylet) clusters."""
     import ray
 
-    from pipeline.controller import init_ray
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray (2 logical CPUs) shared by a module's tests."""
+    import ray
+
     from pipeline.config import load_config
+    from pipeline.controller import init_ray
 
     init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
     yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")
