@@ -163,10 +163,10 @@ def ray_local():
 TRAIN = TrainerConfig(lr=1e-3, num_threads=1)
 
 
-def launch(path: str, mcfg: MegatronConfig = MegatronConfig(), algo: AlgorithmConfig = AlgorithmConfig()):
+def launch(path: str, mcfg: MegatronConfig | None = None, algo: AlgorithmConfig | None = None):
     from stages.update.megatron.launch import launch as start
 
-    return start(path, TRAIN, algo, mcfg, num_cpus=0.25)
+    return start(path, TRAIN, algo or AlgorithmConfig(), mcfg or MegatronConfig(), num_cpus=0.25)
 
 
 def megatron_logits(leader, ids: torch.Tensor) -> torch.Tensor:
@@ -268,3 +268,26 @@ def test_tp2_leader_publishes_hf_weights_through_the_transfer_mesh(models, ray_l
     ray.get(leader.shutdown.remote())
     ray.kill(leader)
     ray.kill(engine)
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_with_the_distributed_optimizer(models, ray_local, tmp_path):
+    path, mcfg = models["qwen2"], MegatronConfig(data_parallel=2, use_distributed_optimizer=True)
+    first = launch(path, mcfg)
+    ray.get(first.train_step.remote(step_table(seed=1)))
+    ckpt = ray.get(first.save.remote(str(tmp_path / "ckpt"), path))
+    want = ray.get(first.train_step.remote(step_table(seed=2)))
+    want_w = ray.get(first.state_dict.remote())
+    ray.get(first.shutdown.remote())
+    ray.kill(first)
+    second = launch(ckpt, mcfg)              # weights from the checkpoint, state from load_state
+    assert ray.get(second.load_state.remote(ckpt)) == 1
+    got = ray.get(second.train_step.remote(step_table(seed=2)))
+    assert (got["version"], got["train/loss"], got["train/grad_norm"]) == \
+        (want["version"], want["train/loss"], want["train/grad_norm"])
+    got_w = ray.get(second.state_dict.remote())
+    assert all(torch.equal(got_w[n], want_w[n]) for n in want_w)
+    with pytest.raises(ray.exceptions.RayTaskError, match="layout"):
+        ray.get(launch(ckpt).load_state.remote(ckpt))      # a different layout is refused
+    ray.get(second.shutdown.remote())
+    ray.kill(second)

@@ -83,7 +83,7 @@ class HFReader:
                  else {None: "model.safetensors"})
         self._handles = {f: safe_open(str(p / f), framework="pt") for f in set(files.values())}
         self._where = {}
-        for f, h in self._handles.items():
+        for h in self._handles.values():
             for name in h.keys():
                 self._where[name] = h
 

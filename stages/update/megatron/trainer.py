@@ -37,15 +37,15 @@ from . import parallel
 from .config import MegatronConfig
 from .convert import Arch, to_megatron
 from .logprobs import token_logprobs
-from .model import DTYPES, HFReader, build_gpt, hf_config, layer_index, transformer_config
+from .model import HFReader, build_gpt, hf_config, layer_index, transformer_config
 
 
 class MegatronTrainer:
     def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
-                 max_new_tokens: int = 0, dtype: str = "float32", mcfg: MegatronConfig = MegatronConfig()):
+                 max_new_tokens: int = 0, dtype: str = "float32", mcfg: MegatronConfig | None = None):
         torch.set_num_threads(max(1, cfg.num_threads))
         torch.manual_seed(cfg.seed)
-        self.model_path, self.cfg, self.mcfg, self.dtype = model_path, cfg, mcfg, dtype
+        self.model_path, self.cfg, self.mcfg, self.dtype = model_path, cfg, mcfg or MegatronConfig(), dtype
         self.algo = algo.resolved()
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
@@ -81,8 +81,11 @@ class MegatronTrainer:
 
     def _build(self) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         m = self.mcfg
@@ -159,8 +162,10 @@ class MegatronTrainer:
             self.mesh_endpoint = transfer.Sender(state_fn=self._hf_state)
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
-    def save(self, path: str, tokenizer_dir: str = "") -> str:
-        """HF format: config, safetensors (shared tensors once), tokenizer."""
+    def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True) -> str:
+        """HF format (config, safetensors with shared tensors once, tokenizer); with_state
+        adds what resuming needs: every rank's optimizer shard and RNGs, and the version
+        (trainer_state.pt, the file the controller looks for). Resume needs the same layout."""
         from huggingface_hub import save_torch_state_dict
 
         state = self._hf_state()
@@ -173,7 +178,60 @@ class MegatronTrainer:
             from stages.model import load_tokenizer
 
             load_tokenizer(tokenizer_dir).save_pretrained(path)
+        if with_state:
+            self._everywhere("rank_save_state", path)
+            torch.save({"backend": "megatron", "version": self.version, "layout": self._layout()},
+                       os.path.join(path, "trainer_state.pt"))
         return path
+
+    def load_state(self, path: str) -> int:
+        """Resume: the weights were loaded from `path` at start; restore optimizer, RNGs, version."""
+        saved = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        if saved.get("backend") != "megatron" or saved["layout"] != self._layout():
+            raise ValueError(f"{path} holds {saved.get('backend', 'torch')} trainer state for layout "
+                             f"{saved.get('layout')}; this megatron trainer's layout is {self._layout()}")
+        return self._everywhere("rank_load_state", path)[0]
+
+    def _layout(self) -> dict:
+        m = self.mcfg
+        return {"tensor_parallel": m.tensor_parallel, "pipeline_parallel": m.pipeline_parallel,
+                "data_parallel": m.data_parallel, "distributed_optimizer": m.use_distributed_optimizer}
+
+    def _state_file(self, path: str) -> str:
+        d = os.path.join(path, "megatron_state")
+        os.makedirs(d, exist_ok=True)
+        return os.path.join(d, f"rank{torch.distributed.get_rank():05d}.pt")
+
+    def _inner_optimizers(self) -> list:
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
+    def rank_save_state(self, path: str) -> None:
+        """This rank's shard of the optimizer, as its torch optimizer holds it: the state
+        (step, moments) and the fp32 main parameters it updates (with the distributed
+        optimizer, this rank's slice of them). Exact for a resume with the same layout;
+        no gather, no resharding."""
+        with self._ctx():
+            shards = [{"inner": o.optimizer.state_dict(),
+                       "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]],
+                       "scaler": o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None}
+                      for o in self._inner_optimizers()]
+            torch.save({"optimizer": shards, "torch_rng": torch.get_rng_state(),
+                        "np_rng": self.rng.bit_generator.state, "version": self.version}, self._state_file(path))
+
+    def rank_load_state(self, path: str) -> int:
+        with self._ctx(), torch.no_grad():      # fp32 main params may be views of the (grad-requiring) weights
+            state = torch.load(self._state_file(path), weights_only=False)
+            for o, shard in zip(self._inner_optimizers(), state["optimizer"], strict=True):
+                o.optimizer.load_state_dict(shard["inner"])
+                mains = [p for g in o.optimizer.param_groups for p in g["params"]]
+                for p, saved in zip(mains, shard["main"], strict=True):
+                    p.copy_(saved)
+                if shard["scaler"] is not None:
+                    o.grad_scaler.load_state_dict(shard["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.rng.bit_generator.state = state["np_rng"]
+        self.version = int(state["version"])
+        return self.version
 
     def shutdown(self) -> None:
         """Leader only: stop the peer ranks (their actors hold no state worth keeping)."""
@@ -293,10 +351,10 @@ class MegatronTrainer:
         if self.dp == 1:
             return mine
         per = -(-n // self.dp)
-        buf = torch.zeros(per, T, dtype=mine.dtype)
+        buf = torch.zeros(per, T, dtype=mine.dtype, device=self.device)     # NCCL needs device tensors
         buf[: len(mine)] = mine
         parts = [torch.empty_like(buf) for _ in range(self.dp)]
-        torch.distributed.all_gather(parts, buf.to(self.device), group=self.dp_group)
+        torch.distributed.all_gather(parts, buf, group=self.dp_group)
         full = torch.empty(n, T, dtype=mine.dtype)
         for r, part in enumerate(parts):
             full[r::self.dp] = part.cpu()[: len(range(r, n, self.dp))]
@@ -330,6 +388,7 @@ class MegatronTrainer:
         for r in reports:
             sums += torch.tensor([r[k] * r[_weight(k)] for k in keys] + [r["n"], r["tokens"]], dtype=torch.float64)
         if self.dp > 1:
+            sums = sums.to(self.device)
             torch.distributed.all_reduce(sums, group=self.dp_group)
         totals = {"n": sums[-2].item(), "tokens": sums[-1].item()}
         return {k: sums[i].item() / max(totals[_weight(k)], 1.0) for i, k in enumerate(keys)}

@@ -1,0 +1,372 @@
+"""Scale-out rollout engine: an SGLang server behind the HFEngine method surface, in a Ray actor.
+
+The actor launches `python -m sglang.launch_server` on the GPUs Ray gave it (TP across
+them) and speaks its HTTP API, as slime does: token ids in (`input_ids`), token ids,
+log-probs and per-token weight versions out (`meta_info.output_token_logprobs`,
+`meta_info.weight_versions`). A server process, not an in-process `sglang.Engine`:
+the actor is threaded (many rollout workers call `generate` at once) and the Engine's
+event loop is not; the server batches concurrent requests itself.
+
+Weights (TransferMesh drives them, as for HFEngine):
+  load_weights            the Receiver landed a version in this process (CUDA IPC from a
+                          colocated trainer, NCCL, or host memory): hand it to the server
+                          with update_weights_from_tensor. CUDA tensors cross as IPC
+                          handles (nothing is copied through HTTP); host tensors are
+                          first copied to this actor's GPU in buckets.
+  init_weight_group /     the direct NCCL path: the trainer joins SGLang's own weight
+  load_weights_distributed  group (DistributedWeightSender) and broadcasts straight into
+                          the server's TP workers (update_weights_from_distributed).
+A version is applied atomically: generation is paused (`retract`: running requests go
+back to the queue and continue under the new weights, each token tagged with the version
+that produced it: partial rollout) or, while a `hold` request is in flight, the update
+waits for it to finish. SGLang's logprobs are those of logits / temperature, the
+distribution sampled from, as the trainer computes them.
+
+GPU only: SGLang's kernels need CUDA. Tests and benchmarks/gpu/sglang_check.py run it
+where a GPU is lent.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from stages.model import load_tokenizer
+
+STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_specs_of(model_path: str, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The HF state_dict names and shapes of the model (built on the meta device: no
+    memory), in the dtype the trainer publishes: what the TransferMesh checks against."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return {n: (tuple(t.shape), DTYPES[dtype]) for n, t in model.state_dict().items()}
+
+
+def versions_of(meta: dict, n: int) -> list[int]:
+    """Per-token weight versions from SGLang's spans ([{version, start, end}, ...]);
+    servers that report only one version get it for every token."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [int(meta["weight_version"])] * n
+    out = []
+    for span in spans:
+        out += [int(span["version"])] * (min(span["end"], n) - span["start"])
+    return out + [out[-1] if out else int(meta["weight_version"])] * (n - len(out))
+
+
+def parse_output(out: dict, prefix: dict) -> dict:
+    """One /generate result -> the engine contract (prefix of a resumed partial rollout first)."""
+    meta = out["meta_info"]
+    pairs = meta.get("output_token_logprobs") or []         # [logprob, token_id, text] per token
+    ids = [int(p[1]) for p in pairs]
+    finish = (meta.get("finish_reason") or {}).get("type", "abort")
+    return {"response_ids": list(prefix.get("prefix_ids", [])) + ids,
+            "logprobs": list(prefix.get("prefix_logprobs", [])) + [float(p[0]) for p in pairs],
+            "versions": list(prefix.get("prefix_versions", [])) + versions_of(meta, len(ids)),
+            "status": STATUS.get(finish, "aborted")}
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """The `sglang:` recipe section (used when rollout.engine is sglang)."""
+    tp: int = 1                           # GPUs per engine (SGLang tensor parallel); Ray gives each engine this many
+    mem_fraction: float = 0.7             # of each GPU for weights + KV cache (lower when colocated)
+    pause_mode: str = "retract"           # how a weight update interrupts generation: retract | in_place | abort
+    server_args: dict = field(default_factory=dict)   # any other `sglang.launch_server` flag, without the dashes
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 3600.0
+    bucket_bytes: int = 512 << 20         # weights handed to the server per update_weights_from_tensor call
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"sglang.tp must be >= 1, got {self.tp}")
+        if self.pause_mode not in ("retract", "in_place", "abort"):
+            raise ValueError(f"sglang.pause_mode must be retract, in_place or abort, got {self.pause_mode!r}")
+        if not 0 < self.mem_fraction < 1:
+            raise ValueError(f"sglang.mem_fraction must be in (0, 1), got {self.mem_fraction}")
+
+
+class SGLangEngine:
+    """HFEngine's surface over an SGLang server. Runs as a threaded Ray actor with
+    num_gpus = cfg.tp (the server uses exactly the GPUs Ray assigned). The first five
+    arguments are HFEngine's, so the controller builds either the same way."""
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, num_threads: int = 1,
+                 engine_id: str = "engine0", cfg: SGLangConfig | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("SGLangEngine needs a CUDA GPU (SGLang has no CPU path for this model); "
+                               "use rollout.engine=hf on CPU")
+        cfg = cfg or SGLangConfig()
+        torch.set_num_threads(num_threads)
+        self.engine_id, self.model_path, self.dtype, self.cfg, self.tp = engine_id, model_path, dtype, cfg, cfg.tp
+        self.tok = load_tokenizer(model_path)
+        self.eos_id = self.tok.eos_token_id
+        self.version = 0
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.mesh_endpoint = None
+        self._specs = weight_specs_of(model_path, dtype)
+        self._gate = threading.Condition()   # hold requests vs weight updates
+        self._holding, self._updating = 0, False
+        self._update_lock = threading.Lock()
+        self.stats = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        self._launch(seed)
+
+    # ---- the server ------------------------------------------------------------------
+    def _launch(self, seed: int) -> None:
+        c = self.cfg
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = {"model-path": self.model_path, "host": "127.0.0.1", "port": self.port, "tp-size": c.tp,
+                "dtype": self.dtype, "random-seed": seed, "mem-fraction-static": c.mem_fraction,
+                "weight-version": "0", "skip-tokenizer-init": True} | dict(c.server_args)
+        cmd = [sys.executable, "-m", "sglang.launch_server"]
+        for k, v in args.items():
+            if v is True:
+                cmd.append(f"--{k}")
+            elif v is not False and v is not None:
+                cmd += [f"--{k}", str(v)]
+        self.log_path = os.path.join(tempfile.gettempdir(), f"loongsage-sglang-{self.engine_id}-{self.port}.log")
+        log = open(self.log_path, "w")
+        # its own session: the server and its TP workers are stopped as one group in close()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + c.startup_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self._log_tail()}")
+            try:
+                if self._http("GET", "/health_generate", timeout=5).status_code == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(2)
+        self.close()
+        raise TimeoutError(f"SGLang server not ready after {c.startup_timeout_s:.0f}s:\n{self._log_tail()}")
+
+    def _log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-n:]
+
+    def _http(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None):
+        import requests
+
+        return requests.request(method, self.url + path, json=payload, timeout=timeout or self.cfg.request_timeout_s)
+
+    def _post(self, path: str, payload: dict | None = None) -> dict:
+        r = self._http("POST", path, payload or {})
+        if r.status_code != 200:
+            raise RuntimeError(f"SGLang {path} failed ({r.status_code}): {r.text[:2000]}")
+        return r.json() if r.content else {}
+
+    def close(self) -> None:
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+
+    # ---- identity / weights --------------------------------------------------------
+    def info(self) -> dict:
+        return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
+                "version": self.version, "server": self.url}
+
+    def weight_version(self) -> int:
+        return self.version
+
+    def weight_specs(self) -> dict:
+        return dict(self._specs)
+
+    def mesh(self, method: str, *args, **kwargs):
+        if self.mesh_endpoint is None:
+            import transfer
+
+            self.mesh_endpoint = transfer.Receiver(target=self)
+        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+
+    def load_weights(self, named_tensors: dict, version: int) -> None:
+        """Apply one complete version (update_weights_from_tensor, bucket by bucket). Each
+        bucket is first copied into memory this process owns on its GPU (the landed
+        tensors may be views of another process's IPC buffer, or in host memory), then
+        shared with the server's TP workers as CUDA IPC handles."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        buckets = list(self._buckets(named_tensors))
+        with self._exclusive():
+            for i, bucket in enumerate(buckets):
+                owned = [(n, t.to(self.device, copy=True)) for n, t in bucket]
+                torch.cuda.current_stream(self.device).synchronize()
+                last = i == len(buckets) - 1
+                blob = MultiprocessingSerializer.serialize(owned, output_str=True)
+                self._post("/update_weights_from_tensor", {
+                    "serialized_named_tensors": [blob] * self.tp,     # one payload per TP rank
+                    "flush_cache": last, "weight_version": str(version) if last else None})
+                del owned
+            self.version = int(version)
+
+    def _buckets(self, named: dict):
+        bucket, size = [], 0
+        for n, t in named.items():
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > self.cfg.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((n, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str = "loongsage", backend: str = "nccl") -> None:
+        """Join the trainer's NCCL group: this server's TP workers take ranks
+        rank_offset .. rank_offset + tp - 1 (the trainer is rank 0)."""
+        self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def load_weights_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                 version: int, group_name: str = "loongsage") -> None:
+        """Receive one version broadcast by DistributedWeightSender, in `names` order."""
+        with self._exclusive():
+            self._post("/update_weights_from_distributed", {
+                "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": True, "weight_version": str(version)})
+            self.version = int(version)
+
+    @contextmanager
+    def _exclusive(self):
+        """Keep a version whole: one update at a time, after the `hold` requests in flight
+        have finished, with generation paused (queued requests wait for resume)."""
+        with self._update_lock:
+            with self._gate:
+                self._updating = True
+                self._gate.wait_for(lambda: self._holding == 0)
+            try:
+                self.pause(self.cfg.pause_mode)
+                try:
+                    yield
+                finally:
+                    self.resume()
+            finally:
+                with self._gate:
+                    self._updating = False
+                    self._gate.notify_all()
+
+    # ---- partial rollout controls ----------------------------------------------------
+    def pause(self, mode: str = "retract") -> None:
+        self._post("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._post("/continue_generation", {})
+
+    def abort_all(self) -> None:
+        """Abort every request in flight now; they return with status aborted."""
+        self._post("/abort_request", {"abort_all": True})
+
+    def pop_stats(self) -> dict:
+        out, self.stats = self.stats, {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        return out
+
+    # ---- generation ----------------------------------------------------------------
+    def generate(self, requests: list[dict]) -> list[dict]:
+        """Each request: prompt_ids, max_new_tokens, temperature, top_p, [prefix_ids,
+        prefix_logprobs, prefix_versions] (resume), [hold] (one version for the whole call).
+        Returns per request: response_ids, logprobs, versions, status."""
+        if not requests:
+            return []
+        t0 = time.time()
+        hold = any(r.get("hold") for r in requests)
+        out: list[dict] = [{}] * len(requests)
+        todo = []
+        for i, r in enumerate(requests):
+            budget = int(r["max_new_tokens"]) - len(r.get("prefix_ids", []))
+            done = bool(r.get("prefix_ids")) and r["prefix_ids"][-1] == self.eos_id
+            if budget <= 0 or done:     # nothing left to generate: return the prefix as it is
+                out[i] = parse_output({"meta_info": {"finish_reason": {"type": "stop" if done else "length"},
+                                                     "weight_version": self.version}}, r)
+            else:
+                todo.append((i, r, budget))
+        if todo:
+            with self._holding_version(hold):
+                results = self._post("/generate", {
+                    "input_ids": [list(r["prompt_ids"]) + list(r.get("prefix_ids", [])) for _, r, _ in todo],
+                    "sampling_params": [self._sampling(r, b) for _, r, b in todo],
+                    "return_logprob": True, "logprob_start_len": -1})
+            results = results if isinstance(results, list) else [results]
+            for (i, r, _), res in zip(todo, results):
+                out[i] = parse_output(res, r)
+        self.stats["requests"] += len(requests)
+        self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
+        self.stats["busy_s"] += time.time() - t0
+        return out
+
+    @staticmethod
+    def _sampling(r: dict, budget: int) -> dict:
+        temp = float(r.get("temperature", 1.0))
+        return {"max_new_tokens": budget, "temperature": temp, "top_p": float(r.get("top_p", 1.0)) if temp > 0 else 1.0,
+                "skip_special_tokens": False, "no_stop_trim": True}
+
+    @contextmanager
+    def _holding_version(self, hold: bool):
+        if not hold:
+            yield
+            return
+        with self._gate:
+            self._gate.wait_for(lambda: not self._updating)
+            self._holding += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._holding -= 1
+                self._gate.notify_all()
+
+
+class DistributedWeightSender:
+    """The trainer's side of SGLang's update_weights_from_distributed: rank 0 of one NCCL
+    group whose other ranks are every engine's TP workers. Lives where the full HF
+    weights are (the trainer's leader), on its GPU."""
+
+    def __init__(self, engines: list, tp_sizes: list[int], master_address: str, master_port: int,
+                 group_name: str = "loongsage", timeout_s: float = 600.0):
+        import ray
+        from sglang.srt.utils import init_custom_process_group
+
+        self.engines, self.group_name = list(engines), group_name
+        world = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
+        refs = [e.init_weight_group.remote(master_address, master_port, off, world, group_name)
+                for e, off in zip(engines, offsets)]
+        # SGLang's own helper, the one its workers use: a group apart from any default group
+        self.group = init_custom_process_group(backend="nccl", init_method=f"tcp://{master_address}:{master_port}",
+                                               world_size=world, rank=0, group_name=group_name,
+                                               timeout=timedelta(seconds=timeout_s))
+        ray.get(refs)
+
+    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
+        import ray
+        import torch.distributed as dist
+
+        names = list(state)
+        dtypes = [str(state[n].dtype).removeprefix("torch.") for n in names]
+        shapes = [list(state[n].shape) for n in names]
+        refs = [e.load_weights_distributed.remote(names, dtypes, shapes, version, self.group_name)
+                for e in self.engines]
+        for n in names:         # the engines receive in this same order
+            dist.broadcast(state[n].contiguous(), src=0, group=self.group)
+        ray.get(refs)
