@@ -97,6 +97,7 @@ class RolloutConfig:
     proxy_port: int = 0                # 0 = any free port
     proxy_max_body_mb: float = 8.0     # larger request bodies get 413
     proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p override an agent's request
+    seed: int = 0                      # sampling seed (per sample: seed, group, index; per turn within it)
 
     def __post_init__(self):
         for k in ("n_samples", "max_new_tokens", "num_engines", "num_workers"):
@@ -176,12 +177,16 @@ class AgentFlowRollout:
         limit = asyncio.Semaphore(self.cfg.max_agents or len(rows) or 1)
         return await asyncio.gather(*(self._one(r, limit) for r in rows))
 
+    def _seed(self, row: dict) -> int:
+        """Each sample draws from its own stream: a resumed or replayed run samples the same tokens."""
+        return (self.cfg.seed * 1_000_003 + int(row["group_id"]) * 1009 + int(row["sample_idx"])) % (2**63)
+
     def _context(self, row: dict) -> AgentContext:
         messages = _chat_prompt(row["prompt"])
         text = render(self.tok, messages) if messages else row["prompt"]
         return AgentContext(self.affinity.for_group(row["group_id"]), self.tok, encode(self.tok, text),
-                            dict(self.sampling), prompt_text=text, messages=messages, max_turns=self.cfg.max_turns,
-                            proxy=self.proxy)
+                            dict(self.sampling, seed=self._seed(row)), prompt_text=text, messages=messages,
+                            max_turns=self.cfg.max_turns, proxy=self.proxy)
 
     async def _one(self, row: dict, limit: asyncio.Semaphore) -> dict:
         t_dispatch = time.time()
