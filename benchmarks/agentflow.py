@@ -17,8 +17,13 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 def agents(endpoints: list[tuple[str, str]], calls: int, max_tokens: int, out) -> None:
@@ -53,6 +58,8 @@ def main() -> None:
 
     import ray
 
+    from pipeline.config import load_config
+    from pipeline.controller import init_ray
     from stages.agentflow.client import EngineClient
     from stages.agentflow.engine import HFEngine
     from stages.agentflow.proxy import Proxy
@@ -60,7 +67,7 @@ def main() -> None:
     from stages.model import ModelConfig, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(ModelConfig())
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)   # workers import the project from ROOT
     engine = ray.remote(HFEngine).options(max_concurrency=16).remote(path, num_threads=1)
     ray.get(engine.info.remote())
     loop = asyncio.new_event_loop()

@@ -192,6 +192,19 @@ def test_seed_makes_sampling_reproducible(ep):
     assert [q["seed"] for q in ep.client.calls[-1][0]] == [123, 124, 125]
 
 
+def test_a_seeded_trajectory_gives_every_call_and_choice_its_own_stream(server, engine):
+    loop, proxy = server
+    client = RecordingClient(engine)
+    ep = loop.run(proxy.open(client, dict(GREEDY, temperature=1.0, seed=5)))
+    try:
+        for _ in range(2):
+            oai(ep).completions.create(model="m", prompt="37+48=", n=2, max_tokens=2)
+    finally:
+        proxy.close(ep)
+    seeds = [q["seed"] for reqs, _ in client.calls for q in reqs]
+    assert seeds[0] == 5 and len(set(seeds)) == 4
+
+
 # ---- completions ----------------------------------------------------------------------------
 def test_completions_text_then_token_ids_extend_one_segment(ep):
     client = oai(ep)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
-from stages.agentflow.session import TurnLimitReached
+from stages.agentflow.session import TurnLimitReached, turn_seed
 from stages.agentflow.stream import TokenStream
 from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
 
@@ -89,8 +89,11 @@ class AgentContext:
             self.turn_limited = True
             raise TurnLimitReached(f"turn limit reached: {self.max_turns} model turns")
         context = self.stream.ids
+        req = {**self.sampling, **overrides, "prompt_ids": context}
+        if "seed" in self.sampling and "seed" not in overrides:
+            req["seed"] = turn_seed(self.sampling["seed"], self.turns)
         t0 = time.perf_counter()
-        (out,) = await self.client.generate([{**self.sampling, **overrides, "prompt_ids": context}])
+        (out,) = await self.client.generate([req])
         self.gen_s += time.perf_counter() - t0
         ids, stopped = cut_at_stop(self.tokenizer, context, out["response_ids"], stop or [], keep_stop=True)
         lps, vers = out["logprobs"][: len(ids)], out["versions"][: len(ids)]

@@ -23,6 +23,12 @@ class TurnLimitReached(RuntimeError):
     pass
 
 
+def turn_seed(seed: int, turn: int, choice: int = 0) -> int:
+    """The sampling seed of one model call (and choice) of a trajectory seeded `seed`: the first
+    call uses `seed` itself; later turns and other choices must not replay its random stream."""
+    return (seed + turn * 2 ** 40 + choice * 2 ** 24) % 2 ** 62
+
+
 @dataclass
 class Choice:
     stream: TokenStream       # the whole stream after this call (prompt, context, this completion)
@@ -85,7 +91,12 @@ class Session:
         req = {**self.sampling, "prompt_ids": base.ids, "max_new_tokens": max_tokens,
                "temperature": temperature, "top_p": top_p}
         t0 = time.perf_counter()
-        reqs = [req] * n if seed is None else [req | {"seed": seed + i} for i in range(n)]
+        if seed is not None:                  # the agent's own seed: choice i samples with seed + i
+            reqs = [req | {"seed": seed + i} for i in range(n)]
+        elif "seed" in self.sampling:         # the rollout's per-sample seed, spread over calls and choices
+            reqs = [req | {"seed": turn_seed(self.sampling["seed"], self.calls - 1, i)} for i in range(n)]
+        else:
+            reqs = [req] * n
         outs = await self.client.generate(reqs)
         engine_s = time.perf_counter() - t0
         self.gen_s += engine_s
