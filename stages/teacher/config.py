@@ -1,0 +1,67 @@
+"""The `teacher:` section of a recipe: which teachers exist, who serves which data source,
+and how many of them may be resident at once.
+
+Empty `teachers` means the recipe has no teacher stage. Everything that can be checked
+without touching a file is checked here; `manager.check_teachers` does the rest (teacher
+directories, weights, tokenizers, budget vs sizes) at start, before an actor exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class TeacherError(ValueError):
+    """A teacher set-up problem found at start; the message names the teacher or data source."""
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    teachers: dict[str, str] = field(default_factory=dict)   # teacher id -> local HF directory (safetensors)
+    routes: dict[str, str] = field(default_factory=dict)     # data_source -> teacher id
+    default: str = ""               # teacher id for a data_source not in routes; "" = such a source is an error
+    max_resident: int = 0           # teachers resident at once (0 = no limit by count)
+    max_resident_bytes: int = 0     # bytes of resident teacher weights (0 = no limit by bytes)
+    top_k: int = 0                  # > 0: also write the teacher's top-k per position (GKD-style losses)
+    temperature: float = 1.0        # teacher log-probs are of logits / temperature
+    dtype: str = "float32"          # dtype teachers are held and run in (the files may differ)
+    device: str = "auto"            # auto = cuda when the actor sees a GPU, else cpu
+    micro_batch: int = 64           # rows per teacher forward pass
+    workers: int = 1                # scoring actors; each holds its own resident set, so the budget is per actor
+
+    def __post_init__(self):
+        for key in ("teachers", "routes"):
+            bad = [(k, v) for k, v in getattr(self, key).items() if not isinstance(v, str) or not v]
+            if bad:
+                raise TeacherError(f"teacher.{key}.{bad[0][0]} must be a non-empty string, got {bad[0][1]!r}")
+        for source, tid in self.routes.items():
+            if tid not in self.teachers:
+                raise TeacherError(f"teacher.routes.{source} names teacher {tid!r}, which is not in teacher.teachers "
+                                   f"(known: {', '.join(self.teachers) or 'none'})")
+        if self.default and self.default not in self.teachers:
+            raise TeacherError(f"teacher.default {self.default!r} is not in teacher.teachers "
+                               f"(known: {', '.join(self.teachers) or 'none'})")
+        if self.max_resident < 0 or self.max_resident_bytes < 0:
+            raise TeacherError("teacher.max_resident and teacher.max_resident_bytes must be >= 0 (0 = no limit)")
+        if self.top_k < 0 or self.micro_batch <= 0 or self.workers <= 0:
+            raise TeacherError("teacher.top_k must be >= 0, teacher.micro_batch and teacher.workers > 0")
+        if self.temperature <= 0:
+            raise TeacherError(f"teacher.temperature must be > 0, got {self.temperature}")
+        if self.dtype not in DTYPES:
+            raise TeacherError(f"teacher.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise TeacherError(f"teacher.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teachers)
+
+    def route(self, data_source: str) -> str:
+        """The teacher id for a data source; TeacherError when neither a route nor a default exists."""
+        tid = self.routes.get(data_source, self.default)
+        if not tid:
+            raise TeacherError(f"data_source {data_source!r} has no teacher: add teacher.routes.{data_source} "
+                               f"or set teacher.default (routed sources: {', '.join(self.routes) or 'none'})")
+        return tid

@@ -1,0 +1,106 @@
+"""Where an offloaded teacher's weights wait, and how they come back: one class per host kind.
+
+Both stores have one method, `fetch() -> {name: tensor on the resident device}`; the
+manager assigns the tensors into the model and later drops them. What "offloaded" costs:
+
+* CpuOffload (CPU hosts): nothing in the process. The weights stay in the teacher's
+  safetensors files; a swap-in memory-maps them (safe_open) and copies every tensor into
+  memory the process owns. The copy is deliberate: a zero-copy mmap view would make
+  "resident" mean "whatever pages the OS kept", page faults would land inside the
+  forward pass, and RSS could not check the budget. The mapping is closed right after,
+  so a dropped teacher leaves at most reclaimable page cache behind.
+* PinnedOffload (GPU hosts): a pinned (page-locked) CPU copy of every tensor, made once at
+  start; a swap-in is one asynchronous host-to-device copy per tensor. Pinned memory is
+  what lets those copies run at full PCIe/NVLink-C2C bandwidth. Only exercised with CUDA.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from stages.teacher.config import TeacherError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FILE_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1}
+
+
+def weight_files(tid: str, path: str) -> list[Path]:
+    """The teacher's safetensors files: model.safetensors, or the shards its index names."""
+    p = Path(path)
+    single, index = p / "model.safetensors", p / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (p / s).is_file()]
+        if missing:
+            raise TeacherError(f"teacher {tid!r} ({p}): shard {missing[0]} named by its index is missing")
+        return [p / s for s in shards]
+    raise TeacherError(f"teacher {tid!r} ({p}): no model.safetensors (teachers are offloaded through their "
+                       f"safetensors files; re-save the model with save_pretrained(safe_serialization=True))")
+
+
+def read_header(tid: str, files: list[Path]) -> dict[str, tuple[list[int], str]]:
+    """name -> (shape, file dtype) of every tensor, read from the headers only (no weights)."""
+    from safetensors import safe_open
+
+    out = {}
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in h.keys():
+                    s = h.get_slice(name)
+                    out[name] = (list(s.get_shape()), s.get_dtype())
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types; name the teacher
+        raise TeacherError(f"teacher {tid!r}: cannot read weights {f}: {e}") from e
+    return out
+
+
+def resident_nbytes(header: dict[str, tuple[list[int], str]], dtype: str) -> int:
+    """Bytes the teacher occupies when resident in `dtype` (floating tensors are cast to it)."""
+    size = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+    total = 0
+    for shape, file_dtype in header.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * (size if file_dtype in ("F64", "F32", "BF16", "F16") else _FILE_DTYPE_BYTES.get(file_dtype, 4))
+    return total
+
+
+def _read(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for name in h.keys():
+                t = h.get_tensor(name)
+                # copy=True: own the memory, so closing the map really drops the file pages
+                out[name] = t.to(dtype if t.is_floating_point() else t.dtype, copy=True)
+    return out
+
+
+class CpuOffload:
+    def __init__(self, files: list[Path], dtype: str, device: torch.device):
+        self.files, self.dtype = files, _DTYPES[dtype]
+
+    def fetch(self) -> dict[str, torch.Tensor]:
+        return _read(self.files, self.dtype)
+
+
+class PinnedOffload:
+    def __init__(self, files: list[Path], dtype: str, device: torch.device):
+        self.device = device
+        self.host = {name: t.pin_memory() for name, t in _read(files, _DTYPES[dtype]).items()}
+
+    def fetch(self) -> dict[str, torch.Tensor]:
+        out = {name: t.to(self.device, non_blocking=True) for name, t in self.host.items()}
+        torch.cuda.current_stream(self.device).synchronize()   # the forward must not see half-copied weights
+        return out
+
+
+OFFLOADS = {"cpu": CpuOffload, "cuda": PinnedOffload}

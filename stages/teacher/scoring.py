@@ -1,0 +1,167 @@
+"""Teacher scoring stage: the teacher's log-probs of the student's own sampled tokens.
+
+Input columns:  data_source, prompt_ids, response_ids, status, error
+Output columns: teacher_id, teacher_logprobs (aligned with response_ids), status, error,
+                teacher_topk_ids / teacher_topk_logprobs (per position, when teacher.top_k > 0),
+                teacher_swaps / teacher_swap_bytes / teacher_swap_s (what this row's teacher
+                group cost to swap in; on the group's first row, 0 elsewhere, so a sum over
+                any set of rows counts each swap once)
+
+Why here and why in this actor: on-policy distillation needs the teachers' view of the
+tokens the student actually sampled, between rollout and the update. The teachers live
+in this stage's own actor pool (Ray Data actors), not behind separate teacher actors:
+teachers are frozen, so nothing ever needs to address them from outside (unlike engines,
+which receive weights), and scoring where the rows already are saves shipping every
+batch's token ids through one more actor hop. The budget is therefore per scoring actor.
+
+Rows are grouped by teacher and each teacher is visited once per batch, resident ones
+first, so a batch costs at most one swap-in per non-resident teacher it needs. A row that
+its teacher fails on (or that has no teacher) is marked failed with the error; the other
+rows of the batch are scored as usual.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from pipeline.schema import with_columns
+from stages.teacher.config import TeacherConfig
+from stages.teacher.manager import TeacherManager
+
+SKIP = ("failed", "aborted")   # rows an earlier stage already gave up on: nothing to score
+ERROR_PREFIX = "teacher stage: "   # every error this stage writes starts so (metrics count them)
+
+
+def score_rows(model, rows: list[dict], temperature: float, top_k: int, pad_id: int, device) -> list[tuple]:
+    """(logprobs [T], topk ids [T,k] | None, topk logprobs [T,k] | None) per row, for the
+    response tokens given prompt + response. Sequences are right-padded: with a causal
+    mask, padding after a sequence cannot change its logits."""
+    seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in rows]
+    n, L = len(seqs), max(map(len, seqs))
+    T = max(len(r["response_ids"]) for r in rows)
+    ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, L), dtype=torch.long)
+    pos = torch.zeros((n, T), dtype=torch.long)
+    tgt = torch.zeros((n, T), dtype=torch.long)
+    for i, (s, r) in enumerate(zip(seqs, rows)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        k, p = len(r["response_ids"]), len(r["prompt_ids"])
+        pos[i, :k] = torch.arange(p - 1, p - 1 + k)    # the logits at p-1+t predict response token t
+        tgt[i, :k] = torch.tensor(r["response_ids"])
+    with torch.inference_mode():
+        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
+        logits = logits.gather(1, pos.to(device)[..., None].expand(-1, -1, logits.shape[-1]))
+        logp = torch.log_softmax(logits.float() / temperature, -1)
+        lp = logp.gather(-1, tgt.to(device)[..., None])[..., 0].cpu()
+        top = logp.topk(min(top_k, logp.shape[-1]), -1) if top_k else None
+    out = []
+    for i, r in enumerate(rows):
+        k = len(r["response_ids"])
+        if top is None:
+            out.append((lp[i, :k].tolist(), None, None))
+        else:
+            out.append((lp[i, :k].tolist(), top.indices[i, :k].cpu().tolist(), top.values[i, :k].cpu().tolist()))
+    return out
+
+
+class TeacherScoring:
+    inputs = ("data_source", "prompt_ids", "response_ids", "status", "error")
+    outputs = ("teacher_id", "teacher_logprobs", "status", "error", "teacher_topk_ids", "teacher_topk_logprobs",
+               "teacher_swaps", "teacher_swap_bytes", "teacher_swap_s")
+
+    def __init__(self, cfg: TeacherConfig, student_dir: str, num_threads: int = 1):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.cfg = cfg
+        self.manager = TeacherManager(cfg, student_dir)
+        from stages.model import load_tokenizer
+
+        self.pad_id = load_tokenizer(student_dir).pad_token_id
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.select(list(self.inputs)).to_pylist()
+        n = len(rows)
+        out = {"teacher_id": [None] * n, "teacher_logprobs": [None] * n,
+               "status": [r["status"] for r in rows], "error": [r["error"] or "" for r in rows],
+               "teacher_topk_ids": [None] * n, "teacher_topk_logprobs": [None] * n,
+               "teacher_swaps": [0] * n, "teacher_swap_bytes": [0] * n, "teacher_swap_s": [0.0] * n}
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            if r["status"] in SKIP:
+                continue
+            try:
+                groups.setdefault(self.manager.route(r["data_source"]), []).append(i)
+            except ValueError as e:
+                self._fail(out, i, str(e))
+        for tid in self.manager.order(groups):
+            self._score_group(tid, groups[tid], rows, out)
+        return self._table(batch, out)
+
+    def _score_group(self, tid: str, idx: list[int], rows: list[dict], out: dict) -> None:
+        try:
+            model, swap = self.manager.acquire(tid)
+        except Exception as e:  # noqa: BLE001 - a teacher that cannot load fails its rows, not the run
+            for i in idx:
+                self._fail(out, i, f"teacher {tid!r} could not be swapped in: {type(e).__name__}: {e}")
+            return
+        first = idx[0]
+        out["teacher_swaps"][first], out["teacher_swap_bytes"][first] = swap.swaps_in, swap.bytes_in
+        out["teacher_swap_s"][first] = swap.seconds
+        mb = self.cfg.micro_batch
+        for j in range(0, len(idx), mb):
+            chunk = [i for i in idx[j: j + mb] if rows[i]["response_ids"]]
+            for i in idx[j: j + mb]:
+                out["teacher_id"][i], out["teacher_logprobs"][i] = tid, []   # empty responses stay empty
+            if chunk:
+                self._score_chunk(tid, model, chunk, rows, out)
+
+    def _score_chunk(self, tid, model, chunk: list[int], rows: list[dict], out: dict) -> None:
+        try:
+            results = list(zip(chunk, self._score(model, [rows[i] for i in chunk])))
+        except Exception:  # noqa: BLE001 - find the row(s) at fault: score one by one
+            results = []
+            for i in chunk:
+                try:
+                    results.append((i, self._score(model, [rows[i]])[0]))
+                except Exception as e:  # noqa: BLE001
+                    self._fail(out, i, f"teacher {tid!r} failed on this row: {type(e).__name__}: {e}")
+        for i, (lp, top_ids, top_lp) in results:
+            out["teacher_logprobs"][i] = lp
+            out["teacher_topk_ids"][i], out["teacher_topk_logprobs"][i] = top_ids, top_lp
+
+    def _score(self, model, rows):
+        return score_rows(model, rows, self.cfg.temperature, self.cfg.top_k, self.pad_id, self.manager.device)
+
+    @staticmethod
+    def _fail(out: dict, i: int, error: str) -> None:
+        out["status"][i], out["error"][i] = "failed", ERROR_PREFIX + error
+        out["teacher_logprobs"][i] = out["teacher_topk_ids"][i] = out["teacher_topk_logprobs"][i] = None
+
+    @staticmethod
+    def _table(batch: pa.Table, out: dict) -> pa.Table:
+        typed = {"teacher_topk_ids": pa.list_(pa.list_(pa.int32())),
+                 "teacher_topk_logprobs": pa.list_(pa.list_(pa.float32())),
+                 "teacher_swaps": pa.int32(), "teacher_swap_bytes": pa.int64(), "teacher_swap_s": pa.float64()}
+        table = with_columns(batch, {k: v for k, v in out.items() if k not in typed})
+        for name, typ in typed.items():
+            arr = pa.array(out[name], type=typ)
+            idx = table.schema.get_field_index(name)
+            table = table.set_column(idx, name, arr) if idx >= 0 else table.append_column(name, arr)
+        return table
+
+
+def teacher_metrics(table: pa.Table) -> dict:
+    """Per-step teacher figures from the scored rows the trainer consumed (the controller logs them)."""
+    if "teacher_swaps" not in table.column_names:
+        return {}
+    ids = table.column("teacher_id").to_pylist()
+    errors = table.column("error").to_pylist()
+    m = {"teacher/swaps": sum(table.column("teacher_swaps").to_pylist()),
+         "teacher/swap_bytes": sum(table.column("teacher_swap_bytes").to_pylist()),
+         "teacher/swap_s": sum(table.column("teacher_swap_s").to_pylist()),
+         "teacher/scored": sum(lp is not None for lp in table.column("teacher_logprobs").to_pylist()),
+         "teacher/failed": sum((e or "").startswith(ERROR_PREFIX) for e in errors)}
+    for tid in sorted({t for t in ids if t is not None}):
+        m[f"teacher/rows/{tid}"] = ids.count(tid)
+    return m
