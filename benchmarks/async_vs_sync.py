@@ -35,9 +35,11 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        sync = one(["rollout.stale_steps=0", "rollout.window=no-window", "algorithm.tis_cap=0"], a.steps, a.overrides, root)
+        sync_mode = ["rollout.stale_steps=0", "rollout.window=no-window", "algorithm.tis_cap=0"]
+        sync = one(sync_mode, a.steps, a.overrides, root)
         asyn = one(["rollout.stale_steps=1"], a.steps, a.overrides, root)
-    print(f"{'mode':<6} {'samples/s':>10} {'rollout busy':>13} {'trainer busy':>13} {'max stale':>10} {'final acc':>10}")
+    head = ("mode", "samples/s", "rollout busy", "trainer busy", "max stale", "final acc")
+    print(f"{head[0]:<6} {head[1]:>10} {head[2]:>13} {head[3]:>13} {head[4]:>10} {head[5]:>10}")
     for name, r in (("sync", sync), ("async", asyn)):
         print(f"{name:<6} {r['samples_per_s']:>10.1f} {r['rollout_busy']:>13.2f} {r['trainer_busy']:>13.2f} "
               f"{r['staleness_max']:>10} {r['final_accuracy']:>10.3f}")

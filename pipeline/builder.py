@@ -30,7 +30,8 @@ class Stage:
     def __init__(self, cls: type, *args, workers: int = 1, num_cpus: float = 0.1, batch_rows: int | None = None,
                  inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1, **kwargs):
         self.cls, self.args, self.kwargs = cls, args, kwargs
-        self.workers, self.num_cpus, self.batch_rows, self.max_concurrency = workers, num_cpus, batch_rows, max_concurrency
+        self.workers, self.num_cpus = workers, num_cpus
+        self.batch_rows, self.max_concurrency = batch_rows, max_concurrency
         self.inputs = tuple(inputs if inputs is not None else getattr(cls, "inputs", ()))
         self.outputs = tuple(outputs if outputs is not None else getattr(cls, "outputs", ()))
 

@@ -109,7 +109,7 @@ class Gate:
             for seq in sorted(seqs):
                 if seq in self.s.dispatched:
                     continue  # a group split across two batches is dispatched once
-                await self._cond.wait_for(lambda: self.s.closed or self.strategy.can_dispatch(self.s, seq))
+                await self._cond.wait_for(lambda seq=seq: self.s.closed or self.strategy.can_dispatch(self.s, seq))
                 if self.s.closed:
                     return -1
                 self.s.dispatched[seq] = self.s.version

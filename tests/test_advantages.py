@@ -120,7 +120,7 @@ def test_masked_tokens_are_zero_and_dtype_follows_inputs():
     r, gids, mask = random_batch(8)
     for name in ESTIMATORS:
         assert np.all(_run(name, r, gids, mask)[mask == 0] == 0)
-    out = compute_advantages("grpo", torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool))
+    out = compute_advantages("grpo", torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool))  # noqa: E501
     assert out.dtype == torch.float32
 
 

@@ -3,7 +3,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.schema import table_from_columns, with_columns
+from pipeline.schema import table_from_columns
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.update.losses import AlgorithmConfig
@@ -24,7 +24,8 @@ def test_engine_logprobs_match_trainer_and_versions_advance(tiny_model_dir):
     tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1), AlgorithmConfig())
     rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
              "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": 1.0 * i,
-             "group_id": 0, "status": o["status"]} for i, (r, o) in enumerate(zip(_requests(eng, ["12+7=", "3+45=", "99+9="]), outs))]
+             "group_id": 0, "status": o["status"]}
+            for i, (r, o) in enumerate(zip(_requests(eng, ["12+7=", "3+45=", "99+9="]), outs))]
     b = to_batch(pa.Table.from_pylist(rows), tr.pad_id)
     with torch.no_grad():
         lp = tr.logprobs(tr.model, b)[0]

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.update.losses import (AGGREGATIONS, PRESETS, SURROGATES, AlgorithmConfig, policy_loss,
-                                  shape_overlong)
+from stages.update.losses import AGGREGATIONS, PRESETS, SURROGATES, AlgorithmConfig, policy_loss, shape_overlong
 
 B, T = 7, 6
 

@@ -28,7 +28,7 @@ from .topology import Party, format_table
 
 class TransferMesh:
     def __init__(self, sender, receivers: Mapping[str, object],
-                 cfg: TransferConfig = TransferConfig()):
+                 cfg: TransferConfig = TransferConfig()):  # noqa: B008 - frozen, immutable default
         self.sender = sender
         self.receivers = dict(receivers)
         self.cfg = cfg

@@ -167,5 +167,6 @@ class HFEngine:
         if gens is None or all(g is None for g in gens):
             tok = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
         else:
-            tok = torch.cat([torch.multinomial(p[None], 1, generator=g or self._gen)[:, 0] for p, g in zip(probs, gens)])
+            tok = torch.cat([torch.multinomial(p[None], 1, generator=g or self._gen)[:, 0]
+                             for p, g in zip(probs, gens)])
         return tok, logp.gather(-1, tok[:, None])[:, 0]
