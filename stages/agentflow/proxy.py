@@ -149,7 +149,7 @@ class Proxy:
         msgs = [assistant_message(req, c) for c in choices]
         if not session.closed:
             session.transcript = req.messages + [msgs[0][0]]
-        pieces = [token_pieces(self.tok, base.ids, c.ids, c.text) for c in choices]
+        pieces = self._pieces(req, base, choices)
         if req.stream:
             return await self._sse(request, choices, chat_chunks(req, choices, msgs, pieces, len(base.ids)))
         return self._reply(choices, chat_body(req, choices, msgs, pieces, len(base.ids)))
@@ -164,10 +164,16 @@ class Proxy:
             prompt = req.prompt if isinstance(req.prompt, str) else base.text
             session.transcript = [{"role": "prompt", "content": prompt},
                                   {"role": "assistant", "content": choices[0].text}]
-        pieces = [token_pieces(self.tok, base.ids, c.ids, c.text) for c in choices]
+        pieces = self._pieces(req, base, choices)
         if req.stream:
             return await self._sse(request, choices, completion_chunks(req, choices, pieces, len(base.ids)))
         return self._reply(choices, completion_body(req, choices, pieces, len(base.ids)))
+
+    def _pieces(self, req, base, choices) -> list[list[str]]:
+        """Per-token text, needed only for streaming and logprobs (a decode per token costs)."""
+        if not (req.stream or req.logprobs):
+            return [[] for _ in choices]
+        return [token_pieces(self.tok, base.ids, c.ids, c.text) for c in choices]
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "loongsage", "object": "model", "created": 0,
