@@ -63,7 +63,6 @@ def main() -> None:
     from stages.agentflow.client import EngineClient
     from stages.agentflow.engine import HFEngine
     from stages.agentflow.proxy import Proxy
-    from stages.agentflow.rollout import HandoffClient
     from stages.model import ModelConfig, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(ModelConfig())
@@ -75,7 +74,7 @@ def main() -> None:
     run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()  # noqa: E731
     proxy = Proxy(load_tokenizer(path))
     sampling = {"max_new_tokens": a.max_tokens, "temperature": 1.0, "top_p": 1.0}
-    client: EngineClient = HandoffClient(engine)
+    client = EngineClient(engine)
     ctx = mp.get_context("spawn")
 
     print(f"{'agents':>6} {'calls':>6} {'round trip ms':>14} {'engine ms':>10} {'overhead ms':>12} "
