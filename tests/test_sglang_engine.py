@@ -94,3 +94,11 @@ def test_generate_update_generate_on_a_gpu(model_path):
         ray.get(engine.close.remote())
     finally:
         ray.shutdown()
+
+
+def test_sampling_params_carry_the_samples_seed_past_a_prefix():
+    r = {"prompt_ids": [2], "max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 41, "prefix_ids": [5, 6]}
+    params = SGLangEngine._sampling(r, 6)
+    assert params == {"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9, "skip_special_tokens": False,
+                      "no_stop_trim": True, "sampling_seed": 43}
+    assert SGLangEngine._sampling({"temperature": 0.0, "top_p": 0.5}, 4)["top_p"] == 1.0   # greedy ignores top_p

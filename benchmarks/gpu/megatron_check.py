@@ -31,11 +31,11 @@ sys.path.insert(0, ROOT)
 def step_table(vocab: int, rows: int, prompt_len: int, resp_len: int, seed: int = 0) -> pa.Table:
     g = np.random.default_rng(seed)
     out = []
-    for i in range(rows):
-        resp = g.integers(3, vocab, resp_len).tolist()
+    for i in range(rows):       # uneven lengths: the token-mean loss is then not zero at ratio 1
+        resp = g.integers(3, vocab, g.integers(max(1, resp_len // 2), resp_len + 1)).tolist()
         out.append(dict(prompt_ids=g.integers(3, vocab, prompt_len).tolist(), response_ids=resp,
-                        response_logprobs=(-g.random(resp_len) * 2).tolist(), loss_mask=[1] * resp_len,
-                        token_versions=[0] * resp_len, reward=float(g.integers(0, 2)), group_id=i // 4,
+                        response_logprobs=(-g.random(len(resp)) * 2).tolist(), loss_mask=[1] * len(resp),
+                        token_versions=[0] * len(resp), reward=float(g.integers(0, 2)), group_id=i // 4,
                         status="completed"))
     return pa.Table.from_pylist(out)
 

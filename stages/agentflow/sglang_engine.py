@@ -318,8 +318,12 @@ class SGLangEngine:
     @staticmethod
     def _sampling(r: dict, budget: int) -> dict:
         temp = float(r.get("temperature", 1.0))
-        return {"max_new_tokens": budget, "temperature": temp, "top_p": float(r.get("top_p", 1.0)) if temp > 0 else 1.0,
-                "skip_special_tokens": False, "no_stop_trim": True}
+        top_p = float(r.get("top_p", 1.0)) if temp > 0 else 1.0
+        params = {"max_new_tokens": budget, "temperature": temp, "top_p": top_p,
+                  "skip_special_tokens": False, "no_stop_trim": True}
+        if "seed" in r:     # the sample's own stream, advanced past a resumed prefix (as HFEngine does)
+            params["sampling_seed"] = (int(r["seed"]) + len(r.get("prefix_ids", []))) % (2**63)
+        return params
 
     @contextmanager
     def _holding_version(self, hold: bool):
@@ -368,5 +372,5 @@ class DistributedWeightSender:
         refs = [e.load_weights_distributed.remote(names, dtypes, shapes, version, self.group_name)
                 for e in self.engines]
         for n in names:         # the engines receive in this same order
-            dist.broadcast(state[n].contiguous(), src=0, group=self.group)
+            dist.broadcast(state[n].contiguous(), group=self.group, group_src=0)
         ray.get(refs)
