@@ -208,6 +208,8 @@ class SGLangEngine:
 
         buckets = list(self._buckets(named_tensors))
         with self._exclusive():
+            if not buckets:     # no weights, only the clock (a resumed run): the server tags tokens with it
+                self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
             for i, bucket in enumerate(buckets):
                 owned = [(n, t.to(self.device, copy=True)) for n, t in bucket]
                 torch.cuda.current_stream(self.device).synchronize()
