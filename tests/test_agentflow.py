@@ -273,10 +273,10 @@ def test_agent_commands_run_from_any_directory(tmp_path, monkeypatch):
 
 def test_requests_arriving_while_a_batch_is_at_the_engine_are_served(engine):
     """A multi-turn agent's next call often arrives while other agents' batch is generating."""
-    from stages.agentflow.rollout import HandoffClient
+    from stages.agentflow.client import EngineClient
 
     async def main():
-        client = HandoffClient(engine)
+        client = EngineClient(engine)
         busy = [{"prompt_ids": [6, 10, 13], "max_new_tokens": 48, "temperature": 1.0}] * 64
         first = asyncio.ensure_future(client.generate(busy))
         await asyncio.sleep(0.05)              # the first batch has left for the engine

@@ -15,6 +15,7 @@ class EngineClient:
         self.window_s = window_s
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
+        self._sending: set[asyncio.Task] = set()
 
     async def generate(self, requests: list[dict]) -> list[dict]:
         loop = asyncio.get_running_loop()
@@ -28,8 +29,16 @@ class EngineClient:
         return list(await asyncio.gather(*futs))
 
     async def _flush(self) -> None:
+        # The batch is handed to a task of its own, so this flusher is done before the engine
+        # answers: a request arriving meanwhile (an agent's next turn) schedules a new flush
+        # instead of waiting forever behind a flusher that is still awaiting the engine.
         await asyncio.sleep(self.window_s)
         batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        self._sending.add(task)                      # strong reference: the loop keeps only weak ones
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch) -> None:
         try:
             results = await self.engine.generate.remote([r for r, _ in batch])
         except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the engine's error

@@ -35,42 +35,8 @@ from pipeline.schema import with_columns
 from stages.agentflow.agent import AgentContext, SingleTurnAgent
 from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
-from stages.agentflow.client import Affinity, EngineClient
+from stages.agentflow.client import Affinity
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent
-
-
-class HandoffClient(EngineClient):
-    """EngineClient whose flush hands its batch to a task of its own instead of awaiting it.
-
-    EngineClient._flush awaits the engine while still being "the flusher", so a request
-    that arrives during that wait joins `_pending` without a flush of its own and, if no
-    later request comes (every agent of the batch waiting on its next turn), waits
-    forever. Multi-turn agents hit exactly that; one-shot batches never do.
-    """
-
-    def __init__(self, engine, window_s: float = 0.002):
-        super().__init__(engine, window_s)
-        self._sending: set[asyncio.Task] = set()   # strong references: the loop keeps only weak ones
-
-    async def _flush(self) -> None:
-        await asyncio.sleep(self.window_s)
-        batch, self._pending = self._pending, []
-        task = asyncio.ensure_future(self._send(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send(self, batch) -> None:
-        try:
-            results = await self.engine.generate.remote([r for r, _ in batch])
-        except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the engine's error
-            for _, f in batch:
-                if not f.done():
-                    f.set_exception(e)
-            return
-        for (_, f), res in zip(batch, results):
-            if not f.done():
-                f.set_result(res)
-
 
 BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculator": CalculatorAgent}
 
@@ -154,7 +120,6 @@ class AgentFlowRollout:
         self.tok = ensure_chat_template(load_tokenizer(model_path))
         self.agent = load_agent(cfg.agent)
         self.affinity = Affinity(engines)
-        self.affinity.clients = [HandoffClient(e) for e in engines]   # see HandoffClient: multi-turn needs it
         self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "hold": cfg.partial == "wait"}
         self.loop = asyncio.new_event_loop()
