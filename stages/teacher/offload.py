@@ -5,7 +5,7 @@ manager assigns the tensors into the model and later drops them. What "offloaded
 
 * CpuOffload (CPU hosts): nothing in the process. The weights stay in the teacher's
   safetensors files; a swap-in memory-maps them (safe_open) and copies every tensor into
-  memory the process owns. The copy is deliberate: a zero-copy mmap view would make
+  memory the process owns, in chunks. The copy is deliberate: a zero-copy mmap view would make
   "resident" mean "whatever pages the OS kept", page faults would land inside the
   forward pass, and RSS could not check the budget. The mapping is closed right after,
   so a dropped teacher leaves at most reclaimable page cache behind.
@@ -71,16 +71,29 @@ def resident_nbytes(header: dict[str, tuple[list[int], str]], dtype: str) -> int
     return total
 
 
+# A swap-in copies from the file's memory map; pages it has read stay in RSS until the map
+# closes. Reopening the file every CHUNK bytes bounds that transient to CHUNK instead of a
+# whole teacher, so the resident set measured by the OS stays close to the budget.
+CHUNK = 64 << 20
+
+
 def _read(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as h:
-            for name in h.keys():
-                t = h.get_tensor(name)
-                # copy=True: own the memory, so closing the map really drops the file pages
-                out[name] = t.to(dtype if t.is_floating_point() else t.dtype, copy=True)
+            names = list(h.keys())
+        while names:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                copied = 0
+                while names and copied < CHUNK:
+                    name = names.pop(0)
+                    t = h.get_tensor(name)
+                    # copy=True: own the memory, so closing the map really drops the file pages
+                    out[name] = t.to(dtype if t.is_floating_point() else t.dtype, copy=True)
+                    copied += t.numel() * t.element_size()
+                    del t
     return out
 
 
