@@ -65,6 +65,10 @@ class SpanSink:
         self.flush_spans, self.flush_s = flush_spans, flush_s
         self.buf: list[dict] = []
         self.parts = self.count = 0
+        t0 = time.perf_counter()
+        # Arrow's Parquet writer spends ~0.2 s CPU on its first use: pay it here, before the run, not mid-step
+        pq.write_table(SPAN_SCHEMA.empty_table(), pa.BufferOutputStream())
+        self.start_s = time.perf_counter() - t0
         self.busy_s, self.last_flush = 0.0, time.time()
 
     def add(self, spans: list[dict]) -> None:
@@ -90,7 +94,8 @@ class SpanSink:
         t0 = time.perf_counter()
         self.flush()
         self.busy_s += time.perf_counter() - t0
-        summary = {"session": self.session, "spans": self.count, "parts": self.parts, "sink_busy_s": self.busy_s}
+        summary = {"session": self.session, "spans": self.count, "parts": self.parts, "sink_busy_s": self.busy_s,
+                   "sink_start_s": self.start_s}
         (self.dir / f"_complete-{self.session}.json").write_text(json.dumps(summary))
         return summary
 
@@ -281,16 +286,20 @@ def stage_table(spans):
     return t.loc[stage_order(spans)]
 
 
+def _merge(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
 def _union(intervals) -> float:
     """Total length of the union of (start, end) intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            total += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (0.0 if cur_e is None else cur_e - cur_s)
+    return sum(e - s for s, e in _merge(intervals))
 
 
 def utilization(spans):
@@ -353,14 +362,19 @@ def queue_depths(spans):
 
 
 def throughput(spans, bin_s: float | None = None):
-    """Rows/s each stage completed per time bin (`bin_s`, default 1/30 of the run): index t, a column per stage."""
+    """Rows/s each stage completed per time bin (`bin_s`, default 1/30 of the run).
+
+    Index t: bin start (s from the first span), every bin present; a column per stage that moves rows.
+    """
     wall = spans["end"].max() - spans["start"].min()
     bin_s = bin_s or max(wall / 30, 1e-3)
-    s = spans.assign(bin=((spans["end"] - spans["start"].min()) // bin_s) * bin_s,
-                     rows=np.maximum(spans["rows_in"], spans["rows_out"]))
-    table = s.pivot_table(index="bin", columns="stage", values="rows", aggfunc="sum", fill_value=0) / bin_s
+    k = ((spans["end"] - spans["start"].min()) // bin_s).astype(int)
+    s = spans.assign(bin=k, rows=np.maximum(spans["rows_in"], spans["rows_out"]))
+    table = s.pivot_table(index="bin", columns="stage", values="rows", aggfunc="sum", fill_value=0)
+    table = table.reindex(range(int(k.max()) + 1), fill_value=0) / bin_s
+    table.index = table.index * bin_s
     table.index.name = "t"
-    return table[[c for c in stage_order(spans) if c in table.columns]]
+    return table[[c for c in stage_order(spans) if c in table.columns and table[c].sum() > 0]]
 
 
 def staleness(rollouts) -> np.ndarray:
@@ -390,24 +404,34 @@ def _colors(stages):
     return {s: cmap(i % 10) for i, s in enumerate(stages)}
 
 
-def plot_gantt(spans, ax=None):
-    """One row per actor, one bar per span, coloured by stage."""
+def plot_gantt(spans, ax=None, rollouts=None):
+    """One row per actor, one bar per span, coloured by stage.
+
+    With `rollouts` (t_dispatch, t_done per trained row) a bottom row shows when generation
+    actually ran: a rollout call's span also covers time it waited at the window gate.
+    """
+    from matplotlib.patches import Patch
+
     order = stage_order(spans)
     colors = _colors(order)
     first_stage = spans.groupby("actor")["stage"].first()
     actors = sorted(first_stage.index, key=lambda a: (order.index(first_stage[a]), a))
-    ax = _axes(ax, (10, 0.5 * len(actors) + 1.5))
+    ax = _axes(ax, (10, 0.5 * len(actors) + 2))
     t0 = spans["start"].min()
     for i, a in enumerate(actors):
         g = spans[spans["actor"] == a]
         for stage, h in g.groupby("stage"):
             ax.broken_barh(list(zip(h["start"] - t0, h["duration_s"])), (i - 0.4, 0.8), color=colors[stage])
-    ax.set_yticks(range(len(actors)), actors)
+    rows, handles = dict(enumerate(actors)), [Patch(color=colors[s], label=s) for s in order]
+    if rollouts is not None and len(rollouts):
+        gen = _merge(zip(rollouts["t_dispatch"], rollouts["t_done"]))
+        ax.broken_barh([(s - t0, e - s) for s, e in gen], (-1.4, 0.8), color="0.4")
+        rows[-1] = "generation (rows)"
+        handles.append(Patch(color="0.4", label="generating"))
+    ax.set_yticks(list(rows), list(rows.values()))
     ax.set_xlabel("seconds since the first span")
     ax.set_title("timeline per actor")
-    from matplotlib.patches import Patch
-
-    ax.legend(handles=[Patch(color=colors[s], label=s) for s in order], loc="upper left", bbox_to_anchor=(1, 1))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1, 1))
     return ax
 
 
@@ -415,8 +439,9 @@ def plot_throughput(spans, ax=None, bin_s: float | None = None):
     ax = _axes(ax)
     th = throughput(spans, bin_s)
     colors = _colors(stage_order(spans))
-    for stage in th.columns:
-        ax.plot(th.index, th[stage], label=stage, color=colors[stage], drawstyle="steps-post")
+    for i, stage in enumerate(th.columns):     # wider lines first: stages in lockstep stay visible
+        ax.plot(th.index, th[stage], label=stage, color=colors[stage], drawstyle="steps-post",
+                linewidth=max(1.0, 4.0 - 1.0 * i))
     ax.set_xlabel("seconds since the first span")
     ax.set_ylabel("rows / s")
     ax.set_title("stage throughput over time")
@@ -429,6 +454,7 @@ def plot_staleness(rollouts, ax=None):
     s = staleness(rollouts)
     top = int(s.max()) if len(s) else 0
     ax.hist(s, bins=np.arange(-0.5, top + 1.5, 1.0), rwidth=0.8)
+    ax.set_xticks(range(top + 1))
     ax.set_xlabel("staleness (trained version - token version)")
     ax.set_ylabel("trained tokens")
     ax.set_title(f"staleness of {len(s)} trained tokens")
@@ -463,13 +489,14 @@ def profile_report(run_dir: str | Path, out_dir: str | Path | None = None, log=p
         f"{'' if spans.attrs['complete'] else ', INCOMPLETE: see warnings'})")
     log(table.to_string(formatters=fmt))
     if len(b):
-        log(f"\nper step (mean of {len(b)}): wall {b['wall_s'].mean():.2f}s, trainer idle "
-            f"{b['trainer_idle_s'].mean():.2f}s ({b['trainer_idle_frac'].mean():.1%}), rollout idle "
-            f"{b['rollout_idle_s'].mean():.2f}s ({b['rollout_idle_frac'].mean():.1%})")
+        log("")
+        log(_bubble_line(f"step {b['step'].iloc[0]} (with start-up: actor pools, model loads)", b.iloc[:1]))
+        if len(b) > 1:
+            log(_bubble_line(f"steps {b['step'].iloc[1]}-{b['step'].iloc[-1]} (mean)", b.iloc[1:]))
     wall = spans["end"].max() - spans["start"].min()
     cost = spans["overhead_s"].sum() + sum(s["sink_busy_s"] for s in sink_summaries(run_dir))
     log(f"profiler overhead: {cost * 1e3:.1f} ms recording over {wall:.1f} s of run ({cost / max(wall, 1e-9):.3%})")
-    plots = {"gantt": plot_gantt(spans), "throughput": plot_throughput(spans)}
+    plots = {"gantt": plot_gantt(spans, rollouts=rollouts), "throughput": plot_throughput(spans)}
     if len(b):
         plots["bubbles"] = plot_bubbles(b)
     if rollouts is not None:
@@ -480,6 +507,13 @@ def profile_report(run_dir: str | Path, out_dir: str | Path | None = None, log=p
         ax.figure.savefig(paths[name], dpi=100)
     log("plots: " + ", ".join(str(p) for p in paths.values()))
     return {"stages": table, "bubbles": b, "plots": paths, "spans": spans}
+
+
+def _bubble_line(label: str, b) -> str:
+    wall = b["wall_s"].sum()
+    return (f"{label}: wall {b['wall_s'].mean():.2f}s, trainer idle {b['trainer_idle_s'].mean():.2f}s "
+            f"({b['trainer_idle_s'].sum() / wall:.1%}), rollout idle {b['rollout_idle_s'].mean():.2f}s "
+            f"({b['rollout_idle_s'].sum() / wall:.1%})")
 
 
 def _rollouts(run_dir: Path, log):

@@ -175,7 +175,9 @@ def test_queue_depths_throughput_and_staleness(tmp_path):
     waiting = upd[upd["depth"] == 8]["t"]
     assert list(waiting) == pytest.approx([4.0, 9.8])                 # rewarded rows wait for the trainer
     th = throughput(s, bin_s=1.0)
-    assert (th.sum() * 1.0)["AgentFlowRollout"] == 16 and th.columns[0] == "AgentFlowRollout"
+    assert list(th.columns) == ["AgentFlowRollout", "Reward", "batcher", "update"]     # sync moves no rows
+    assert list(th.index) == [float(t) for t in range(12)]                               # empty bins kept
+    assert th["AgentFlowRollout"].sum() == 16 and th.loc[3.0, "AgentFlowRollout"] == 8 and th.loc[4.0, "Reward"] == 8
     rollouts = pd.DataFrame({"step": [1, 2, 2], "token_versions": [[0, 0], [0, 1], [-1, 1]],
                              "loss_mask": [[1, 1], [1, 0], [1, 1]]})
     assert sorted(staleness(rollouts)) == [0, 0, 0, 1]
