@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -129,4 +130,9 @@ def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache
+    try:
+        tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp)  # another process published the same model first: use theirs

@@ -148,8 +148,8 @@ def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_d
     # synchronous mode, per-sample sampling seeds, restored optimizer and RNGs: the same losses
     uninterrupted = [m for m in read_metrics(tmp_path / "full") if "train/loss" in m][2:]
     for a, b in zip(resumed, uninterrupted):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-3, abs=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-3)
 
 
 def test_resume_from_a_non_checkpoint_fails(tmp_path, tiny_model_dir):
