@@ -22,8 +22,7 @@ def outputs(nb, kind: str) -> list:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if kind in o.get("data", {})]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", NOTEBOOKS)     # ~100 s for the three on an idle 2-core machine
 def test_notebook_runs(name):
     nb = execute(name)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o["output_type"] == "error"]
