@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from pipeline.profile import profiled
+
 
 class PipelineError(ValueError):
     pass
@@ -55,6 +57,7 @@ class Pipeline:
             if not isinstance(s, Stage):
                 raise PipelineError(f"{_name(s)}: stages between the source and the batcher must be Stage(...)")
         self.columns = self.check_columns()
+        self.profiler = None     # set by the controller: each map stage call then records a span (pipeline/profile.py)
 
     def check_columns(self) -> list[str]:
         """Walk the chain once; every input must be produced upstream. Returns the final columns."""
@@ -75,7 +78,8 @@ class Pipeline:
         ds = self.source.dataset(start, num_groups, groups_per_block, skip)
         for s in self.maps:
             remote_args = {"max_concurrency": s.max_concurrency} if s.max_concurrency > 1 else {}
-            ds = ds.map_batches(s.cls, fn_constructor_args=s.args, fn_constructor_kwargs=s.kwargs,
+            fn = profiled(s.cls, self.profiler)      # s.cls itself when no profiler is set
+            ds = ds.map_batches(fn, fn_constructor_args=s.args, fn_constructor_kwargs=s.kwargs,
                                 batch_size=s.batch_rows or groups_per_block * n, batch_format="pyarrow",
                                 compute=ActorPoolStrategy(size=s.workers), num_cpus=s.num_cpus, **remote_args)
         return ds

@@ -1,6 +1,8 @@
-"""`loongsage` command line: run a recipe (and, as they land, replay / profile / tools).
+"""`loongsage` command line: run a recipe, replay a recording, profile a run.
 
     loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR]
+    loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
+    loongsage profile RUN [--out DIR]
 """
 from __future__ import annotations
 
@@ -62,6 +64,18 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from pipeline.replay import cli_replay
+
+    return cli_replay(args.rollouts_dir, args.config, args.overrides, args.run_dir)
+
+
+def cmd_profile(args) -> int:
+    from pipeline.profile import cli_profile
+
+    return cli_profile(args.run_dir, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
@@ -71,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("overrides", nargs="*", help="section.key=value overrides")
     r.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
     r.set_defaults(fn=cmd_run)
+    rp = sub.add_parser("replay", help="train from a recorded rollouts/ dataset, without rollout engines")
+    rp.add_argument("rollouts_dir", help="RUN_DIR/rollouts of a recorded run")
+    rp.add_argument("config", nargs="?", default=None, help="recipe YAML (default: the recorded run's config.yaml)")
+    rp.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. replay.reward_min=0.5")
+    rp.add_argument("--run-dir", default=None, help="run directory (default RUN_DIR-replay-<time>)")
+    rp.set_defaults(fn=cmd_replay)
+    pr = sub.add_parser("profile", help="per-stage table and timeline plots of a run's profile/")
+    pr.add_argument("run_dir", help="a run directory")
+    pr.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/profile_report)")
+    pr.set_defaults(fn=cmd_profile)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.replay import ReplayConfig
+from pipeline.trackers import TrackerConfig
 from stages.agentflow.rollout import RolloutConfig
 from stages.batcher import BatcherConfig
 from stages.model import ModelConfig
@@ -61,6 +63,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    trackers: TrackerConfig = field(default_factory=TrackerConfig)
 
 
 def _coerce(value, typ, where: str):

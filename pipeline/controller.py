@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from pipeline.builder import Pipeline, Stage
-from pipeline.config import Config, ConfigError, dump_config
+from pipeline.config import Config, ConfigError, dump_config, to_dict
 from pipeline.evaluate import evaluate
-from pipeline.metrics import MetricsWriter
+from pipeline.profile import Profiler
+from pipeline.recorder import Recorder
 from pipeline.resources import plan_resources
 from pipeline.schema import conform
+from pipeline.trackers import open_metrics
 from pipeline.window import Gate, capacity, make_strategy
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
@@ -154,24 +155,30 @@ class Controller:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(c, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir)
+        self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c))
+        self.recorder = Recorder(self.run_dir, c.rollout.n_samples)
         if not hasattr(self, "pipeline"):   # a caller may start() and swap in its own pipeline first
             self.start()
+        self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
         try:
             last = self._evaluate() if self.test is not None else {}
             self._t_step = time.time()
             for table, wait_s in self.batches():
                 t0 = time.time()
+                self.profiler.add("batcher", t0 - wait_s, t0, step=self.step + 1, rows_out=table.num_rows)
                 if c.rollout.partial_mask_old:
                     table = mask_old_versions(table)
                 staleness = self._staleness(table)      # measured against the version being trained
                 m = self.pipeline.update(table)
                 t1 = time.time()
+                self.profiler.add("update", t0, t1, actor="trainer", step=self.step + 1, rows_in=table.num_rows,
+                                  tokens=int(m.get("train/tokens", 0)))
                 self.version += 1
                 sync_m = self.publish(self.version)
                 ray.get(self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())), self.version))
                 self.step += 1
-                self._record(table)
+                self.profiler.add("sync", t1, time.time(), actor="trainer", step=self.step)
+                self.recorder.write(self.step, table)
                 line = m | sync_m | self._rollout_metrics(table) | staleness | self._pipeline_metrics(table, m) | {
                     "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": time.time() - t1}
                 if self.test is not None and c.eval.every and self.step % c.eval.every == 0 and self.step < c.run.steps:
@@ -192,6 +199,7 @@ class Controller:
             ray.get(self.gate.close.remote())
             self.mesh.close()
             self.metrics.close()
+            self.profiler.close()
 
     def batches(self):
         """Yield (step table, seconds waited) as soon as B eligible complete groups exist."""
@@ -267,9 +275,10 @@ class Controller:
                 "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)}
 
     def _evaluate(self, write: bool = True) -> dict:
-        c = self.cfg
+        c, t = self.cfg, time.time()
         m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature, c.rollout.max_new_tokens,
                      c.eval.n_samples)
+        self.profiler.add("eval", t, time.time(), actor="engines", step=self.step)
         if write:
             self._emit(m)
         return m
@@ -278,11 +287,6 @@ class Controller:
         line = self.metrics.write(self.step, metrics | {"version": self.version})
         if self.on_step:
             self.on_step(line)
-
-    def _record(self, table: pa.Table) -> None:
-        d = self.run_dir / "rollouts" / f"step={self.step:06d}"
-        d.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, d / "part-0.parquet")
 
     def publish(self, version: int) -> dict:
         """After each update: the trainer's weights reach every engine, tagged with the new version."""
