@@ -218,6 +218,7 @@ class Controller:
 
     def _chunk(self, start, count, gpb, batcher, t_wait):
         c, B = self.cfg, self.cfg.batcher.groups_per_step
+        ray.get(self.gate.expect.remote([q for q in range(start, start + count) if q not in self.done_seqs]))
         stream = self.pipeline.stream(start, count, gpb, frozenset(self.done_seqs))
         try:
             for part in stream:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,6 +103,22 @@ class Gate:
         self.s = WindowState(groups_per_step, capacity(groups_per_step, stale_steps), version=version)
         self.strategy = make_strategy(strategy)
         self._cond = asyncio.Condition()
+        self._order: deque = deque()    # the stream's seqs not yet dispatched, in stream order
+        self._pending: set = set()
+
+    async def expect(self, seqs: list[int]) -> None:
+        """The stream will ask for these seqs: dispatch them in this order, whichever worker asks first.
+
+        Rollout workers pick up blocks concurrently; without an order a later block can take
+        the window first, and a step would train on different groups from run to run.
+        """
+        async with self._cond:
+            self._order = deque(q for q in seqs if q not in self.s.dispatched)
+            self._pending = set(self._order)
+            self._cond.notify_all()
+
+    def _turn(self, seq: int) -> bool:
+        return seq not in self._pending or self._order[0] == seq
 
     async def acquire(self, seqs: list[int]) -> int:
         """Block until every group in `seqs` may be dispatched; return the current version (-1 if closed)."""
@@ -109,10 +126,14 @@ class Gate:
             for seq in sorted(seqs):
                 if seq in self.s.dispatched:
                     continue  # a group split across two batches is dispatched once
-                await self._cond.wait_for(lambda seq=seq: self.s.closed or self.strategy.can_dispatch(self.s, seq))
+                await self._cond.wait_for(
+                    lambda seq=seq: self.s.closed or (self._turn(seq) and self.strategy.can_dispatch(self.s, seq)))
                 if self.s.closed:
                     return -1
                 self.s.dispatched[seq] = self.s.version
+                if seq in self._pending:
+                    self._pending.discard(self._order.popleft())
+                    self._cond.notify_all()
             return self.s.version
 
     async def may_collect(self, seqs: list[int]) -> list[bool]:

@@ -107,3 +107,19 @@ def test_gate_blocks_until_consumed_and_close_releases():
         assert await asyncio.wait_for(blocked, 1) == -1
 
     asyncio.new_event_loop().run_until_complete(scenario())
+
+
+def test_gate_dispatches_in_stream_order_whichever_worker_asks_first():
+    async def scenario():
+        gate = Gate(groups_per_step=2, stale_steps=2)         # C = 6: room for every group asked
+        await gate.expect([0, 1, 2, 3, 5])                     # 4 was consumed before a resume
+        late = asyncio.ensure_future(gate.acquire([2, 3]))    # the second block's worker asks first
+        await asyncio.sleep(0.05)
+        assert not late.done()
+        assert await asyncio.wait_for(gate.acquire([0, 1]), 1) == 0
+        assert await asyncio.wait_for(late, 1) == 0
+        assert await asyncio.wait_for(gate.acquire([7]), 1) == 0   # a seq the stream never announced: no order
+        snap = await gate.snapshot()
+        assert snap["in_flight"] == 4 + 1
+
+    asyncio.new_event_loop().run_until_complete(scenario())
