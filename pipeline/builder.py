@@ -26,14 +26,21 @@ class Stage:
 
     workers: actor pool size; num_cpus: logical CPUs per actor (threads are the stage's
     business); batch_rows: rows per call (None = one group block per call);
-    max_concurrency: concurrent calls per actor (a threaded actor when > 1).
+    max_concurrency: concurrent calls per actor (a threaded actor when > 1); num_gpus: GPUs
+    per actor; tasks_in_flight: calls queued per actor.
     """
 
     def __init__(self, cls: type, *args, workers: int = 1, num_cpus: float = 0.1, batch_rows: int | None = None,
-                 inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1, **kwargs):
+                 inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1,
+                 num_gpus: float = 0, tasks_in_flight: int | None = None, **kwargs):
         self.cls, self.args, self.kwargs = cls, args, kwargs
         self.workers, self.num_cpus = workers, num_cpus
         self.batch_rows, self.max_concurrency = batch_rows, max_concurrency
+        self.num_gpus = num_gpus   # GPUs per actor (e.g. a GPU teacher pool); 0 = CPU only
+        # calls queued per actor (None = Ray Data's default). A stage that blocks inside a call on
+        # something an earlier block must do first (the window gate) sets 1 on its class: Ray Data
+        # runs an actor's queued calls on several threads, so their order is not the queue's.
+        self.tasks_in_flight = tasks_in_flight if tasks_in_flight is not None else getattr(cls, "tasks_in_flight", None)
         self.inputs = tuple(inputs if inputs is not None else getattr(cls, "inputs", ()))
         self.outputs = tuple(outputs if outputs is not None else getattr(cls, "outputs", ()))
 
@@ -78,10 +85,12 @@ class Pipeline:
         ds = self.source.dataset(start, num_groups, groups_per_block, skip)
         for s in self.maps:
             remote_args = {"max_concurrency": s.max_concurrency} if s.max_concurrency > 1 else {}
+            remote_args |= {"num_gpus": s.num_gpus} if s.num_gpus else {}
             fn = profiled(s.cls, self.profiler)      # s.cls itself when no profiler is set
+            pool = ActorPoolStrategy(size=s.workers, max_tasks_in_flight_per_actor=s.tasks_in_flight)
             ds = ds.map_batches(fn, fn_constructor_args=s.args, fn_constructor_kwargs=s.kwargs,
                                 batch_size=s.batch_rows or groups_per_block * n, batch_format="pyarrow",
-                                compute=ActorPoolStrategy(size=s.workers), num_cpus=s.num_cpus, **remote_args)
+                                compute=pool, num_cpus=s.num_cpus, **remote_args)
         return ds
 
     def stream(self, start: int, num_groups: int, groups_per_block: int,

@@ -3,6 +3,7 @@
     loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR]
     loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
     loongsage profile RUN [--out DIR]
+    loongsage make-teacher --task addition --out DIR
 """
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("run_dir", help="a run directory")
     pr.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/profile_report)")
     pr.set_defaults(fn=cmd_profile)
+    from stages.tasks.make_teacher import add_subcommand
+
+    add_subcommand(sub)       # loongsage make-teacher: tiny specialist teachers and mixed prompts (OPD recipe)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -15,14 +15,18 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.placement import PlacementConfig
 from pipeline.replay import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.rollout import RolloutConfig
+from stages.agentflow.sglang_engine import SGLangConfig
 from stages.batcher import BatcherConfig
 from stages.model import ModelConfig
 from stages.prompts import DataConfig
 from stages.reward import RewardConfig
+from stages.teacher.config import TeacherConfig
 from stages.update.losses import AlgorithmConfig
+from stages.update.megatron.config import MegatronConfig
 from stages.update.trainer import TrainerConfig
 from transfer import TransferConfig
 
@@ -65,6 +69,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     trackers: TrackerConfig = field(default_factory=TrackerConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)        # teachers for on-policy distillation
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)     # used when trainer.backend=megatron
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)           # used when rollout.engine=sglang
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # Ray placement groups on a cluster
 
 
 def _coerce(value, typ, where: str):

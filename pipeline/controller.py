@@ -23,6 +23,7 @@ import ray
 from pipeline.builder import Pipeline, Stage
 from pipeline.config import Config, ConfigError, dump_config, to_dict
 from pipeline.evaluate import evaluate
+from pipeline.placement import Placement, plan_pools
 from pipeline.profile import Profiler
 from pipeline.recorder import Recorder
 from pipeline.resources import plan_resources
@@ -31,10 +32,12 @@ from pipeline.trackers import open_metrics
 from pipeline.window import Gate, capacity, make_strategy
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
+from stages.agentflow.sglang_engine import SGLangEngine
 from stages.batcher import WindowedBatcher, mask_old_versions
 from stages.model import load_tokenizer, resolve_model_path
 from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
+from stages.teacher import TeacherScoring, check_recipe, check_teachers, teacher_metrics
 from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
 from transfer import TransferMesh
@@ -75,6 +78,9 @@ class Controller:
         self.tok = load_tokenizer(self.model_path)
         self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
         self.test = self._load_test()
+        if cfg.teacher.enabled:    # teacher dirs, tokenizers, budget and routes, before any actor starts
+            sources = set(self.source.table.column("data_source").to_pylist())
+            check_teachers(cfg.teacher, self.model_path, sources)
         self.version = self.resume_state["version"] if self.resume_state else 0
         self.step = self.resume_state["step"] if self.resume_state else 0
 
@@ -92,6 +98,10 @@ class Controller:
                               f"rollout.n_samples = {step_samples}")
         if c.run.steps <= 0:
             raise ConfigError(f"run.steps must be > 0, got {c.run.steps}")
+        check_recipe(c.teacher, c.algorithm)
+        if c.algorithm.distill_coef and c.trainer.backend != "torch":
+            raise ConfigError("algorithm.distill_coef > 0 needs trainer.backend=torch (the Megatron trainer has no "
+                              "distillation term yet)")
 
     def _load_resume(self, path: str) -> dict:
         """A checkpoint holds HF weights, trainer_state.pt and controller.json (clock + consumed groups)."""
@@ -117,13 +127,9 @@ class Controller:
         c = self.cfg
         res = self.res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
-        engine_cls = ray.remote(HFEngine)
-        self.engines = [engine_cls.options(num_cpus=res.engine_cpus, max_concurrency=16, name=None).remote(
-            self.model_path, c.model.dtype, c.run.seed + i, res.engine_threads, f"engine{i}")
-            for i in range(c.rollout.num_engines)]
-        trainer_cfg = _replace(c.trainer, num_threads=res.trainer_threads)
-        self.trainer = ray.remote(TorchTrainer).options(num_cpus=res.trainer_cpus).remote(
-            self.model_path, trainer_cfg, c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
+        self.placement = _placement(c)
+        self.engines = _start_engines(c, self.model_path, res, self.placement)
+        self.trainer = _start_trainer(c, self.model_path, res, self.placement)
         if self.resume_state:
             ray.get(self.trainer.load_state.remote(self.cfg.run.resume_from))
             ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
@@ -139,6 +145,8 @@ class Controller:
             self.source,
             Stage(AgentFlowRollout, c.rollout, self.engines, self.gate, self.model_path,
                   workers=c.rollout.num_workers, num_cpus=res.worker_cpus),
+            *([Stage(TeacherScoring, c.teacher, self.model_path, res.engine_threads, workers=c.teacher.workers,
+                     num_cpus=res.worker_cpus)] if c.teacher.enabled else []),
             Stage(Reward, c.reward, self.model_path, num_cpus=res.worker_cpus),
             WindowedBatcher(c.batcher, c.rollout.n_samples, c.rollout.stale_steps, make_strategy(c.rollout.window)),
             Update(self.trainer),
@@ -146,9 +154,13 @@ class Controller:
         self.reward_local = Reward(c.reward, self.model_path)
 
     def stop(self) -> None:
+        if getattr(self, "trainer", None) is not None and self.cfg.trainer.backend == "megatron":
+            ray.get(self.trainer.shutdown.remote())        # the leader stops its peer ranks
         for h in getattr(self, "engines", []) + [getattr(self, "trainer", None), getattr(self, "gate", None)]:
             if h is not None:
                 ray.kill(h)
+        if getattr(self, "placement", None) is not None:
+            self.placement.remove()
 
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> dict:
@@ -179,7 +191,8 @@ class Controller:
                 self.step += 1
                 self.profiler.add("sync", t1, time.time(), actor="trainer", step=self.step)
                 self.recorder.write(self.step, table)
-                line = m | sync_m | self._rollout_metrics(table) | staleness | self._pipeline_metrics(table, m) | {
+                line = m | sync_m | self._rollout_metrics(table) | teacher_metrics(table) | staleness | \
+                    self._pipeline_metrics(table, m) | {
                     "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": time.time() - t1}
                 if self.test is not None and c.eval.every and self.step % c.eval.every == 0 and self.step < c.run.steps:
                     line |= self._evaluate(write=False)
@@ -251,7 +264,7 @@ class Controller:
                 "rollout/accuracy": sum(r >= 1 - 1e-6 for r in rewards) / len(rewards),
                 "rollout/response_len": sum(lens) / len(lens), "rollout/samples": len(rewards),
                 "rollout/tokens": sum(lens), "rollout/failed": status.count("failed"),
-                "rollout/truncated": status.count("truncated"), "rollout/span_s": span}
+                "rollout/truncated": status.count("truncated"), "rollout/span_s": span} | _agent_metrics(t)
 
     def _staleness(self, t: pa.Table) -> dict:
         """current version - token version over trained tokens; how many rows span an update."""
@@ -271,7 +284,8 @@ class Controller:
         busy = ray.get([e.pop_stats.remote() for e in self.engines])
         st = self.pipeline.batcher.stats
         return {"pipeline_buf_size": snap["in_flight"] + snap["buffered"], "filter_drop": st.dropped_filter,
-                "stale_drop": st.dropped_stale, "samples_per_s": t.num_rows / max(wall, 1e-9), "step_wall_s": wall,
+                "stale_drop": st.dropped_stale, "dispatch_out_of_order": snap["out_of_order"],
+                "samples_per_s": t.num_rows / max(wall, 1e-9), "step_wall_s": wall,
                 "rollout/busy_frac": sum(b["busy_s"] for b in busy) / len(busy) / max(wall, 1e-9),
                 "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)}
 
@@ -318,6 +332,57 @@ class _StateView:
 
     def min_uncompleted(self, default: int) -> int:
         return default if self._min < 0 else self._min
+
+
+def _agent_metrics(t: pa.Table) -> dict:
+    """Means of what the agents reported per trajectory: turns, tool calls, token segments, timings."""
+    if "agent_stats" not in t.column_names:
+        return {}
+    stats = [s for s in t.column("agent_stats").to_pylist() if s]
+    if not stats:
+        return {}
+    m = {f"agent/{k}": sum(s[k] or 0 for s in stats) / len(stats) for k in ("turns", "tool_calls", "segments",
+                                                                             "wall_s", "gen_s")}
+    m["agent/failed"] = sum(bool(s["fail"]) for s in stats)
+    return m
+
+
+def _placement(c: Config) -> Placement | None:
+    """Placement groups when the recipe asks for them (a cluster); None = plain local actors."""
+    if c.placement.mode == "none":
+        return None
+    ranks = c.megatron.world_size if c.trainer.backend == "megatron" else 1
+    group = c.megatron.tensor_parallel if c.trainer.backend == "megatron" else 1
+    return Placement(plan_pools(c.placement, ranks, group, c.rollout.num_engines), c.placement.timeout_s)
+
+
+# rollout.engine -> (engine class, extra constructor arguments from the config)
+ENGINES = {"hf": (HFEngine, lambda c: ()), "sglang": (SGLangEngine, lambda c: (c.sglang,))}
+
+
+def _start_engines(c: Config, model_path: str, res, placement: Placement | None) -> list:
+    cls, extra = ENGINES[c.rollout.engine]
+    if placement is not None:
+        opts = placement.options("rollout")
+    else:
+        gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
+        opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
+    return [ray.remote(cls).options(**o, max_concurrency=16).remote(
+        model_path, c.model.dtype, c.run.seed + i, res.engine_threads, f"engine{i}", *extra(c))
+        for i, o in enumerate(opts)]
+
+
+def _start_trainer(c: Config, model_path: str, res, placement: Placement | None):
+    trainer_cfg = _replace(c.trainer, num_threads=res.trainer_threads)
+    args = (c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
+    if c.trainer.backend == "megatron":
+        from stages.update.megatron.launch import launch
+
+        opts = placement.options("trainer") if placement is not None else None
+        return launch(model_path, trainer_cfg, c.algorithm, c.megatron, *args[1:], rank_options=opts,
+                      num_cpus=res.trainer_cpus / c.megatron.world_size)
+    opts = placement.options("trainer")[0] if placement is not None else {"num_cpus": res.trainer_cpus}
+    return ray.remote(TorchTrainer).options(**opts).remote(model_path, trainer_cfg, *args)
 
 
 def _replace(dc, **kw):

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: optional agent and teacher top-k columns (a v1 recording reads as v2 with nulls)
 
 STATUSES = ("completed", "truncated", "aborted", "failed")
 
 _i64 = pa.int64()
 _i32_list = pa.list_(pa.int32())
 _f32_list = pa.list_(pa.float32())
+
+# per trajectory: model turns, tool calls, token segments, wall and generation seconds, failure kind
+AGENT_STATS = pa.struct([("turns", pa.int32()), ("tool_calls", pa.int32()), ("segments", pa.int32()),
+                         ("wall_s", pa.float64()), ("gen_s", pa.float64()), ("fail", pa.string())])
 
 FIELDS: list[pa.Field] = [
     # identity: a group is N samples of one prompt; seq orders groups in the data stream
@@ -42,6 +46,13 @@ FIELDS: list[pa.Field] = [
     # timing (unix seconds)
     pa.field("t_dispatch", pa.float64()),
     pa.field("t_done", pa.float64()),
+    # optional: what an agent reported (stages/agentflow) and the teacher's top-k (GKD)
+    pa.field("agent_reward", pa.float64()),   # reward the agent itself reported (null = none)
+    pa.field("agent_info", pa.string()),      # JSON the agent reported alongside it
+    pa.field("transcript", pa.string()),      # the trajectory as chat messages JSON
+    pa.field("agent_stats", AGENT_STATS),
+    pa.field("teacher_topk_ids", pa.list_(_i32_list)),        # [T][K] teacher's most likely ids per position
+    pa.field("teacher_topk_logprobs", pa.list_(_f32_list)),   # [T][K] their log-probs
 ]
 
 TRAJECTORY_SCHEMA = pa.schema(FIELDS, metadata={b"loongsage.schema_version": str(SCHEMA_VERSION).encode()})
@@ -76,7 +87,8 @@ def with_columns(table: pa.Table, columns: dict[str, list]) -> pa.Table:
 
 
 # Columns only some pipelines produce (no teacher stage -> no teacher columns): null when absent.
-OPTIONAL = ("teacher_id", "teacher_logprobs")
+OPTIONAL = ("teacher_id", "teacher_logprobs", "agent_reward", "agent_info", "transcript", "agent_stats",
+            "teacher_topk_ids", "teacher_topk_logprobs")
 
 
 def conform(table: pa.Table) -> pa.Table:

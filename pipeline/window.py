@@ -96,6 +96,9 @@ def capacity(groups_per_step: int, stale_steps: float) -> int:
     return int(groups_per_step * (1 + stale_steps))
 
 
+TURN_TIMEOUT_S = 30.0
+
+
 class Gate:
     """Ray actor (async): the window's single source of truth."""
 
@@ -105,6 +108,7 @@ class Gate:
         self._cond = asyncio.Condition()
         self._order: deque = deque()    # the stream's seqs not yet dispatched, in stream order
         self._pending: set = set()
+        self.out_of_order = 0
 
     async def expect(self, seqs: list[int]) -> None:
         """The stream will ask for these seqs: dispatch them in this order, whichever worker asks first.
@@ -120,19 +124,40 @@ class Gate:
     def _turn(self, seq: int) -> bool:
         return seq not in self._pending or self._order[0] == seq
 
+    async def _wait_turn(self, seq: int) -> bool:
+        """Wait until `seq` may go (False: the gate closed). The stream order is kept unless the
+        head group has not been asked for within TURN_TIMEOUT_S (its block is stuck somewhere
+        upstream): then `seq` goes out of order, counted in the snapshot, rather than never."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + TURN_TIMEOUT_S
+        while not self.s.closed:
+            if self.strategy.can_dispatch(self.s, seq):
+                if self._turn(seq):
+                    return True
+                if loop.time() >= deadline:
+                    self.out_of_order += 1
+                    return True
+                try:
+                    await asyncio.wait_for(self._cond.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await self._cond.wait()
+                deadline = loop.time() + TURN_TIMEOUT_S   # the window was full: the turn clock starts now
+        return False
+
     async def acquire(self, seqs: list[int]) -> int:
         """Block until every group in `seqs` may be dispatched; return the current version (-1 if closed)."""
         async with self._cond:
             for seq in sorted(seqs):
                 if seq in self.s.dispatched:
                     continue  # a group split across two batches is dispatched once
-                await self._cond.wait_for(
-                    lambda seq=seq: self.s.closed or (self._turn(seq) and self.strategy.can_dispatch(self.s, seq)))
-                if self.s.closed:
+                if not await self._wait_turn(seq):
                     return -1
                 self.s.dispatched[seq] = self.s.version
                 if seq in self._pending:
-                    self._pending.discard(self._order.popleft())
+                    self._pending.discard(seq)
+                    self._order.remove(seq)      # the head, unless the turn wait timed out
                     self._cond.notify_all()
             return self.s.version
 
@@ -170,4 +195,4 @@ class Gate:
     async def snapshot(self) -> dict:
         return {"version": self.s.version, "in_flight": self.s.in_flight, "buffered": self.s.buffered,
                 "consumed": self.s.consumed, "capacity": self.s.capacity,
-                "min_uncompleted": self.s.min_uncompleted(-1)}
+                "min_uncompleted": self.s.min_uncompleted(-1), "out_of_order": self.out_of_order}

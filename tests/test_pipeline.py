@@ -157,3 +157,66 @@ def test_resume_from_a_non_checkpoint_fails(tmp_path, tiny_model_dir):
         Controller(load_config("configs/quickstart.yaml", FAST + [f"model.path={tiny_model_dir}",
                                                                    f"run.resume_from={tiny_model_dir}"]),
                    tmp_path / "r", log=lambda *_: None)
+
+
+def test_opd_recipe_scores_with_the_routed_teacher_and_trains_on_the_signal(ray_session, tmp_path):
+    """configs/opd_multi_teacher.yaml as shipped, on tiny teachers: the teacher stage sits in the
+    stream, each row is scored by its data source's teacher, the trainer logs the reverse KL."""
+    from stages.tasks.make_teacher import make_teacher, write_prompts
+
+    small = dict(steps=2, hidden_size=32, num_layers=1, eval_n=2, log=lambda *_: None)
+    for name, task in (("teacher-addition", "addition"), ("teacher-multiplication", "multiplication"),
+                       ("student", "addition,multiplication")):
+        make_teacher(task, tmp_path / name, **small)
+    write_prompts(["addition", "multiplication"], tmp_path / "data", train_size=40, test_size=8)
+    cfg = load_config("configs/opd_multi_teacher.yaml", [
+        "run.steps=2", "batcher.groups_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=4",
+        "eval.num_prompts=4", "eval.every=0", f"model.path={tmp_path / 'student'}",
+        f"data.path={tmp_path / 'data' / 'train.jsonl'}", f"data.test_path={tmp_path / 'data' / 'test.jsonl'}",
+        f"teacher.teachers.addition={tmp_path / 'teacher-addition'}",
+        f"teacher.teachers.multiplication={tmp_path / 'teacher-multiplication'}"])
+    ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
+    try:
+        assert ctl.run()["version"] == 2
+    finally:
+        ctl.stop()
+    lines = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    assert len(lines) == 2
+    for m in lines:
+        assert m["distill/rows_with_teacher"] == 8 and m["teacher/scored"] == 8 and m["teacher/failed"] == 0
+        assert m["distill/reverse_kl/addition"] == m["distill/reverse_kl/addition"]    # logged per source, not nan
+        assert "distill/reverse_kl/multiplication" in m
+    assert lines[0]["teacher/swaps"] >= 1            # max_resident 1 with two teachers: they take turns
+    rows = pq.read_table(tmp_path / "run" / "rollouts" / "step=000001").to_pylist()
+    assert {r["teacher_id"] for r in rows} <= {"addition", "multiplication"}
+    assert all(r["teacher_id"] == r["data_source"] for r in rows)
+    assert all(len(r["teacher_logprobs"]) == len(r["response_ids"]) for r in rows)
+
+
+def test_opd_recipe_without_teachers_fails_at_start(tmp_path):
+    with pytest.raises(ValueError, match="teacher.routes.addition names teacher 'addition'"):
+        load_config("configs/opd_multi_teacher.yaml", ["teacher.teachers={}"])
+    cfg = load_config("configs/quickstart.yaml", ["algorithm.distill_coef=1.0"])
+    with pytest.raises(ValueError, match="needs teachers"):
+        Controller(cfg, tmp_path / "r", log=lambda *_: None)
+
+
+def test_megatron_recipe_trains_through_the_same_pipeline(ray_session, tiny_model_dir, tmp_path):
+    """configs/megatron_cpu_tiny.yaml: two tensor-parallel Megatron ranks replace the torch
+    trainer; the leader gathers HF weights and the engines serve exactly them."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
+    cfg = load_config("configs/megatron_cpu_tiny.yaml", FAST + [
+        f"model.path={tiny_model_dir}", "run.steps=2", "eval.num_prompts=0", "rollout.num_engines=1"])
+    ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
+    try:
+        assert ctl.run()["version"] == 2
+        assert ray.get(ctl.engines[0].weight_version.remote()) == 2
+        trained = ray.get(ctl.trainer.state_dict.remote())
+        served = ray.get(ctl.engines[0].state_dict_ref.remote())
+        assert set(trained) == set(served) and all(torch.equal(trained[n], served[n]) for n in trained)
+        ranks = ray.get(ctl.trainer.info.remote())
+    finally:
+        ctl.stop()
+    assert ranks["ranks"] == 2
+    lines = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    assert len(lines) == 2 and all(m["train/loss"] == m["train/loss"] for m in lines)

@@ -123,3 +123,18 @@ def test_gate_dispatches_in_stream_order_whichever_worker_asks_first():
         assert snap["in_flight"] == 4 + 1
 
     asyncio.new_event_loop().run_until_complete(scenario())
+
+
+def test_gate_lets_a_group_go_out_of_order_when_the_head_never_comes(monkeypatch):
+    import pipeline.window as window
+
+    monkeypatch.setattr(window, "TURN_TIMEOUT_S", 0.2)
+
+    async def scenario():
+        gate = Gate(groups_per_step=2, stale_steps=1)
+        await gate.expect([0, 1, 2, 3])
+        assert await asyncio.wait_for(gate.acquire([2, 3]), 2) == 0    # 0 and 1 never asked for
+        assert (await gate.snapshot())["out_of_order"] == 2
+        assert await asyncio.wait_for(gate.acquire([0, 1]), 1) == 0      # the rest still go
+
+    asyncio.new_event_loop().run_until_complete(scenario())

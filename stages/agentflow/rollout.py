@@ -51,6 +51,7 @@ class RolloutConfig:
     max_turns: int = 8                 # model turns (proxy calls) per trajectory; 0 = unlimited
     max_agents: int = 0                # agents running at once per worker; 0 = all of a batch
     num_engines: int = 1
+    engine: str = "hf"                 # hf (embedded torch engine, any CPU) | sglang (GPU; `sglang:` section)
     engine_threads: int = 0            # torch threads per engine; 0 = decided by pipeline/resources.py
     num_workers: int = 1               # rollout worker actors (asyncio inside each)
     groups_per_batch: int = 0          # groups per worker call; 0 = one step's groups
@@ -74,6 +75,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
+        if self.engine not in ("hf", "sglang"):
+            raise ValueError(f"rollout.engine must be hf or sglang, got {self.engine!r}")
         if self.partial not in ("interrupt", "wait"):
             raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
@@ -100,13 +103,11 @@ def load_agent(name: str):
     return agent
 
 
-STATS_TYPE = pa.struct([("turns", pa.int32()), ("tool_calls", pa.int32()), ("segments", pa.int32()),
-                        ("wall_s", pa.float64()), ("gen_s", pa.float64()), ("fail", pa.string())])
-EXTRA_TYPES = {"agent_reward": pa.float64(), "agent_info": pa.string(), "transcript": pa.string(),
-               "agent_stats": STATS_TYPE}
+EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats")   # optional schema columns
 
 
 class AgentFlowRollout:
+    tasks_in_flight = 1    # one queued call per worker: blocks reach the window gate in stream order
     inputs = ("prompt_id", "group_id", "sample_idx", "prompt")
     outputs = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "token_versions",
                "version_start", "version_end", "status", "error", "t_dispatch", "t_done", *EXTRA_TYPES)
@@ -213,10 +214,5 @@ def _aborted() -> dict:
 
 
 def _table(batch: pa.Table, results: list[dict]) -> pa.Table:
-    """The batch with the stage's columns set; extra (non-schema) columns get their declared types."""
-    table = with_columns(batch, {k: [r[k] for r in results] for k in AgentFlowRollout.outputs if k not in EXTRA_TYPES})
-    for name, typ in EXTRA_TYPES.items():
-        arr = pa.array([r[name] for r in results], type=typ)
-        idx = table.schema.get_field_index(name)
-        table = table.set_column(idx, name, arr) if idx >= 0 else table.append_column(name, arr)
-    return table
+    """The batch with the stage's columns set, typed by the trajectory schema."""
+    return with_columns(batch, {k: [r[k] for r in results] for k in AgentFlowRollout.outputs})

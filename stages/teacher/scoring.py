@@ -140,11 +140,9 @@ class TeacherScoring:
 
     @staticmethod
     def _table(batch: pa.Table, out: dict) -> pa.Table:
-        typed = {"teacher_topk_ids": pa.list_(pa.list_(pa.int32())),
-                 "teacher_topk_logprobs": pa.list_(pa.list_(pa.float32())),
-                 "teacher_swaps": pa.int32(), "teacher_swap_bytes": pa.int64(), "teacher_swap_s": pa.float64()}
-        table = with_columns(batch, {k: v for k, v in out.items() if k not in typed})
-        for name, typ in typed.items():
+        typed = {"teacher_swaps": pa.int32(), "teacher_swap_bytes": pa.int64(), "teacher_swap_s": pa.float64()}
+        table = with_columns(batch, {k: v for k, v in out.items() if k not in typed})   # schema-typed columns
+        for name, typ in typed.items():     # the stage's own accounting, not in the trajectory schema
             arr = pa.array(out[name], type=typ)
             idx = table.schema.get_field_index(name)
             table = table.set_column(idx, name, arr) if idx >= 0 else table.append_column(name, arr)

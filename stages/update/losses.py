@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from stages.update.advantages import ESTIMATORS
+from stages.update.distill import DISTILL_MODES
 
 # name -> what the preset fills in. Keys match AlgorithmConfig fields.
 PRESETS: dict[str, dict] = {
@@ -77,6 +78,9 @@ class AlgorithmConfig:
     mis_level: str = "token"        # token | sequence (product of ratios) | geometric (their geometric mean)
     geo_is: bool = False            # IS weight = per-sequence geometric mean of token ratios
     decoupled: bool = False         # use the engine's log-probs as the "old" policy (no recompute)
+    distill_coef: float = 0.0       # on-policy distillation weight (needs a `teacher:` section; 0 = off)
+    task_coef: float = 1.0          # weight of the task (reward) advantage when distilling
+    distill: str = "pg"             # pg: advantage += log pi_T - log pi_S | gkd: + top-k KL term in the loss
 
     def __post_init__(self):
         _check("name", self.name, tuple(PRESETS))
@@ -86,6 +90,9 @@ class AlgorithmConfig:
         _check("kl_estimator", self.kl_estimator, tuple(KL_ESTIMATORS))
         _check("overlong", self.overlong, ("", *OVERLONG_MODES))
         _check("mis_level", self.mis_level, MIS_LEVELS)
+        _check("distill", self.distill, DISTILL_MODES)
+        if self.distill_coef < 0 or self.task_coef < 0:
+            raise ValueError("algorithm.distill_coef and algorithm.task_coef must be >= 0")
         if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)):
             raise ValueError("algorithm.clip_low/clip_high must be >= 0")
         if self.clip_ratio_c and self.clip_ratio_c <= 1:

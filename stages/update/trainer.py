@@ -19,6 +19,7 @@ import torch
 from stages.model import load_model
 from stages.update.advantages import compute_advantages
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
+from stages.update.distill import apply_distill, gkd_term
 from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
 
 TRAINABLE = ("completed", "truncated")   # failed/aborted rows are recorded, never trained
@@ -34,8 +35,11 @@ class TrainerConfig:
     ppo_epochs: int = 1
     num_threads: int = 0             # torch threads in the trainer actor; 0 = pipeline/resources.py decides
     seed: int = 0
+    backend: str = "torch"           # torch (this module) | megatron (stages/update/megatron, `megatron:` section)
 
     def __post_init__(self):
+        if self.backend not in ("torch", "megatron"):
+            raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.mini_batch_size < 0:
@@ -150,14 +154,18 @@ class TorchTrainer:
         return self.version
 
     # ---- the update -----------------------------------------------------------------
-    def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False):
+    def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False,
+                 topk_ids: torch.Tensor | None = None):
+        """Log-probs of the sampled tokens [b,T], entropy [b,T] (or None) and, given teacher
+        top-k ids [b,T,K], the log-probs of those ids [b,T,K] (or None), all under `model`."""
         out = model(input_ids=b.input_ids[rows], attention_mask=b.attn[rows]).logits.float() / self.temperature
         pos = b.resp_pos[rows]
         logits = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))      # [b, T, V]
         logp = torch.log_softmax(logits, -1)
         lp = logp.gather(-1, b.resp_ids[rows][..., None])[..., 0]
         ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
-        return lp, ent
+        top = logp.gather(-1, topk_ids) if topk_ids is not None else None
+        return lp, ent, top
 
     def train_step(self, table: pa.Table) -> dict:
         t0 = time.time()
@@ -174,16 +182,21 @@ class TorchTrainer:
         metrics = mismatch_metrics(old if recomputed is not None else b.engine_lp, b.engine_lp, mask, stale)
         weights, mask, is_m = is_weights(algo, old, b.engine_lp, mask)
         metrics |= is_m
+        adv, distill_m, tb = apply_distill(algo, table, adv, old, mask, b.resp_ids)   # on-policy distillation
+        metrics |= distill_m
         n = b.input_ids.shape[0]
         mb = self.cfg.mini_batch_size or n
         losses, gnorms, parts = [], [], []
         for _ in range(self.cfg.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
                 rows = torch.as_tensor(np.sort(idx))
-                lp, ent = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef > 0)
+                lp, ent, top = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef > 0,
+                                             topk_ids=None if tb is None else tb.topk_ids[rows])
                 loss, m = policy_loss(algo, lp, old[rows], adv[rows], mask[rows],
                                       ref_logprobs=None if ref_lp is None else ref_lp[rows], entropy=ent,
                                       is_weights=weights[rows])
+                if tb is not None:      # GKD: the top-k KL to the teacher, through the student
+                    loss, m = gkd_term(algo, loss, m, top, tb, rows, mask[rows])
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
