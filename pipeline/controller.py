@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from pipeline.builder import Pipeline, Stage
 from pipeline.config import Config, ConfigError, dump_config, to_dict
@@ -40,7 +42,7 @@ from stages.reward import Reward, load_reward_fn
 from stages.teacher import TeacherScoring, check_recipe, check_teachers, teacher_metrics
 from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
-from transfer import TransferMesh
+from transfer import TransferError, TransferMesh
 
 CHUNK_STEPS = 50   # the stream is opened in chunks of this many steps' groups (+ window capacity)
 
@@ -83,6 +85,9 @@ class Controller:
             check_teachers(cfg.teacher, self.model_path, sources)
         self.version = self.resume_state["version"] if self.resume_state else 0
         self.step = self.resume_state["step"] if self.resume_state else 0
+        self._mesh_lock = threading.RLock()     # one weight publish at a time (step loop, engine watch)
+        self._watch_stop = threading.Event()
+        self.engine_restarts = 0
 
     # ---- start-up checks: everything that can be wrong is found before an actor exists
     def validate(self) -> None:
@@ -172,6 +177,8 @@ class Controller:
         if not hasattr(self, "pipeline"):   # a caller may start() and swap in its own pipeline first
             self.start()
         self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
+        watch = threading.Thread(target=self._watch_engines, name="engine-watch", daemon=True)
+        watch.start()
         try:
             last = self._evaluate() if self.test is not None else {}
             self._t_step = time.time()
@@ -181,12 +188,13 @@ class Controller:
                 if c.rollout.partial_mask_old:
                     table = mask_old_versions(table)
                 staleness = self._staleness(table)      # measured against the version being trained
-                m = self.pipeline.update(table)
-                t1 = time.time()
-                self.profiler.add("update", t0, t1, actor="trainer", step=self.step + 1, rows_in=table.num_rows,
-                                  tokens=int(m.get("train/tokens", 0)))
-                self.version += 1
-                sync_m = self.publish(self.version)
+                with self._mesh_lock:       # a restarted engine is re-sent weights between steps, not mid-update
+                    m = self.pipeline.update(table)
+                    t1 = time.time()
+                    self.profiler.add("update", t0, t1, actor="trainer", step=self.step + 1,
+                                      rows_in=table.num_rows, tokens=int(m.get("train/tokens", 0)))
+                    self.version += 1
+                    sync_m = self.publish(self.version)
                 ray.get(self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())), self.version))
                 self.step += 1
                 self.profiler.add("sync", t1, time.time(), actor="trainer", step=self.step)
@@ -209,6 +217,8 @@ class Controller:
             return {"steps": self.step, "version": self.version, "initial": last, "final": final,
                     "run_dir": str(self.run_dir)}
         finally:
+            self._watch_stop.set()
+            watch.join(timeout=60)
             ray.get(self.gate.close.remote())
             self.mesh.close()
             self.metrics.close()
@@ -304,12 +314,42 @@ class Controller:
             self.on_step(line)
 
     def publish(self, version: int) -> dict:
-        """After each update: the trainer's weights reach every engine, tagged with the new version."""
-        m = self.mesh.publish(version)
-        served = ray.get([e.weight_version.remote() for e in self.engines])
+        """After each update: the trainer's weights reach every engine, tagged with the new version.
+
+        An engine whose process died is left out (Ray restarts it; the engine watch re-sends it
+        the current version before it serves again); any other transfer failure stops the run."""
+        with self._mesh_lock:
+            try:
+                m = self.mesh.publish(version)
+            except TransferError as e:
+                fatal = {n: f for n, f in e.failures.items() if n not in self.mesh.dead or n == "sender"}
+                if fatal or not e.failures:
+                    raise
+                self.log(f"weight sync v{version}: {', '.join(e.failures)} died; resent when restarted")
+                m = e.metrics
+            live = [(n, h) for n, h in self.mesh.receivers.items() if n not in self.mesh.dead]
+            served = ray.get([h.weight_version.remote() for _, h in live])
         if any(v != version for v in served):
             raise RuntimeError(f"weight sync: engines serve versions {served}, expected {version}")
-        return {k: v for k, v in m.items() if isinstance(v, (int, float))}
+        return {k: v for k, v in m.items() if isinstance(v, (int, float))} | {"engine_restarts": self.engine_restarts}
+
+    def _watch_engines(self) -> None:
+        """Driver thread: a restarted engine gets the current weights, then serves again."""
+        from ray.exceptions import GetTimeoutError
+
+        while not self._watch_stop.wait(0.5):
+            for i, e in enumerate(self.engines):
+                try:
+                    stale = ray.get(e.needs_sync.remote(), timeout=30)
+                except (RayActorError, ActorUnavailableError, GetTimeoutError):
+                    continue                    # restarting (or gone for good): ask again next round
+                if not stale:
+                    continue
+                with self._mesh_lock:
+                    self.mesh.add_receiver(f"engine{i}", e)
+                    self.mesh.publish(self.version)
+                self.engine_restarts += 1
+                self.log(f"engine{i} restarted: re-sent weights version {self.version}")
 
     def checkpoint(self) -> str:
         """Weights (HF), optimizer + RNGs, and the controller's clock and consumed-group set.
@@ -367,7 +407,7 @@ def _start_engines(c: Config, model_path: str, res, placement: Placement | None)
     else:
         gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
         opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
-    return [ray.remote(cls).options(**o, max_concurrency=16).remote(
+    return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.rollout.engine_restarts).remote(
         model_path, c.model.dtype, c.run.seed + i, res.engine_threads, f"engine{i}", *extra(c))
         for i, o in enumerate(opts)]
 

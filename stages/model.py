@@ -29,10 +29,13 @@ class ModelConfig:
     warmup_steps: int = 300           # SFT steps: deliberately partial (~0.2 sampled accuracy), RL does the rest
     warmup_rows: int = 1000
     warmup_lr: float = 1e-3
+    warmup_label_smoothing: float = 0.0   # > 0: the warmed policy knows answers it samples with low confidence
     cache_dir: str = "~/.cache/loongsage/models"
     seed: int = 0
 
     def __post_init__(self):
+        if not 0 <= self.warmup_label_smoothing < 1:
+            raise ValueError(f"model.warmup_label_smoothing must be in [0, 1), got {self.warmup_label_smoothing}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -125,7 +128,8 @@ def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
     )
     model = Qwen2ForCausalLM(mcfg)
     rows = task.make_rows("train", cfg.warmup_rows, seed=cfg.seed)
-    stats = sft(model, tok, rows, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed + 1, log=log)
+    stats = sft(model, tok, rows, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed + 1,
+                label_smoothing=cfg.warmup_label_smoothing, log=log)
     log(f"built-in model warmed: final SFT loss {stats['loss']:.3f} in {stats['seconds']:.1f}s")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)

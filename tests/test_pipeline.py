@@ -220,3 +220,35 @@ def test_megatron_recipe_trains_through_the_same_pipeline(ray_session, tiny_mode
     assert ranks["ranks"] == 2
     lines = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(lines) == 2 and all(m["train/loss"] == m["train/loss"] for m in lines)
+
+
+def test_an_engine_killed_mid_run_is_restarted_and_its_groups_rerun(ray_session, tiny_model_dir, tmp_path):
+    """ray.kill one of two engines after step 1: Ray restarts it, the controller re-sends the
+    current weights, the trajectories it was generating run again; no group lost or doubled."""
+    cfg = load_config("configs/quickstart.yaml", FAST + [
+        f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "rollout.num_engines=2"])
+    killed = []
+
+    def kill_after_first(line):
+        if line.get("step") == 1 and not killed:
+            killed.append(ctl.engines[1])
+            ray.kill(ctl.engines[1], no_restart=False)
+
+    logs = []
+    ctl = Controller(cfg, tmp_path / "run", on_step=kill_after_first, log=logs.append)
+    try:
+        assert ctl.run()["version"] == 4
+        assert ctl.engine_restarts >= 1 and any("engine1 restarted" in str(x) for x in logs), logs
+        assert ray.get([e.weight_version.remote() for e in ctl.engines]) == [4, 4]
+        trained = ray.get(ctl.trainer.state_dict.remote())
+        served = ray.get(ctl.engines[1].state_dict_ref.remote())
+        assert all(torch.equal(trained[n], served[n]) for n in trained)
+    finally:
+        ctl.stop()
+    seen = []
+    for k in range(1, 5):
+        rows = pq.read_table(tmp_path / "run" / "rollouts" / f"step={k:06d}").to_pylist()
+        seen += sorted({r["group_id"] for r in rows})
+        assert all(r["status"] != "failed" for r in rows), [r["error"] for r in rows if r["status"] == "failed"]
+        assert all(v == k - 1 for r in rows for v in r["token_versions"])   # synchronous: all on-policy
+    assert seen == list(range(16))

@@ -35,7 +35,7 @@ def step_table(step: int, B: int = 2, n: int = 2, order=None) -> pa.Table:
                              version_start=step - 1, version_end=step - 1, status="completed", error="",
                              reward=float(g), reward_info="{}", teacher_id=None, teacher_logprobs=None,
                              t_dispatch=100.0 + step, t_done=100.5 + step))
-    return conform(table_from_columns({c: [r[c] for r in rows] for c in COLUMNS}))
+    return conform(table_from_columns({c: [r.get(c) for r in rows] for c in COLUMNS}))
 
 
 def record(tmp_path, steps=3, B=2, n=2):

@@ -2,7 +2,15 @@ import pyarrow as pa
 import pytest
 
 from pipeline.config import ConfigError, load_config, to_dict
-from pipeline.schema import COLUMNS, SCHEMA_VERSION, TRAJECTORY_SCHEMA, conform, table_from_columns, with_columns
+from pipeline.schema import (
+    COLUMNS,
+    OPTIONAL,
+    SCHEMA_VERSION,
+    TRAJECTORY_SCHEMA,
+    conform,
+    table_from_columns,
+    with_columns,
+)
 
 
 def test_schema_has_design_columns_and_version():
@@ -20,7 +28,7 @@ def test_with_columns_types_and_conform_fills_optional():
     assert t.column("group_id").to_pylist() == [3, 4] and "extra" in t.column_names
     with pytest.raises(ValueError, match="lacks columns"):
         conform(t)
-    full = {c: [None] for c in COLUMNS if c not in ("teacher_id", "teacher_logprobs")}
+    full = {c: [None] for c in COLUMNS if c not in OPTIONAL}
     out = conform(pa.table(full))
     assert out.column_names[: len(COLUMNS)] == list(COLUMNS)
 

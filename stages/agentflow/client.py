@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+ENGINE_LOST = (RayActorError, ActorUnavailableError)    # the engine process died or is restarting
+
 
 class EngineClient:
     def __init__(self, engine, window_s: float = 0.002):
@@ -16,6 +20,8 @@ class EngineClient:
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
+        self.lost = 0       # engine calls that failed because the engine died: a trajectory
+                            # that saw this change is re-run (stages/agentflow/rollout.py)
 
     async def generate(self, requests: list[dict]) -> list[dict]:
         loop = asyncio.get_running_loop()
@@ -42,6 +48,8 @@ class EngineClient:
         try:
             results = await self.engine.generate.remote([r for r, _ in batch])
         except Exception as e:  # noqa: BLE001 - every waiting trajectory gets the engine's error
+            if isinstance(e, ENGINE_LOST):
+                self.lost += 1
             for _, f in batch:
                 if not f.done():
                     f.set_exception(e)

@@ -18,6 +18,17 @@ import torch
 
 from stages.model import load_model, load_tokenizer
 
+RESYNC_TIMEOUT_S = 120.0
+
+
+def _reconstructed() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # noqa: BLE001 - not in an actor (tests build engines in-process)
+        return False
+
 
 class HFEngine:
     """Batched sampling with a KV cache. Runs as a threaded Ray actor (max_concurrency > 1)."""
@@ -32,6 +43,11 @@ class HFEngine:
         self.pad_id = self.tok.pad_token_id
         self.version = 0
         self._lock = threading.Lock()
+        # A restarted engine (Ray re-ran this constructor after the process died) holds the
+        # initial weights: it serves nothing until the controller has re-sent the current version.
+        self._synced = threading.Event()
+        if not _reconstructed():
+            self._synced.set()
         self._gen = torch.Generator().manual_seed(seed)
         self._abort_before = -1.0           # requests dispatched before this time are aborted
         self.mesh_endpoint = None
@@ -47,6 +63,10 @@ class HFEngine:
     def weight_version(self) -> int:
         return self.version
 
+    def needs_sync(self) -> bool:
+        """True on a restarted engine until its first weight load."""
+        return not self._synced.is_set()
+
     def weight_specs(self) -> dict:
         return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
 
@@ -55,6 +75,7 @@ class HFEngine:
         with self._lock:
             self.model.load_state_dict(named_tensors, strict=False)
             self.version = int(version)
+        self._synced.set()
 
     def state_dict_ref(self):
         return {n: t.clone() for n, t in self.model.state_dict().items()}
@@ -81,6 +102,9 @@ class HFEngine:
         Returns per request: response_ids, logprobs, versions, status (completed|truncated|aborted)."""
         if not requests:
             return []
+        if not self._synced.wait(timeout=RESYNC_TIMEOUT_S):
+            raise RuntimeError(f"{self.engine_id} restarted and was not re-sent the current weights within "
+                               f"{RESYNC_TIMEOUT_S:.0f}s")
         t0 = time.time()
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):  # one decode loop per sampling setting

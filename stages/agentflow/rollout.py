@@ -58,6 +58,8 @@ class RolloutConfig:
     stale_steps: float = 0.0           # 0 = synchronous on-policy
     window: str = "no-window"          # no-window | window-gated | windowed-fifo | dotted path
     timeout_s: float = 300.0           # per trajectory
+    engine_restarts: int = 3           # times Ray restarts a dead engine (its groups are re-run); -1 = always
+    engine_retries: int = 3            # re-runs of a trajectory whose engine died under it
     partial: str = "interrupt"         # at a weight update: interrupt (continue under new weights) | wait
     partial_mask_old: bool = False     # mask tokens generated before the sample's last update out of the loss
     proxy_host: str = "127.0.0.1"      # black-box proxy bind address (loopback unless you mean it)
@@ -70,7 +72,9 @@ class RolloutConfig:
         for k in ("n_samples", "max_new_tokens", "num_engines", "num_workers"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"rollout.{k} must be > 0, got {getattr(self, k)}")
-        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port"):
+        if self.engine_restarts < -1:
+            raise ValueError(f"rollout.engine_restarts must be >= -1, got {self.engine_restarts}")
+        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port", "engine_retries"):
             if getattr(self, k) < 0:
                 raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
@@ -155,6 +159,18 @@ class AgentFlowRollout:
                             max_turns=self.cfg.max_turns, proxy=self.proxy)
 
     async def _one(self, row: dict, limit: asyncio.Semaphore) -> dict:
+        """One trajectory. If its engine dies meanwhile, it is run again from the start (same
+        seed) once the engine is back: nothing half-made by a dead engine reaches training."""
+        client = self.affinity.for_group(row["group_id"])
+        for attempt in range(self.cfg.engine_retries + 1):
+            lost = client.lost
+            out = await self._attempt(row, limit)
+            if client.lost == lost or out["status"] != "failed" or attempt == self.cfg.engine_retries:
+                break
+            await asyncio.sleep(min(2.0 ** attempt, 10.0))   # the engine is restarting
+        return out
+
+    async def _attempt(self, row: dict, limit: asyncio.Semaphore) -> dict:
         t_dispatch = time.time()
         async with limit:
             t0, ctx, fail = time.time(), None, ""

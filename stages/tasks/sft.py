@@ -29,8 +29,11 @@ def encode_sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: int = 64,
-        seed: int = 1, warmup: int = 50, log=None) -> dict:
-    """AdamW with linear warm-up then constant lr; returns the final loss and wall time."""
+        seed: int = 1, warmup: int = 50, label_smoothing: float = 0.0, log=None) -> dict:
+    """AdamW with linear warm-up then constant lr; returns the final loss and wall time.
+
+    label_smoothing > 0 trains toward (1 - e) on the demonstrated token and e spread over the
+    vocabulary: the model learns which answer is right but samples it with less confidence."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)))
@@ -41,7 +44,7 @@ def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: 
         ids, mask, lab = encode_sft_batch(tok, [rows[i] for i in pick])
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
+                                                 ignore_index=-100, label_smoothing=label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
