@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 
 import openai
 import pytest
@@ -201,12 +202,19 @@ def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_p
     assert bad["agent_stats"]["fail"] == "exit" and bad["response_ids"] == []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")   # a zombie is dead, unreaped
-    except FileNotFoundError:
-        return False
+def _alive(pid: int, grace_s: float = 5.0) -> bool:
+    """Still running after `grace_s` (a SIGKILLed process dies when next scheduled: on a loaded
+    machine that is not instant)."""
+    deadline = time.time() + grace_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                running = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")   # a zombie is dead, unreaped
+        except FileNotFoundError:
+            running = False
+        if not running or time.time() > deadline:
+            return running
+        time.sleep(0.05)
 
 
 def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp_path):
