@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
+from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.controller import run
-from pipeline.metrics import read_metrics
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.controller import run  # noqa: E402
+from pipeline.metrics import read_metrics  # noqa: E402
 
 
 def one(mode: list[str], steps: int, extra: list[str], root: str) -> dict:
-    cfg = load_config("configs/quickstart_async.yaml", [f"run.steps={steps}", "eval.every=0", *mode, *extra])
+    cfg = load_config(ROOT / "configs" / "quickstart_async.yaml", [f"run.steps={steps}", "eval.every=0", *mode, *extra])
     out = f"{root}/{'async' if 'rollout.stale_steps=1' in mode else 'sync'}"
     summary = run(cfg, out, log=lambda *_: None)
     steps_m = [m for m in read_metrics(out) if "train/loss" in m][1:]

@@ -7,8 +7,8 @@ trainer, ray.get in each engine). GB/s is the state size over the time from publ
 to every receiver having loaded it. All actors live on this one node; gloo and zmq
 run over loopback.
 
-    python benchmarks/transfer.py                      # 64M, 256M, 1G
-    python benchmarks/transfer.py --sizes 16M,64M      # quicker
+    python benchmarks/transfer_throughput.py                      # 64M, 256M, 1G
+    python benchmarks/transfer_throughput.py --sizes 16M,64M      # quicker
 
 Target (issue 4): shm >= 0.5x memcpy and >= 2x naive at 1 GB."""
 from __future__ import annotations
