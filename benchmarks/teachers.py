@@ -1,7 +1,7 @@
 """Teacher swapping: swap latency and bytes/s, then K teachers under a budget vs all resident.
 
-    python benchmarks/teacher_swap.py                       # 4 teachers, budget 2, ~130 MB each
-    python benchmarks/teacher_swap.py --hidden 1024 --layers 12   # bigger teachers (~600 MB each)
+    python benchmarks/teachers.py                       # 4 teachers, budget 2, ~130 MB each
+    python benchmarks/teachers.py --hidden 1024 --layers 12   # bigger teachers (~600 MB each)
 
 Part 1 (one process, budget 1): every acquire swaps a teacher in from its safetensors file
 (evicting the other); prints per-swap latency and bytes/s.
