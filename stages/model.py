@@ -128,6 +128,8 @@ def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
     )
     model = Qwen2ForCausalLM(mcfg)
     rows = task.make_rows("train", cfg.warmup_rows, seed=cfg.seed)
+    if hasattr(task, "demonstration"):   # multi-turn demonstrations (e.g. calculator calls), not bare answers
+        rows = [r | {"demo": task.demonstration(r)} for r in rows]
     stats = sft(model, tok, rows, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed + 1,
                 label_smoothing=cfg.warmup_label_smoothing, log=log)
     log(f"built-in model warmed: final SFT loss {stats['loss']:.3f} in {stats['seconds']:.1f}s")

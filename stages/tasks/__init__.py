@@ -2,13 +2,15 @@
 
 A task is a small object with `name`, `make_rows(split, size, seed) -> list[dict]`
 (each row has `prompt` and `answer`) and `vocab` (the characters its prompts and answers
-use). `data.path: builtin:NAME` reads a task instead of a file.
+use). `data.path: builtin:NAME` reads a task instead of a file. A task may also define
+`demonstration(row) -> [(text, trained?), ...]`: the built-in model's SFT warm-up then
+learns that multi-turn trajectory (e.g. tool calls and results) instead of the bare answer.
 """
 from __future__ import annotations
 
-from stages.tasks.arith import AdditionTask, MultiplicationTask, ReverseTask
+from stages.tasks.arith import Addition3Task, AdditionTask, MultiplicationTask, ReverseTask
 
-TASKS = {t.name: t for t in (AdditionTask, MultiplicationTask, ReverseTask)}
+TASKS = {t.name: t for t in (AdditionTask, Addition3Task, MultiplicationTask, ReverseTask)}
 
 
 def get_task(name: str, **kwargs):

@@ -1,4 +1,5 @@
-"""Digit-string tasks: addition, multiplication by a single digit, string reversal.
+"""Digit-string tasks: addition, multiplication by a single digit, string reversal, and
+three-term addition solved with the calculator tool.
 
 Prompts are plain character strings like "37+482=" and answers are exact strings, so an
 exact-match reward needs no parsing. Rows are drawn without replacement from the task's
@@ -72,3 +73,37 @@ class ReverseTask(_PoolTask):
     def row(self, idx: int) -> dict:
         s = str(idx).zfill(self.digits + 1)
         return {"prompt": f"{s}<=", "answer": s[::-1]}
+
+
+@dataclass
+class Addition3Task(_PoolTask):
+    """Three-term addition, "12+34+56=" -> "102", for the calculator agent (rollout.agent: calculator).
+
+    Its warm-up demonstrations (`demonstration`) are whole calculator-agent trajectories in
+    the stream format of stages/agentflow/workflows.py: the model copies the first two terms
+    as a calculator call, the tool returns their sum, the model adds the third term as a
+    second call, the tool returns the total and the model answers it:
+
+        12+34+56= | 12+34= | 46 | +56= | 102 | 102<eos>      prompt | model | tool | model | tool | model
+
+    Only the model's pieces are trained (the tool's results are context, as in RL), so the
+    warmed policy learns to call the tool, not to add: it never computes a sum itself.
+    """
+    name = "addition3"
+    vocab = DIGITS + "+="
+
+    def pool_size(self) -> int:
+        return (10 ** self.digits) ** 3
+
+    def row(self, idx: int) -> dict:
+        n = 10 ** self.digits
+        a, bc = divmod(idx, n * n)
+        b, c = divmod(bc, n)
+        return {"prompt": f"{a}+{b}+{c}=", "answer": str(a + b + c)}
+
+    @staticmethod
+    def demonstration(row: dict) -> list[tuple[str, bool]]:
+        """[(text, trained?), ...] after the prompt; the final <eos> is trained too."""
+        a, b, c = (int(x) for x in row["prompt"].rstrip("=").split("+"))
+        return [(f"{a}+{b}=", True), (str(a + b), False), (f"+{c}=", True), (str(a + b + c), False),
+                (str(a + b + c), True)]

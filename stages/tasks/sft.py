@@ -1,7 +1,9 @@
 """Supervised warm-up: teach a fresh tiny model the output format so RL has signal.
 
 Used to make the built-in quickstart policy and, later, specialist teachers. Loss is on
-the answer characters and the closing <eos> only (prompt tokens are context).
+the answer characters and the closing <eos> only (prompt tokens are context). A row with
+a `demo` ([(text, trained?), ...], e.g. a tool-use trajectory) is trained on that instead:
+loss on the trained pieces and the closing <eos>, the others (tool results) are context.
 """
 from __future__ import annotations
 
@@ -17,9 +19,14 @@ def encode_sft_batch(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor,
     seqs, labels = [], []
     for r in rows:
         p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
-        a = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
+        seq, lab = list(p), [-100] * len(p)
+        # a demonstrated trajectory: [(text, trained?), ...]; otherwise the bare answer
+        for text, trained in r.get("demo") or [(r["answer"], True)]:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            seq += ids
+            lab += ids if trained else [-100] * len(ids)
+        seqs.append(seq + [tok.eos_token_id])
+        labels.append(lab + [tok.eos_token_id])
     width = max(map(len, seqs))
     pad = tok.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
