@@ -294,3 +294,82 @@ def test_requests_arriving_while_a_batch_is_at_the_engine_are_served(engine):
 
     first, (late,) = asyncio.run(main())
     assert len(first) == 64 and len(late["response_ids"]) == 1
+
+
+# ---- the tool-use recipe and the SDK game agent -------------------------------------------------
+def test_tool_recipe_run_masks_tool_results_and_trains_model_turns(ray_session, tmp_path):
+    """configs/agent_tool.yaml through the real pipeline (a smaller, briefly warmed model): every
+    trajectory is prompt | model | tool | model ..., tool results loss_mask 0, model turns 1."""
+    import pyarrow.parquet as pq
+
+    from pipeline.config import load_config
+    from pipeline.controller import Controller
+    from stages.tasks import get_task
+
+    cfg = load_config("configs/agent_tool.yaml", [
+        "run.steps=1", "batcher.groups_per_step=4", "rollout.n_samples=4", "trainer.mini_batch_size=0",
+        "eval.num_prompts=0", "data.train_size=64", "model.hidden_size=32", "model.num_layers=1",
+        "model.warmup_steps=30", "model.warmup_rows=256", "model.warmup_lr=0.01", "model.warmup_label_smoothing=0.0",
+        f"model.cache_dir={tmp_path / 'models'}"])
+    ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
+    try:
+        assert ctl.run()["steps"] == 1
+        tok = ctl.tok
+    finally:
+        ctl.stop()
+    rows = pq.read_table(tmp_path / "run" / "rollouts" / "step=000001").to_pylist()
+    assert len(rows) == 16
+    calls = 0
+    for row in rows:
+        assert row["status"] in ("completed", "truncated"), row["error"]
+        transcript = json.loads(row["transcript"])[1:]
+        runs = _runs(row["loss_mask"])
+        assert [m for m, _ in runs] == [1 if m["role"] == "assistant" else 0 for m in transcript]
+        at = 0
+        for (mask, n), msg in zip(runs, transcript):
+            ids = row["response_ids"][at: at + n]
+            if mask == 0:   # a tool result: the calculator's text, no logprob, no version
+                assert ids == encode(tok, msg["content"])
+                assert row["response_logprobs"][at: at + n] == [0.0] * n
+                assert row["token_versions"][at: at + n] == [-1] * n
+            else:           # a model turn: sampled under version 0
+                assert tok.decode(ids, skip_special_tokens=True) == msg["content"]
+                assert set(row["token_versions"][at: at + n]) == {0}
+            at += n
+        assert row["agent_stats"]["tool_calls"] == sum(m == 0 for m, _ in runs)
+        calls += row["agent_stats"]["tool_calls"]
+    assert calls > 0, "no trajectory called the calculator: the warm-up demonstrations did not reach the policy"
+    # the demonstrations the warm-up trained on are the agent's own stream format
+    row = get_task("addition3", digits=2).row(123456)
+    assert row == {"prompt": "12+34+56=", "answer": "102"}
+    assert get_task("addition3").demonstration(row) == [("12+34=", True), ("46", False), ("+56=", True),
+                                                         ("102", False), ("102", True)]
+
+
+def test_sdk_guess_number_agent_plays_through_the_real_proxy(run_stage):
+    """examples/agents/guess_number.py: the official openai SDK in a subprocess, several turns
+    through the recording proxy, the game's feedback recorded as loss_mask 0 context."""
+    rows = [{"prompt": "37+48=", "answer": ""}, {"prompt": "12+30=", "answer": ""}, {"prompt": "5+5=", "answer": ""}]
+    stage, out = run_stage(rows, agent="cmd:python examples/agents/guess_number.py --turns 3 --max 9",
+                           temperature=1.0, max_turns=3)
+    rows = out.to_pylist()
+    assert any(r["agent_stats"]["turns"] > 1 for r in rows)   # multi-turn: the game went on after a miss
+    for row in rows:
+        assert row["status"] in ("completed", "truncated"), row["error"]
+        info = json.loads(row["agent_info"])
+        guesses, feedback = info["guesses"], info["feedback"]
+        stats = row["agent_stats"]
+        assert stats["turns"] == len(guesses) and stats["fail"] == "" and 1 <= len(guesses) <= 3
+        found = any(g.strip().isdigit() and int(g) == info["target"] for g in guesses)
+        assert row["agent_reward"] == (0.5 ** (len(guesses) - 1) if found else 0.0)
+        assert feedback == ["higher" if not g.strip().isdigit() or int(g) < info["target"] else "lower"
+                            for g in guesses[: len(guesses) - found]]
+        transcript = json.loads(row["transcript"])
+        assert [m["role"] for m in transcript] == ["user"] + ["assistant", "user"] * (len(guesses) - 1) + ["assistant"]
+        assert [m["content"] for m in transcript if m["role"] == "assistant"] == guesses
+        assert [m["content"] for m in transcript[2::2]] == [{"higher": "+", "lower": "="}[f] for f in feedback][
+            : len(guesses) - 1]
+        if stats["segments"] == 1:   # one token stream: model turns 1, game feedback 0
+            assert row["prompt_ids"] == encode(stage.tok, "=")
+            assert [m for m, _ in _runs(row["loss_mask"])] == [1, 0] * (len(guesses) - 1) + [1]
+        assert all(v == 0 for v, m in zip(row["token_versions"], row["loss_mask"]) if m)
