@@ -24,7 +24,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from pipeline.builder import Pipeline, Stage
 from pipeline.config import Config, ConfigError, dump_config, to_dict
-from pipeline.evaluate import evaluate
+from pipeline.evaluate import evaluate, evaluate_agent
 from pipeline.placement import Placement, plan_pools
 from pipeline.profile import Profiler
 from pipeline.recorder import Recorder
@@ -159,6 +159,8 @@ class Controller:
         self.reward_local = Reward(c.reward, self.model_path)
 
     def stop(self) -> None:
+        if getattr(self, "_eval_rollout", None) is not None:
+            self._eval_rollout.close()
         if getattr(self, "trainer", None) is not None and self.cfg.trainer.backend == "megatron":
             ray.get(self.trainer.shutdown.remote())        # the leader stops its peer ranks
         for h in getattr(self, "engines", []) + [getattr(self, "trainer", None), getattr(self, "gate", None)]:
@@ -301,8 +303,15 @@ class Controller:
 
     def _evaluate(self, write: bool = True) -> dict:
         c, t = self.cfg, time.time()
-        m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature, c.rollout.max_new_tokens,
-                     c.eval.n_samples)
+        if c.rollout.agent == "single_turn":
+            m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature,
+                         c.rollout.max_new_tokens, c.eval.n_samples)
+        else:   # the recipe's agent itself, on the live engines: its accuracy is what training moves
+            if getattr(self, "_eval_rollout", None) is None:
+                self._eval_rollout = AgentFlowRollout(_replace(c.rollout, temperature=c.eval.temperature,
+                                                               seed=c.run.seed + 1), self.engines, None,
+                                                      self.model_path)
+            m = evaluate_agent(self._eval_rollout, self.reward_local, self.test, c.eval.n_samples)
         self.profiler.add("eval", t, time.time(), actor="engines", step=self.step)
         if write:
             self._emit(m)

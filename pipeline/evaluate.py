@@ -44,3 +44,27 @@ def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: f
             rs = [r for r, src in zip(rewards, sources) if src == s]
             out[f"eval/accuracy/{s}"] = sum(r >= 1.0 - 1e-6 for r in rs) / len(rs)
     return out
+
+
+def evaluate_agent(rollout_stage, reward_stage, prompts: pa.Table, n_samples: int = 1, batch: int = 64) -> dict:
+    """Held-out accuracy of the recipe's own agent (multi-turn, tools, black-box programs):
+    each prompt runs through `rollout_stage` (an AgentFlowRollout on the live engines, no
+    window gate) and `reward_stage`, exactly as training trajectories do."""
+    t0 = time.time()
+    rows = [r for r in prompts.to_pylist() for _ in range(n_samples)]
+    rewards, stats, lens = [], [], []
+    for lo in range(0, len(rows), batch):
+        part = rows[lo: lo + batch]
+        table = table_from_columns({
+            "prompt_id": [r.get("prompt_id", "") for r in part], "group_id": list(range(lo, lo + len(part))),
+            "sample_idx": [0] * len(part), "data_source": [r["data_source"] for r in part],
+            "prompt": [r["prompt"] for r in part], "answer": [r["answer"] for r in part]})
+        scored = reward_stage(rollout_stage(table))
+        rewards += scored.column("reward").to_pylist()
+        stats += [s or {} for s in scored.column("agent_stats").to_pylist()]
+        lens += [len(x) for x in scored.column("response_ids").to_pylist()]
+    n = len(rewards)
+    return {"eval/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / n, "eval/reward_mean": sum(rewards) / n,
+            "eval/response_len": sum(lens) / n, "eval/turns": sum(s.get("turns") or 0 for s in stats) / n,
+            "eval/tool_calls": sum(s.get("tool_calls") or 0 for s in stats) / n,
+            "eval/failed": sum(bool(s.get("fail")) for s in stats), "eval/seconds": time.time() - t0, "eval/n": n}

@@ -308,7 +308,7 @@ def test_tool_recipe_run_masks_tool_results_and_trains_model_turns(ray_session, 
 
     cfg = load_config("configs/agent_tool.yaml", [
         "run.steps=1", "batcher.groups_per_step=4", "rollout.n_samples=4", "trainer.mini_batch_size=0",
-        "eval.num_prompts=0", "data.train_size=64", "model.hidden_size=32", "model.num_layers=1",
+        "eval.num_prompts=8", "data.train_size=64", "model.hidden_size=32", "model.num_layers=1",
         "model.warmup_steps=30", "model.warmup_rows=256", "model.warmup_lr=0.01", "model.warmup_label_smoothing=0.0",
         f"model.cache_dir={tmp_path / 'models'}"])
     ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
@@ -317,6 +317,11 @@ def test_tool_recipe_run_masks_tool_results_and_trains_model_turns(ray_session, 
         tok = ctl.tok
     finally:
         ctl.stop()
+    from pipeline.metrics import read_metrics
+
+    evals = [m for m in read_metrics(tmp_path / "run") if "eval/accuracy" in m]
+    assert len(evals) == 2 and all(m["eval/n"] == 8 and "eval/tool_calls" in m for m in evals)  # through the agent
+    assert max(m["eval/turns"] for m in evals) > 1
     rows = pq.read_table(tmp_path / "run" / "rollouts" / "step=000001").to_pylist()
     assert len(rows) == 16
     calls = 0

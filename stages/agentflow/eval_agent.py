@@ -2,9 +2,8 @@
 `rollout.agent` (tool calls, environment turns, subprocess agents) and is scored by its
 reward, exactly as in training.
 
-Why: the controller's periodic eval (pipeline/evaluate.py) samples one plain completion per
-prompt, which measures a multi-turn tool-use policy on a task it was never asked to do
-alone. This measures the same policy the way the rollout runs it:
+The controller's periodic eval does the same on the live engines when `rollout.agent` is not
+`single_turn`; this command measures any checkpoint offline, the same way:
 
     python -m stages.agentflow.eval_agent configs/agent_tool.yaml [--model DIR] [--prompts 200] [key=value ...]
 
@@ -20,12 +19,12 @@ import sys
 
 import ray
 
-from pipeline.schema import table_from_columns
 
-
-def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1, batch: int = 64) -> dict:
+def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -> dict:
+    """pipeline.evaluate.evaluate_agent on an engine of its own, loaded from `model_path`."""
     from dataclasses import replace
 
+    from pipeline.evaluate import evaluate_agent as run_eval
     from stages.agentflow.engine import HFEngine
     from stages.agentflow.rollout import AgentFlowRollout
     from stages.prompts import load_prompts
@@ -35,31 +34,17 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1, b
     path = c.test_path or (c.path if c.path.startswith("builtin:") else "")
     if not path:
         raise ValueError("eval_agent needs held-out prompts: set data.test_path (or use a builtin: data.path)")
-    rows = load_prompts(c, path=path, split="test", size=num_prompts).slice(0, num_prompts).to_pylist()
-    rows = [r for r in rows for _ in range(n_samples)]
+    prompts = load_prompts(c, path=path, split="test", size=num_prompts).slice(0, num_prompts)
     engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(model_path, cfg.model.dtype,
                                                                                  cfg.run.seed)
-    rollout_cfg = replace(cfg.rollout, temperature=cfg.eval.temperature, seed=cfg.run.seed + 1)
-    stage = AgentFlowRollout(rollout_cfg, [engine], None, model_path)
-    reward = Reward(cfg.reward, model_path)
-    rewards, stats = [], []
+    stage = AgentFlowRollout(replace(cfg.rollout, temperature=cfg.eval.temperature, seed=cfg.run.seed + 1),
+                             [engine], None, model_path)
     try:
-        for lo in range(0, len(rows), batch):
-            part = rows[lo: lo + batch]
-            table = table_from_columns({
-                "prompt_id": [r["prompt_id"] for r in part], "group_id": list(range(lo, lo + len(part))),
-                "sample_idx": [0] * len(part), "data_source": [r["data_source"] for r in part],
-                "prompt": [r["prompt"] for r in part], "answer": [r["answer"] for r in part]})
-            scored = reward(stage(table))
-            rewards += scored.column("reward").to_pylist()
-            stats += scored.column("agent_stats").to_pylist()
+        m = run_eval(stage, Reward(cfg.reward, model_path), prompts, n_samples)
     finally:
         stage.close()
         ray.kill(engine)
-    n = len(rewards)
-    return {"accuracy": sum(r >= 1 - 1e-6 for r in rewards) / n, "reward_mean": sum(rewards) / n,
-            "turns": sum(s["turns"] for s in stats) / n, "tool_calls": sum(s["tool_calls"] for s in stats) / n,
-            "failed": sum(bool(s["fail"]) for s in stats), "n": n}
+    return {k: m[f"eval/{k}"] for k in ("accuracy", "reward_mean", "turns", "tool_calls", "failed", "n")}
 
 
 def main(argv: list[str] | None = None) -> int:
