@@ -44,7 +44,11 @@ from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
 from transfer import TransferError, TransferMesh
 
-CHUNK_STEPS = 50   # the stream is opened in chunks of this many steps' groups (+ window capacity)
+# The stream is opened in chunks of steps' groups (+ window capacity). Each new chunk is a new
+# Ray Data execution whose actor pools start afresh (~4 s on 2 cores): chunks are as long as
+# CHUNK_BYTES of prompt rows allows, between CHUNK_STEPS_MIN and CHUNK_STEPS_MAX steps.
+CHUNK_BYTES = 64 * 2**20
+CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 1000
 
 
 def init_ray(cfg: Config, num_cpus: int) -> None:
@@ -235,11 +239,17 @@ class Controller:
         t_wait = time.time()
         start = min(set(range(max(self.done_seqs, default=-1) + 2)) - self.done_seqs)   # first group not done
         while self.step < c.run.steps:
-            count = min(c.run.steps - self.step, CHUNK_STEPS) * B + capacity(B, c.rollout.stale_steps)
+            count = min(c.run.steps - self.step, self._chunk_steps()) * B + capacity(B, c.rollout.stale_steps)
             count += sum(1 for q in self.done_seqs if q >= start)   # done groups in range are skipped
             yield from self._chunk(start, count, gpb, batcher, t_wait)
             start += count
             t_wait = time.time()
+
+    def _chunk_steps(self) -> int:
+        table = self.source.table
+        row_bytes = table.nbytes / max(table.num_rows, 1)
+        step_bytes = max(self.cfg.batcher.groups_per_step * self.cfg.rollout.n_samples * row_bytes, 1.0)
+        return int(min(CHUNK_STEPS_MAX, max(CHUNK_STEPS_MIN, CHUNK_BYTES // step_bytes)))
 
     def _chunk(self, start, count, gpb, batcher, t_wait):
         c, B = self.cfg, self.cfg.batcher.groups_per_step
