@@ -22,6 +22,7 @@ of leaving actors pending forever.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import ray
@@ -80,11 +81,15 @@ class Placement:
                                     or p.workers > self.pools[p.colocate_with].workers):
                 raise ValueError(f"pool {p.name} colocates with {p.colocate_with!r}: needs that pool, one bundle "
                                  f"per worker and at most as many workers as it has")
+        # Biggest groups first, each pool placed before the next is asked for: a pool of small
+        # groups placed first can spread over the nodes and leave no node room for a big group.
+        hosts.sort(key=lambda p: (p.group * p.gpus, p.group * p.cpus), reverse=True)
+        deadline = time.monotonic() + timeout_s
         try:
             for host in hosts:
                 self.groups[host.name] = [self._group(host, g, guests.get(host.name))
                                           for g in range(host.workers // host.group)]
-            self._wait(timeout_s)
+                self._wait(host.name, max(deadline - time.monotonic(), 0.0), timeout_s)
         except BaseException:
             self.remove()
             raise
@@ -98,15 +103,15 @@ class Placement:
             bundles.append({k: v for k, v in res.items() if v > 0})
         return placement_group(bundles, strategy="STRICT_PACK", name=f"{host.name}-{g}")
 
-    def _wait(self, timeout_s: float) -> None:
-        for name, pgs in self.groups.items():
-            ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
-            if pending:
-                pool = self.pools[name]
-                raise TimeoutError(
-                    f"placement: the cluster could not hold pool {name!r} within {timeout_s:.0f}s: "
-                    f"{len(pending)} of {len(pgs)} groups of {pool.group} x {pgs[0].bundle_specs[0]} on one node "
-                    f"are pending; the cluster has {ray.cluster_resources()}")
+    def _wait(self, name: str, left_s: float, timeout_s: float) -> None:
+        pgs = self.groups[name]
+        ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=left_s)
+        if pending:
+            pool = self.pools[name]
+            raise TimeoutError(
+                f"placement: the cluster could not hold pool {name!r} within {timeout_s:.0f}s: "
+                f"{len(pending)} of {len(pgs)} groups of {pool.group} x {pgs[0].bundle_specs[0]} on one node "
+                f"are pending; the cluster has {ray.cluster_resources()}")
 
     def options(self, pool: str) -> list[dict]:
         """Ray actor options (resources + bundle) for each worker of `pool`, in order."""
