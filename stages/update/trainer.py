@@ -96,6 +96,14 @@ def to_batch(table: pa.Table, pad_id: int) -> Batch:
                  torch.tensor([s == "truncated" for s in cols["status"]]))
 
 
+def task_advantages(algo: AlgorithmConfig, b: Batch, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overlong shaping of rewards and mask, then the estimator's per-token advantages [B,T]
+    (both trainers start every update here)."""
+    rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
+                                   max_new_tokens or int(b.lengths.max()))
+    return compute_advantages(algo.advantage, rewards, b.group_ids, mask), mask
+
+
 class TorchTrainer:
     """Ray actor: owns the policy, the optimizer and (if KL is on) a frozen reference copy."""
 
@@ -171,9 +179,7 @@ class TorchTrainer:
         t0 = time.time()
         b = to_batch(table, self.pad_id)
         algo = self.algo
-        rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
-                                       self.max_new_tokens or int(b.lengths.max()))
-        adv = compute_advantages(algo.advantage, rewards, b.group_ids, mask)
+        adv, mask = task_advantages(algo, b, self.max_new_tokens)
         with torch.no_grad():
             recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
             ref_lp = self.logprobs(self.ref, b)[0] if self.ref is not None else None

@@ -28,10 +28,9 @@ import pyarrow as pa
 import ray
 import torch
 
-from stages.update.advantages import compute_advantages
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
-from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
-from stages.update.trainer import Batch, TrainerConfig, to_batch
+from stages.update.losses import AlgorithmConfig, policy_loss
+from stages.update.trainer import Batch, TrainerConfig, task_advantages, to_batch
 
 from . import parallel
 from .config import MegatronConfig
@@ -252,9 +251,7 @@ class MegatronTrainer:
         t0 = time.time()
         b = to_batch(table, self.pad_id)
         algo = self.algo
-        rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
-                                       self.max_new_tokens or int(b.lengths.max()))
-        adv = compute_advantages(algo.advantage, rewards, b.group_ids, mask)
+        adv, mask = task_advantages(algo, b, self.max_new_tokens)
         recomputed = None if algo.decoupled else self.logprobs(self.module, b)
         ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
         metrics, fields = {}, self._inputs(b)
