@@ -183,6 +183,7 @@ class Controller:
         if not hasattr(self, "pipeline"):   # a caller may start() and swap in its own pipeline first
             self.start()
         self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
+        self._watch_stop.clear()
         watch = threading.Thread(target=self._watch_engines, name="engine-watch", daemon=True)
         watch.start()
         try:
