@@ -14,8 +14,10 @@ Target (issue 4): shm >= 0.5x memcpy and >= 2x naive at 1 GB."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
 import time
 
 import ray
@@ -26,6 +28,13 @@ sys.path.insert(0, ROOT)
 import transfer  # noqa: E402
 
 TENSOR_BYTES = 16 << 20     # a state dict of 16 MiB matrices plus a few small vectors
+
+# Rows per transport: (label, trainer keeps its weights in the shared segment, engines
+# copy each bucket into the model as it lands). The first shm row is what the torch
+# trainer and the HF engine do; the others show what each of the two saves.
+VARIANTS = {"shm": [("shm", True, True),
+                    ("shm, sender packs", False, True),
+                    ("shm, land+load", False, False)]}
 
 
 def make_state(nbytes: int, fill: float) -> dict[str, torch.Tensor]:
@@ -44,6 +53,7 @@ class Engine:
         torch.set_num_threads(1)
         self.state = make_state(nbytes, 0.0)
         self.version = 0
+        self.lock = threading.Lock()
         self.mesh_endpoint = transfer.Receiver(target=self)
 
     def mesh(self, method, *args, **kwargs):
@@ -53,9 +63,18 @@ class Engine:
         return {n: (tuple(t.shape), t.dtype) for n, t in self.state.items()}
 
     def load_weights(self, named_tensors, version):
-        for n, t in named_tensors.items():
-            self.state[n].copy_(t)
-        self.version = version
+        with self.lock:
+            for n, t in named_tensors.items():
+                self.state[n].copy_(t)
+            self.version = version
+
+    @contextlib.contextmanager
+    def weights_in_place(self, version):
+        """What the HF engine offers: the live tensors, so each verified bucket is copied
+        into them while the next one travels."""
+        with self.lock:
+            yield self.state
+            self.version = version
 
     def weight_version(self):
         return self.version
@@ -74,6 +93,13 @@ class Trainer:
         self.state = make_state(nbytes, 1.0)
         self.mesh_endpoint = transfer.Sender(state_fn=lambda: self.state)
         self.colocated = Engine(nbytes)
+
+    def share(self, on: bool):
+        """on: keep the weights in the sender's shared segment from the next publish (what
+        the torch trainer does); off: private weights again, so each version is packed."""
+        self.mesh_endpoint.adopt_fn = self.state.update if on else None
+        if not on:
+            self.state = {n: t.clone() for n, t in self.state.items()}
 
     def mesh(self, method, *args, **kwargs):
         endpoint = self.mesh_endpoint
@@ -120,13 +146,15 @@ def run_size(nbytes: int, args, versions) -> list[tuple]:
                 continue                 # only the colocated engine shares the process
             receivers = {"self": trainer} if t == "inproc" else {
                 f"engine{i}": e for i, e in enumerate(picked)}
-            cfg = transfer.TransferConfig(transport=t, bucket_bytes=args.bucket_bytes,
-                                          timeout_s=120)
-            mesh = transfer.TransferMesh(trainer, receivers, cfg)
-            mesh.plan()
-            seconds = _best(lambda: mesh.publish(next(versions)), args.repeats)  # noqa: B023 - called now
-            mesh.close()
-            rows.append((t, n, nbytes / seconds / 1e9))
+            for label, shared, in_place in VARIANTS.get(t, [(t, False, True)]):
+                ray.get(trainer.share.remote(shared))
+                cfg = transfer.TransferConfig(transport=t, bucket_bytes=args.bucket_bytes,
+                                              timeout_s=120, apply_in_place=in_place)
+                mesh = transfer.TransferMesh(trainer, receivers, cfg)
+                mesh.plan()
+                seconds = _best(lambda: mesh.publish(next(versions)), args.repeats)  # noqa: B023 - called now
+                mesh.close()
+                rows.append((label, n, nbytes / seconds / 1e9))
     for actor in [trainer, *engines]:
         ray.kill(actor)
     return rows

@@ -80,3 +80,42 @@ def test_bad_agent_path_fails_at_start():
 
     with pytest.raises(ValueError, match="rollout.agent 'no.such:Agent' does not import"):
         load_agent("no.such:Agent")
+
+
+def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model_dir, tmp_path):
+    """Over shm the torch trainer adopts the sender's segment on the first publish: later
+    versions are published with no copy on the trainer (transfer/zero_copy), the engine
+    lands bit-exact weights after a real optimizer step, and save() still writes every
+    tensor (the parameters are now views of one shared buffer)."""
+    import ray
+
+    import transfer
+    from stages.model import load_model
+
+    trainer = ray.remote(TorchTrainer).options(num_cpus=0.1, max_concurrency=2).remote(
+        tiny_model_dir, TrainerConfig(num_threads=1, lr=1e-3), AlgorithmConfig())
+    engine = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir, seed=3)
+    mesh = transfer.TransferMesh(trainer, {"engine": engine},
+                                 transfer.TransferConfig(transport="shm", bucket_bytes=64 << 10))
+    first = mesh.publish(1)
+    eng = HFEngine(tiny_model_dir)
+    reqs = _requests(eng, ["12+7=", "3+45=", "9+9=", "40+2="])
+    outs = ray.get(engine.generate.remote(reqs))
+    rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
+             "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": float(i % 2),
+             "group_id": 0, "status": o["status"]} for i, (r, o) in enumerate(zip(reqs, outs))]
+    before = ray.get(trainer.state_dict.remote())
+    ray.get(trainer.train_step.remote(pa.Table.from_pylist(rows)))
+    second = mesh.publish(2)
+    assert second["transfer/zero_copy"] == 1.0 and "transfer/zero_copy" in first
+    after = ray.get(trainer.state_dict.remote())
+    assert any(not torch.equal(before[n], t) for n, t in after.items())      # the step changed weights
+    served = ray.get(engine.state_dict_ref.remote())
+    assert all(torch.equal(after[n], served[n]) for n in after)
+    assert ray.get(engine.weight_version.remote()) == 2
+    ray.get(trainer.save.remote(str(tmp_path / "saved"), tiny_model_dir, False))
+    saved = load_model(str(tmp_path / "saved"), "float32").state_dict()
+    assert all(torch.equal(after[n], saved[n]) for n in after)
+    mesh.close()
+    for a in (trainer, engine):
+        ray.kill(a)

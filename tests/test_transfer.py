@@ -6,6 +6,7 @@ weights, and the failure modes (corruption, a receiver dying mid-transfer) must 
 as TransferError within the timeout. GPU transports run only where CUDA is present."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -75,6 +76,25 @@ class Engine:
         return {n: t.cpu().clone() for n, t in self.model.state_dict().items()}
 
 
+class InPlaceEngine(Engine):
+    """A target that lets the Receiver copy each verified bucket straight into its model
+    (what the HF engine does); after a failed landing it serves nothing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.complete = True
+
+    @contextlib.contextmanager
+    def weights_in_place(self, version):
+        with self.lock, torch.no_grad():
+            self.complete = False
+            yield self.model.state_dict()
+            self.version, self.complete = version, True
+
+    def serving(self):
+        return self.complete
+
+
 class Trainer:
     """The sender, plus a colocated engine in the same process (the inproc route)."""
 
@@ -84,7 +104,7 @@ class Trainer:
         self.mesh_endpoint = transfer.Sender(
             state_fn=lambda: {n: t.detach() for n, t in self.model.state_dict().items()},
             device=device)
-        self.colocated = Engine(seed=2, device=device)
+        self.colocated = InPlaceEngine(seed=2, device=device)
 
     def mesh(self, method, *args, **kwargs):
         # Sender and Receiver method names never overlap, so one actor can host both.
@@ -119,14 +139,15 @@ class DiesAtBucket(transfer.Receiver):
         super().__init__(target, device)
         self.die_at = die_at
 
-    def verify_bucket(self, name, transport, version, i, data, expected):
+    def verify_bucket(self, name, transport, version, i, got, expected):
         if i == self.die_at:
             os._exit(1)
-        super().verify_bucket(name, transport, version, i, data, expected)
+        super().verify_bucket(name, transport, version, i, got, expected)
 
 
 ActorOpts = dict(num_cpus=0.1, max_concurrency=4)
 RemoteEngine = ray.remote(**ActorOpts)(Engine)
+RemoteInPlace = ray.remote(**ActorOpts)(InPlaceEngine)
 RemoteTrainer = ray.remote(**ActorOpts)(Trainer)
 _versions = itertools.count(1)
 
@@ -156,8 +177,12 @@ def actors(cluster):
     trainer = RemoteTrainer.options(**on("node_a")).remote()
     local = RemoteEngine.options(**on("node_a")).remote(seed=3)
     remote = RemoteEngine.options(**on("node_b")).remote(seed=4)
-    ray.get([trainer.state.remote(), local.state.remote(), remote.state.remote()])
-    return {"trainer": trainer, "local": local, "remote": remote}
+    local_ip = RemoteInPlace.options(**on("node_a")).remote(seed=6)
+    remote_ip = RemoteInPlace.options(**on("node_b")).remote(seed=7)
+    everyone = {"trainer": trainer, "local": local, "remote": remote,
+                "local_in_place": local_ip, "remote_in_place": remote_ip}
+    ray.get([a.state.remote() for a in everyone.values()])
+    return everyone
 
 
 def assert_same_weights(expected: dict, got: dict) -> None:
@@ -202,6 +227,26 @@ def test_layout_round_trips_straddling_tensors():
     assert_same_weights(dict(state), layout.unpack(flat))
     assert layout.mismatches({"a.weight": ((300, 64), torch.float32)}) == []
     assert "b.weight" in layout.mismatches({"b.weight": ((33, 300), torch.float32)})[0]
+
+
+def test_tied_weights_travel_once_and_land_under_every_name():
+    """A tensor published under two names (tied embeddings) takes bytes once; a receiver
+    that holds the two apart gets both, in place or from the unpacked views."""
+    from transfer.layout import byte_views, pack_bucket, unpack_bucket
+    emb = torch.randn(100, 64)
+    state = {"embed.weight": emb, "norm.weight": torch.randn(64), "lm_head.weight": emb}
+    layout = transfer.Layout.of(state, BUCKET)
+    assert [s.name for s in layout.slots] == ["embed.weight", "norm.weight"]
+    assert layout.aliases == (("lm_head.weight", "embed.weight"),)
+    assert layout.specs().keys() == state.keys()
+    flat = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    untied = {n: torch.zeros_like(t) for n, t in state.items()}
+    for i in range(layout.num_buckets):
+        start, end = layout.span(i)
+        crc = pack_bucket(byte_views(state), layout, i, flat[start:end])
+        assert unpack_bucket(flat[start:end], layout, i, byte_views(untied)) == crc
+    assert_same_weights(dict(state), untied)
+    assert_same_weights(dict(state), layout.unpack(flat))
 
 
 def test_config_rejects_unknown_transport_and_unaligned_buckets():
@@ -270,11 +315,14 @@ def test_auto_routes_deliver_bit_exact_weights_every_version(actors):
 
 
 @pytest.mark.parametrize("transport,names", [
-    ("inproc", ["self"]), ("shm", ["local"]), ("gloo", ["local", "remote"]),
-    ("zmq", ["local", "remote"])])
+    ("inproc", ["self"]), ("shm", ["local", "local_in_place"]),
+    ("gloo", ["local", "remote", "remote_in_place"]),
+    ("zmq", ["local", "remote", "local_in_place", "remote_in_place"])])
 def test_each_cpu_transport_is_bit_exact(actors, transport, names):
+    """Both ways of applying: land the version then load it, and copy each bucket into
+    the live model as it is verified (the *_in_place receivers)."""
     t = actors["trainer"]
-    handles = {"self": t, "local": actors["local"], "remote": actors["remote"]}
+    handles = {"self": t, **{n: a for n, a in actors.items() if n != "trainer"}}
     mesh = transfer.TransferMesh(t, {n: handles[n] for n in names},
                                  transfer.TransferConfig(transport=transport,
                                                          bucket_bytes=BUCKET, timeout_s=10))
@@ -319,6 +367,40 @@ def test_corrupt_bucket_is_rejected_and_the_receiver_catches_up_next_time(actors
     mesh.publish(version)          # the same version again: local is behind, so it gets it
     assert_same_weights(ray.get(t.state.remote()), ray.get(local.state.remote()))
     assert ray.get(local.weight_version.remote()) == version
+    mesh.close()
+
+
+def test_corrupt_bucket_landed_in_place_stops_serving_until_the_next_version(actors):
+    """In-place landing has already copied buckets 0-1 when bucket 2 fails its checksum:
+    the error names bucket 2, the engine says it is not serving (half a version), keeps its
+    old version number, and the next publish makes it whole."""
+    t, ip = actors["trainer"], actors["local_in_place"]
+    mesh = transfer.TransferMesh(t, {"local_in_place": ip}, CFG)
+    assert mesh.plan()["local_in_place"].transport == "shm"
+    mesh.publish(next_version())
+    ray.get(t.step.remote())
+    version, old_version = next_version(), ray.get(ip.weight_version.remote())
+    layout, addresses = ray.get(t.mesh.remote("prepare", mesh.mesh_id, version,
+                                              {"shm": ["local_in_place"]}, CFG))
+    ray.get(t.mesh.remote("send", mesh.mesh_id, version))
+    start, _ = layout.span(2)
+    with open(addresses["shm"]["path"], "r+b") as f:
+        f.seek(addresses["shm"]["board_bytes"] + start + 77)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(transfer.TransferError) as err:
+        ray.get(ip.mesh.remote("receive", mesh.mesh_id, "local_in_place", version, layout,
+                               "shm", addresses["shm"], CFG))
+    e = err.value.cause if hasattr(err.value, "cause") else err.value
+    assert (e.transport, e.version, e.bucket) == ("shm", version, 2)
+    assert "checksum mismatch" in str(e)
+    assert ray.get(ip.serving.remote()) is False
+    assert ray.get(ip.weight_version.remote()) == old_version
+    mesh.publish(version)
+    assert ray.get(ip.serving.remote()) is True
+    assert ray.get(ip.weight_version.remote()) == version
+    assert_same_weights(ray.get(t.state.remote()), ray.get(ip.state.remote()))
     mesh.close()
 
 

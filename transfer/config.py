@@ -28,6 +28,11 @@ class TransferConfig:
     discover_timeout_s: float = 600.0
     # Where the sender's shared-memory segment lives (a tmpfs on Linux).
     shm_dir: str = "/dev/shm"
+    # Receivers whose target offers weights_in_place (the HF engine does) copy each
+    # verified bucket straight into the model while later ones travel, holding the
+    # target's lock for the whole receive; False lands the whole version first, then
+    # loads it (shorter lock hold, one more pass over the bytes).
+    apply_in_place: bool = True
 
     def __post_init__(self) -> None:
         if self.transport != "auto" and self.transport not in TRANSPORTS:

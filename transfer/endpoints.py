@@ -22,7 +22,7 @@ import torch
 
 from .config import TransferConfig
 from .errors import TransferError
-from .layout import Layout, checksum
+from .layout import Layout, as_bytes, checksum, unpack_bucket
 from .links import recv_link, send_link
 from .staging import HostStaging, Snapshot
 from .topology import Party, describe_process, local_device
@@ -39,6 +39,14 @@ class WeightTarget(Protocol):
         them into the model; they change after this returns."""
 
     def weight_version(self) -> int: ...
+
+    # Optional, and preferred when present:
+    #   weights_in_place(version) -> context manager yielding {name: live tensor}
+    # Held (the target's lock taken) while a version lands; the Receiver copies each
+    # verified bucket straight into the live tensors as it arrives, so loading overlaps
+    # the transfer instead of following it. On a clean exit the target serves `version`;
+    # if the block raises, the target holds half a version and must serve nothing until a
+    # complete one has landed (the mesh re-sends on the next publish).
 
 
 class _SenderMesh:
@@ -57,11 +65,21 @@ class _SenderMesh:
 class Sender:
     """The trainer's endpoint. `state_fn` returns the weights to publish (HF names),
     e.g. lambda: {n: t.detach() for n, t in model.state_dict().items()}; it is called
-    once per version, while the trainer is not stepping."""
+    once per version, while the trainer is not stepping.
+
+    `adopt_fn` (optional, CPU weights): called once with views into the shared segment
+    that hold a copy of the current weights, one per name; the owner points its tensors
+    at them (e.g. `param.data = view`) and from then on keeps its weights in the segment,
+    so a version is published with no copy on the sender at all: local receivers read
+    the weights in place. The weights must then not change until publish returns (the
+    controller publishes between steps); a receiver that read a changing tensor fails its
+    checksum, loudly."""
 
     def __init__(self, state_fn: Callable[[], Mapping[str, torch.Tensor]],
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None,
+                 adopt_fn: Callable[[dict[str, torch.Tensor]], None] | None = None):
         self.state_fn = state_fn
+        self.adopt_fn = adopt_fn
         self.device = local_device(device)
         self._meshes: dict[str, _SenderMesh] = {}
         self._party: Party | None = None
@@ -88,6 +106,12 @@ class Sender:
             if needs_staging:
                 m.staging = m.staging or HostStaging(mesh_id, cfg.shm_dir)
                 m.staging.prepare(version, layout)
+                if self.adopt_fn is not None and not m.staging.holds(state):
+                    views = m.staging.adopt(state)
+                    if views is not None:
+                        self.adopt_fn(views)
+                        state = dict(self.state_fn())
+                m.staging.zero_copy = m.staging.holds(state)
             m.snapshot = Snapshot(version, state, layout, m.staging if needs_staging else None)
             m.plan = list(plan)
             addresses = {}
@@ -123,6 +147,8 @@ class Sender:
             if errors:
                 raise errors[0]
             seconds["total"] = time.perf_counter() - t0
+            if snap.staging is not None:    # 1.0: the weights were read in place, not packed
+                seconds["zero_copy"] = float(snap.staging.zero_copy)
             return seconds
 
     def _as_error(self, e: Exception, m: _SenderMesh, transport: str, version: int) -> TransferError:
@@ -180,31 +206,66 @@ class Receiver:
         if wrong:
             raise TransferError(f"model mismatch: {'; '.join(wrong[:5])}", receiver=name,
                                 transport=transport, version=version)
+        in_place = getattr(self.target, "weights_in_place", None)
+        if in_place is not None and cfg.apply_in_place:
+            return self._receive_in_place(in_place, mesh_id, name, version, layout,
+                                          transport, address, cfg)
         progress = [-1]     # last bucket verified: names the bucket when something fails
 
         def verify(i: int, data: torch.Tensor, expected: int) -> None:
-            self.verify_bucket(name, transport, version, i, data, expected)
+            self.verify_bucket(name, transport, version, i, checksum(data), expected)
             progress[0] = i
 
         t0 = time.perf_counter()
+        named = self._land(mesh_id, name, version, layout, transport, address, cfg,
+                           verify, progress)
+        t1 = time.perf_counter()
+        self.target.load_weights({n: named[n] for n in specs}, version)
+        return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                "bytes": float(layout.total_bytes)}
+
+    def _receive_in_place(self, in_place, mesh_id, name, version, layout, transport,
+                          address, cfg) -> dict[str, float]:
+        """Copy each bucket into the target's live tensors as it is verified."""
+        progress = [-1]
+        t0 = time.perf_counter()
+        with in_place(version) as live:
+            t1 = time.perf_counter()
+            views = {n: as_bytes(t) for n, t in live.items()}
+            if any(v.data_ptr() != t.data_ptr() for v, t in zip(views.values(), live.values())):
+                raise TransferError("weights_in_place must yield contiguous tensors",
+                                    receiver=name, transport=transport, version=version)
+
+            def land(i: int, data: torch.Tensor, expected: int) -> None:
+                self.verify_bucket(name, transport, version, i,
+                                   unpack_bucket(data, layout, i, views), expected)
+                progress[0] = i
+
+            named = self._land(mesh_id, name, version, layout, transport, address, cfg,
+                               land, progress)
+            if progress[0] < 0:     # inproc: the sender's own tensors, no buckets
+                for n, t in live.items():
+                    t.copy_(named[n])
+        # receive_s: waiting for the target's lock; load_s: the lock held while landing
+        return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                "bytes": float(layout.total_bytes)}
+
+    def _land(self, mesh_id, name, version, layout, transport, address, cfg, verify,
+              progress) -> dict[str, torch.Tensor]:
         try:
             link = self._link(mesh_id, name, transport, address, cfg)
-            named = link.receive(version, layout, verify)
+            return link.receive(version, layout, verify)
         except Exception as e:
             self._drop_link(mesh_id, transport)
             if isinstance(e, TransferError):
                 raise
             raise TransferError(repr(e), receiver=name, transport=transport, version=version,
                                 bucket=progress[0] + 1 if layout.num_buckets else None) from e
-        t1 = time.perf_counter()
-        self.target.load_weights({n: named[n] for n in specs}, version)
-        return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "bytes": float(layout.total_bytes)}
 
-    def verify_bucket(self, name: str, transport: str, version: int, i: int,
-                      data: torch.Tensor, expected: int) -> None:
-        """Check one landed bucket against the sender's checksum."""
-        got = checksum(data)
+    @staticmethod
+    def verify_bucket(name: str, transport: str, version: int, i: int, got: int,
+                      expected: int) -> None:
+        """Check one landed bucket's checksum against the sender's."""
         if got != expected:
             raise TransferError(f"checksum mismatch: expected {expected:#010x}, got {got:#010x}",
                                 receiver=name, transport=transport, version=version, bucket=i)

@@ -235,6 +235,7 @@ def _metrics(version, state_bytes, seconds, ok: dict[str, dict], routes, sent: d
     }
     if "pack" in sent:
         m["transfer/pack_s"] = sent["pack"]
+        m["transfer/zero_copy"] = sent.get("zero_copy", 0.0)
     per_receiver = {n: a["receive_s"] + a["load_s"] for n, a in ok.items()}
     if ok:      # how long the slowest engine spent applying (its lock held)
         m["transfer/load_s"] = max(a["load_s"] for a in ok.values())

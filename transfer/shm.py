@@ -1,15 +1,20 @@
 """shm: same node, CPU. The sender's packed segment *is* the message.
 
 The sender packs each version once into its shared segment (see staging.py) and
-announces every bucket on the segment's board; each local receiver maps the segment,
-verifies each bucket as it is announced (while later ones are still being packed) and
-hands the target views into the shared pages. One copy on the sender, one copy into the
-receiver's model, however many receivers there are."""
+announces every bucket on the segment's board; each local receiver maps the segment and,
+as each bucket is announced (while later ones are still being packed), copies it into
+its model and checksums it in the same pass (or verifies it and hands the target views
+into the shared pages, for targets that load a whole version at once). One copy on the
+sender, one into each receiver's model, however many receivers there are; none on the
+sender when the trainer keeps its weights in the segment (Sender's adopt_fn)."""
 from __future__ import annotations
 
 import time
 
 from .staging import Board, Segment
+
+PACE_LEAD = 100000           # buckets the sender may pack ahead of the slowest local receiver
+PACE_GIVE_UP_S = 0.5
 
 
 class ShmSend:
@@ -39,8 +44,9 @@ class ShmRecv:
     def receive(self, version, layout, verify):
         board = Board(self.segment, layout.num_buckets)
         data = self.segment.tensor(self.board_bytes, layout.total_bytes)
+        deadline = time.monotonic() + self.timeout
         for i in range(layout.num_buckets):
-            crc = board.wait(i, version, time.monotonic() + self.timeout)
+            crc = board.wait(i, version, deadline)
             start, end = layout.span(i)
             verify(i, data[start:end], crc)
         return layout.unpack(data)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .config import BLOCK_BYTES
-from .layout import Layout, byte_views, pack_bucket
+from .layout import Layout, byte_views, checksum, pack_bucket
 
 
 class Segment:
@@ -121,6 +121,7 @@ class HostStaging:
         self._cond = threading.Condition()
         self._ready = -1          # highest bucket packed and announced
         self._error: BaseException | None = None
+        self.zero_copy = False    # the owner's tensors live in the segment: nothing to pack
 
     def prepare(self, version: int, layout: Layout) -> None:
         """Make room for `version` and invalidate every bucket of the previous one."""
@@ -143,6 +144,24 @@ class HostStaging:
         self.board = Board(self.segment, layout.num_buckets)
         self.data = self.segment.tensor(board, layout.total_bytes)
 
+    def holds(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """True when every tensor of `state` already sits in the segment where the layout
+        puts it (the owner adopted the segment): a version then needs no packing."""
+        base = self.data.data_ptr()
+        return all(t.device.type == "cpu" and t.is_contiguous()
+                   and t.data_ptr() == base + s.offset
+                   for s in self.layout.slots for t in [state[s.name]] if s.nbytes)
+
+    def adopt(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Copy `state` into the segment and return views of it, one per name, for the
+        owner to keep its weights in from now on; None when they cannot live there."""
+        if not all(t.device.type == "cpu" for t in state.values()):
+            return None
+        views = byte_views(state)
+        for i in range(self.layout.num_buckets):
+            pack_bucket(views, self.layout, i, self.view(i))
+        return self.layout.unpack(self.data)
+
     @property
     def address(self) -> dict:
         """What a local receiver needs to map the segment."""
@@ -159,7 +178,10 @@ class HostStaging:
         try:
             views = byte_views(state)
             for i in range(self.layout.num_buckets):
-                crc = pack_bucket(views, self.layout, i, self.view(i))
+                if self.zero_copy:
+                    crc = checksum(self.view(i))
+                else:
+                    crc = pack_bucket(views, self.layout, i, self.view(i))
                 self.checksums[i] = crc
                 self.board.announce(i, self.version, crc)
                 with self._cond:

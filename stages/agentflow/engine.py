@@ -8,6 +8,7 @@ records both versions (partial rollout) unless the request asks to hold the lock
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import socket
@@ -77,6 +78,30 @@ class HFEngine:
             self.version = int(version)
         self._synced.set()
 
+    @contextlib.contextmanager
+    def weights_in_place(self, version: int):
+        """The live tensors, for a Receiver to copy a version into bucket by bucket. The
+        decode lock is held throughout, so no step sees a half-landed version; if landing
+        fails part-way the engine serves nothing until a complete version arrives."""
+        with self._lock, torch.no_grad():
+            self._synced.clear()
+            yield self.model.state_dict()
+            self.version = int(version)
+            self._synced.set()
+
+    def _acquire_serving(self) -> None:
+        """Take the decode lock on complete weights: a failed in-place load leaves half a
+        version, and the step waits (bounded) for the next one rather than sample from it."""
+        deadline = time.monotonic() + RESYNC_TIMEOUT_S
+        while True:
+            self._lock.acquire()
+            if self._synced.is_set():
+                return
+            self._lock.release()
+            if not self._synced.wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"{self.engine_id} holds a partly loaded version and was not "
+                                   f"re-sent weights within {RESYNC_TIMEOUT_S:.0f}s")
+
     def state_dict_ref(self):
         return {n: t.clone() for n, t in self.model.state_dict().items()}
 
@@ -138,7 +163,8 @@ class HFEngine:
             ids[i, width - len(s):] = torch.tensor(s)
             mask[i, width - len(s):] = 1
         cache, step_ids = None, ids
-        held = self._lock.acquire() if hold else False
+        if hold:
+            self._acquire_serving()
         try:
             for _ in range(max(budget + [0])):
                 if all(d or b <= 0 for d, b in zip(done, budget)) or self._abort_before > t_start:
@@ -146,7 +172,7 @@ class HFEngine:
                 pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
                 with torch.no_grad():
                     if not hold:
-                        self._lock.acquire()
+                        self._acquire_serving()
                     try:
                         o = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
                                        use_cache=True, **{self._cache_kw: cache})
@@ -169,7 +195,7 @@ class HFEngine:
                 step_ids = torch.where(alive, tok, torch.full_like(tok, self.pad_id)).unsqueeze(1)
                 mask = torch.cat([mask, alive.long().unsqueeze(1)], dim=1)
         finally:
-            if held:
+            if hold:
                 self._lock.release()
         aborted = self._abort_before > t_start
         return [{"response_ids": resp[i], "logprobs": lps[i], "versions": vers[i],

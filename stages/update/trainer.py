@@ -135,9 +135,21 @@ class TorchTrainer:
         if self.mesh_endpoint is None:
             import transfer
 
-            self.mesh_endpoint = transfer.Sender(state_fn=lambda: {n: t.detach() for n, t in
-                                                                    self.model.state_dict().items()})
+            self.mesh_endpoint = transfer.Sender(
+                state_fn=lambda: {n: t.detach() for n, t in self.model.state_dict().items()},
+                adopt_fn=self._adopt_shared)
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+
+    def _adopt_shared(self, views: dict) -> None:
+        """Keep the weights in the TransferMesh's shared segment (views hold their current
+        values): local engines then read each version in place and publishing copies
+        nothing here. Parameters stay the same objects, so the optimizer is unaffected."""
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors |= dict(self.model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, view in views.items():
+                if name in tensors:
+                    tensors[name].data = view
 
     def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True) -> str:
         """HF-format weights (+ tokenizer); with_state adds what resuming needs: optimizer, RNGs, version."""
