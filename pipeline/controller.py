@@ -1,8 +1,11 @@
 """The single controller: builds the actors and the pipeline, then runs the step loop.
 
     for each step:
-        batch   = next B complete groups from the stream   (rollout runs in Ray Data)
-        metrics = trainer.train_step(batch)                 (update)
+        batch   = next B complete groups from the stream   (rollout runs in Ray Data; a
+                                                             thread takes it during the
+                                                             previous update)
+        metrics = trainer.train_step(batch)                 (update; the previous step's
+                                                             bookkeeping runs meanwhile)
         version += 1; publish weights to every engine       (weight sync)
         gate.consumed(batch groups, version)                (the window moves on)
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -73,6 +77,8 @@ def _code_roots() -> list[str]:
     return [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
+
+
 class Controller:
     def __init__(self, cfg: Config, run_dir: str | Path, rows: list[dict] | None = None,
                  on_step: Callable[[dict], None] | None = None, log: Callable[[str], None] = print):
@@ -90,6 +96,7 @@ class Controller:
         self.version = self.resume_state["version"] if self.resume_state else 0
         self.step = self.resume_state["step"] if self.resume_state else 0
         self._mesh_lock = threading.RLock()     # one weight publish at a time (step loop, engine watch)
+        self._seqs_lock = threading.Lock()      # done_seqs: the prefetch thread adds, checkpoints read
         self._watch_stop = threading.Event()
         self.engine_restarts = 0
 
@@ -186,50 +193,114 @@ class Controller:
         self._watch_stop.clear()
         watch = threading.Thread(target=self._watch_engines, name="engine-watch", daemon=True)
         watch.start()
+        prefetch = None
         try:
             last = self._evaluate() if self.test is not None else {}
             self._t_step = time.time()
-            for table, wait_s in self.batches():
+            self._tables_left = c.run.steps - self.step
+            self._take_version = self.version       # the version the next table taken is trained at
+            prefetch = _Prefetch(self.batches())
+            done = None         # the step just trained, whose bookkeeping runs during the next one
+            consumed = None
+            item, wait_s = self._next(prefetch)
+            pending = None      # the next update, when it was queued during this step's publish
+            while item is not None and self.step < c.run.steps:
                 t0 = time.time()
+                table, table_ref, _ = item
                 self.profiler.add("batcher", t0 - wait_s, t0, step=self.step + 1, rows_out=table.num_rows)
-                if c.rollout.partial_mask_old:
-                    table = mask_old_versions(table)
                 staleness = self._staleness(table)      # measured against the version being trained
                 with self._mesh_lock:       # a restarted engine is re-sent weights between steps, not mid-update
-                    m = self.pipeline.update(table)
+                    if pending is None:
+                        pending = self._submit(table_ref)
+                    if done is not None:    # the trainer is busy with this step meanwhile
+                        self._finish(*done)
+                    m = ray.get(pending) if not isinstance(pending, dict) else pending
+                    pending = None
                     t1 = time.time()
                     self.profiler.add("update", t0, t1, actor="trainer", step=self.step + 1,
                                       rows_in=table.num_rows, tokens=int(m.get("train/tokens", 0)))
                     self.version += 1
-                    sync_m = self.publish(self.version)
-                ray.get(self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())), self.version))
-                self.step += 1
-                self.profiler.add("sync", t1, time.time(), actor="trainer", step=self.step)
-                self.recorder.write(self.step, table)
-                line = m | sync_m | self._rollout_metrics(table) | teacher_metrics(table) | staleness | \
-                    self._pipeline_metrics(table, m) | {
-                    "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": time.time() - t1}
-                if self.test is not None and c.eval.every and self.step % c.eval.every == 0 and self.step < c.run.steps:
-                    line |= self._evaluate(write=False)
-                if c.run.checkpoint_every and self.step % c.run.checkpoint_every == 0:
-                    self.checkpoint()
-                self._emit(line)
-                if self.step >= c.run.steps:
-                    break
+                    publishing = self.mesh.publish_begin(self.version)
+                    self.step += 1
+                    prefetch.trained(table)
+                    ckpt = bool(c.run.checkpoint_every and self.step % c.run.checkpoint_every == 0)
+                    final_step = self.step >= c.run.steps
+                    if c.rollout.stale_steps >= 1 and publishing.sender_free and not ckpt and not final_step:
+                        # If the next batch is already here, the trainer's next update is queued
+                        # behind its send: it starts the moment its part of the publish is done,
+                        # while the engines still land. Not waited for: the window moves on
+                        # (consumed, below) only once the engines serve the new version.
+                        early, next_wait_s = self._next(prefetch, timeout=0.0)
+                        if early is _Prefetch.NOT_YET:
+                            pass
+                        elif early is None:
+                            item = None     # the stream ended
+                        else:
+                            item = early
+                            pending = self._submit(item[1])
+                    sync_m = self.publish_end(publishing)
+                    t2 = time.time()
+                    if consumed is not None:
+                        ray.get(consumed)   # the previous step's: long done, surfaces any error
+                    # The window moves on. Not waited for: the gate starts this driver's calls
+                    # in the order they were made, so the next batch sees it.
+                    consumed = self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())),
+                                                         self.version)
+                    self.profiler.add("sync", t1, t2, actor="trainer", step=self.step)
+                    if ckpt:
+                        self.checkpoint(prefetch.untrained())   # before the next step touches the weights
+                done = (self.step, table, m | sync_m | staleness | {
+                    "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": t2 - t1})
+                if pending is not None:
+                    wait_s = next_wait_s
+                elif item is not None and not final_step:
+                    item, wait_s = self._next(prefetch)
+            if done is not None:
+                self._finish(*done)
+            if consumed is not None:
+                ray.get(consumed)
             if self.step < c.run.steps:
                 self.log(f"the data stream ended after {self.step} of {c.run.steps} steps "
                          f"(dropped: {self.pipeline.batcher.stats})")
+            prefetch.close()
             final = self._evaluate() if self.test is not None else {}
-            self.checkpoint()
+            self.checkpoint(prefetch.untrained())
             return {"steps": self.step, "version": self.version, "initial": last, "final": final,
                     "run_dir": str(self.run_dir)}
         finally:
+            if prefetch is not None:
+                prefetch.close()
             self._watch_stop.set()
             watch.join(timeout=60)
             ray.get(self.gate.close.remote())
             self.mesh.close()
             self.metrics.close()
             self.profiler.close()
+
+    @staticmethod
+    def _next(prefetch: "_Prefetch", timeout: float | None = None):
+        """The next batch from the prefetch thread, and how long the step loop waited for it."""
+        t = time.time()
+        item = prefetch.get(timeout)
+        return item, time.time() - t
+
+    def _submit(self, table_ref):
+        """Start the update on the trainer; returns its ObjectRef (or the metrics, for an
+        update stage that has no submit: it then runs to completion here)."""
+        update = self.pipeline.update
+        if hasattr(update, "submit"):
+            return update.submit(table_ref)
+        return update(ray.get(table_ref))
+
+    def _finish(self, step: int, table: pa.Table, line: dict) -> None:
+        """A trained step's bookkeeping: rollouts, metrics, periodic eval. Runs while the
+        trainer works on the next step (the engines serve this step's weights meanwhile)."""
+        c = self.cfg
+        self.recorder.write(step, table)
+        line = line | self._rollout_metrics(table) | teacher_metrics(table) | self._pipeline_metrics(table, line)
+        if self.test is not None and c.eval.every and step % c.eval.every == 0 and step < c.run.steps:
+            line |= self._evaluate(write=False)
+        self._emit(line)        # self.step and self.version are still this step's here
 
     def batches(self):
         """Yield (step table, seconds waited) as soon as B eligible complete groups exist."""
@@ -239,8 +310,8 @@ class Controller:
         batcher = self.pipeline.batcher
         t_wait = time.time()
         start = min(set(range(max(self.done_seqs, default=-1) + 2)) - self.done_seqs)   # first group not done
-        while self.step < c.run.steps:
-            count = min(c.run.steps - self.step, self._chunk_steps()) * B + capacity(B, c.rollout.stale_steps)
+        while self._tables_left > 0:
+            count = min(self._tables_left, self._chunk_steps()) * B + capacity(B, c.rollout.stale_steps)
             count += sum(1 for q in self.done_seqs if q >= start)   # done groups in range are skipped
             yield from self._chunk(start, count, gpb, batcher, t_wait)
             start += count
@@ -263,16 +334,22 @@ class Controller:
                     ray.get(self.gate.collected.remote(done))
                 state = ray.get(self.gate.snapshot.remote()) if batcher.strategy else None
                 while True:
-                    table, dropped = batcher.take(self.version, _StateView(state, B) if state else None)
+                    table, dropped = batcher.take(self._take_version, _StateView(state, B) if state else None)
                     if dropped:
-                        self.done_seqs.update(dropped)
+                        with self._seqs_lock:
+                            self.done_seqs.update(dropped)
                         ray.get(self.gate.release.remote(dropped))
                     if table is None:
                         break
-                    self.done_seqs.update(table.column("group_id").to_pylist())
+                    with self._seqs_lock:
+                        self.done_seqs.update(table.column("group_id").to_pylist())
+                    if c.rollout.partial_mask_old:
+                        table = mask_old_versions(table)
                     yield conform(table), time.time() - t_wait
+                    self._take_version += 1
+                    self._tables_left -= 1
                     t_wait = time.time()
-                    if self.step >= c.run.steps:
+                    if self._tables_left <= 0:
                         return
         finally:
             stream.close()
@@ -339,17 +416,20 @@ class Controller:
         An engine whose process died is left out (Ray restarts it; the engine watch re-sends it
         the current version before it serves again); any other transfer failure stops the run."""
         with self._mesh_lock:
-            try:
-                m = self.mesh.publish(version)
-            except TransferError as e:
-                fatal = {n: f for n, f in e.failures.items() if n not in self.mesh.dead or n == "sender"}
-                if fatal or not e.failures:
-                    raise
-                self.log(f"weight sync v{version}: {', '.join(e.failures)} died; resent when restarted")
-                m = e.metrics
-            live = [(n, h) for n, h in self.mesh.receivers.items() if n not in self.mesh.dead]
-            served = ray.get([h.weight_version.remote() for _, h in live])
-        if any(v != version for v in served):
+            return self.publish_end(self.mesh.publish_begin(version))
+
+    def publish_end(self, publishing) -> dict:
+        version = publishing.version
+        try:
+            m = self.mesh.publish_end(publishing)
+        except TransferError as e:
+            fatal = {n: f for n, f in e.failures.items() if n not in self.mesh.dead or n == "sender"}
+            if fatal or not e.failures:
+                raise
+            self.log(f"weight sync v{version}: {', '.join(e.failures)} died; resent when restarted")
+            m = e.metrics
+        served = {n: self.mesh.served.get(n) for n in self.mesh.receivers if n not in self.mesh.dead}
+        if any(v != version for v in served.values()):
             raise RuntimeError(f"weight sync: engines serve versions {served}, expected {version}")
         return {k: v for k, v in m.items() if isinstance(v, (int, float))} | {"engine_restarts": self.engine_restarts}
 
@@ -371,16 +451,94 @@ class Controller:
                 self.engine_restarts += 1
                 self.log(f"engine{i} restarted: re-sent weights version {self.version}")
 
-    def checkpoint(self) -> str:
+    def checkpoint(self, untrained: set[int] = frozenset()) -> str:
         """Weights (HF), optimizer + RNGs, and the controller's clock and consumed-group set.
 
         Groups in flight are not saved: they were never trained, so a resumed run dispatches
-        them again; `done_seqs` makes sure no trained or dropped group comes back."""
+        them again; `done_seqs` makes sure no trained or dropped group comes back. Groups of
+        a batch already taken for the next step (`untrained`) are not done yet either."""
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         ray.get(self.trainer.save.remote(str(path), self.model_path))
+        with self._seqs_lock:
+            done = sorted(self.done_seqs - set(untrained))
         (path / "controller.json").write_text(json.dumps(
-            {"step": self.step, "version": self.version, "done_seqs": sorted(self.done_seqs)}))
+            {"step": self.step, "version": self.version, "done_seqs": done}))
         return str(path)
+
+
+class _Prefetch:
+    """Takes the next step's batch while the trainer works on this one.
+
+    A thread iterates the controller's batch stream (Ray Data rollout -> batcher) and hands
+    over one table at a time, already in the object store, so the trainer's next update is
+    submitted the moment the previous one is published: no serialisation, no batcher work
+    and no bookkeeping sits between two updates. At most one table waits here, taken at the
+    version it will be trained at, so the staleness bound holds as if taken just in time."""
+
+    _END = object()
+    NOT_YET = object()
+
+    def __init__(self, batches):
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._untrained: list[set[int]] = []
+        self._thread = threading.Thread(target=self._run, args=(batches,), name="prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, batches) -> None:
+        item = self._END
+        try:
+            for table, wait_s in batches:
+                with self._lock:
+                    self._untrained.append(set(table.column("group_id").to_pylist()))
+                # One chunk per column: a step's table is sliced from many Ray Data blocks, and
+                # serialising slices ships their parent buffers (measured 796 KB vs 52 KB).
+                if not self._put((table, ray.put(table.combine_chunks()), wait_s)):
+                    return
+        except BaseException as e:     # noqa: BLE001 - re-raised in the step loop
+            item = e
+        finally:
+            batches.close()
+            self._put(item)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, timeout: float | None = None):
+        """The next (table, object ref, seconds the batcher waited), None at the end, or
+        NOT_YET when `timeout` passed first."""
+        try:
+            item = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return self.NOT_YET
+        if isinstance(item, BaseException):
+            raise item
+        return None if item is self._END else item
+
+    def trained(self, table: pa.Table) -> None:
+        with self._lock:
+            self._untrained.pop(0)
+
+    def untrained(self) -> set[int]:
+        """Group ids of batches taken but not trained yet."""
+        with self._lock:
+            return set().union(*self._untrained)
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.1)
 
 
 class _StateView:

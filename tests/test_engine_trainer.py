@@ -83,7 +83,8 @@ def test_bad_agent_path_fails_at_start():
 
 
 def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model_dir, tmp_path):
-    """Over shm the torch trainer adopts the sender's segment on the first publish: later
+    """Over shm the torch trainer adopts the sender's segment on the first publish (any size
+    here; by default only weights of 64 MiB or more): later
     versions are published with no copy on the trainer (transfer/zero_copy), the engine
     lands bit-exact weights after a real optimizer step, and save() still writes every
     tensor (the parameters are now views of one shared buffer)."""
@@ -96,7 +97,8 @@ def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model
         tiny_model_dir, TrainerConfig(num_threads=1, lr=1e-3), AlgorithmConfig())
     engine = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir, seed=3)
     mesh = transfer.TransferMesh(trainer, {"engine": engine},
-                                 transfer.TransferConfig(transport="shm", bucket_bytes=64 << 10))
+                                 transfer.TransferConfig(transport="shm", bucket_bytes=64 << 10,
+                                                         adopt_min_bytes=0))
     first = mesh.publish(1)
     eng = HFEngine(tiny_model_dir)
     reqs = _requests(eng, ["12+7=", "3+45=", "9+9=", "40+2="])
@@ -113,6 +115,9 @@ def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model
     served = ray.get(engine.state_dict_ref.remote())
     assert all(torch.equal(after[n], served[n]) for n in after)
     assert ray.get(engine.weight_version.remote()) == 2
+    p = mesh.publish_begin(3)       # engines read the trainer's own weights: it must not step yet
+    assert p.sender_free is False
+    assert mesh.publish_end(p)["transfer/receivers"] == 1
     ray.get(trainer.save.remote(str(tmp_path / "saved"), tiny_model_dir, False))
     saved = load_model(str(tmp_path / "saved"), "float32").state_dict()
     assert all(torch.equal(after[n], saved[n]) for n in after)

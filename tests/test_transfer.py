@@ -328,7 +328,11 @@ def test_each_cpu_transport_is_bit_exact(actors, transport, names):
                                                          bucket_bytes=BUCKET, timeout_s=10))
     assert {r.transport for r in mesh.plan().values()} == {transport}
     ray.get(t.step.remote())
-    metrics = mesh.publish(next_version())
+    publishing = mesh.publish_begin(next_version())
+    # Only the colocated receiver reads the sender's own tensors after its send: packed
+    # copies (shm without adoption, gloo, zmq) leave the trainer free to step at once.
+    assert publishing.sender_free is (transport != "inproc")
+    metrics = mesh.publish_end(publishing)
     expected = ray.get(t.state.remote())
     for n in names:
         assert_same_weights(expected, engine_state(handles[n], t, n))

@@ -33,6 +33,11 @@ class TransferConfig:
     # target's lock for the whole receive; False lands the whole version first, then
     # loads it (shorter lock hold, one more pass over the bytes).
     apply_in_place: bool = True
+    # A sender with an adopt_fn (the torch trainer) keeps its weights in the shared
+    # segment when they are at least this big, so publishing copies nothing. Below it the
+    # copy is cheap and keeping the weights private lets the trainer start its next step
+    # while local engines are still reading the version (the step loop overlaps them).
+    adopt_min_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.transport != "auto" and self.transport not in TRANSPORTS:

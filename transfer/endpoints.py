@@ -49,6 +49,9 @@ class WeightTarget(Protocol):
     # complete one has landed (the mesh re-sends on the next publish).
 
 
+SENDER_KEY = "_sender"     # prepare's answer: facts about the sender, beside the link addresses
+
+
 class _SenderMesh:
     """What the Sender keeps per mesh: its links, its staging and the current snapshot."""
 
@@ -106,7 +109,8 @@ class Sender:
             if needs_staging:
                 m.staging = m.staging or HostStaging(mesh_id, cfg.shm_dir)
                 m.staging.prepare(version, layout)
-                if self.adopt_fn is not None and not m.staging.holds(state):
+                if (self.adopt_fn is not None and layout.total_bytes >= cfg.adopt_min_bytes
+                        and not m.staging.holds(state)):
                     views = m.staging.adopt(state)
                     if views is not None:
                         self.adopt_fn(views)
@@ -120,6 +124,10 @@ class Sender:
                     m.links[transport] = send_link(transport)(mesh_id, names, cfg, party, m.staging)
                     m.members[transport] = list(names)
                 addresses[transport] = m.links[transport].prepare(m.snapshot)
+            # Whether a receiver still reads the sender's own tensors after send returns:
+            # if not, the trainer may step again as soon as its send is done.
+            addresses[SENDER_KEY] = {"reads_after_send": any(
+                getattr(m.links[t], "reads_after_send", False) for t in plan)}
             return layout, addresses
 
     def send(self, mesh_id: str, version: int) -> dict[str, float]:
@@ -222,7 +230,7 @@ class Receiver:
         t1 = time.perf_counter()
         self.target.load_weights({n: named[n] for n in specs}, version)
         return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "bytes": float(layout.total_bytes)}
+                "bytes": float(layout.total_bytes), "serves": _version(self.target)}
 
     def _receive_in_place(self, in_place, mesh_id, name, version, layout, transport,
                           address, cfg) -> dict[str, float]:
@@ -248,7 +256,7 @@ class Receiver:
                     t.copy_(named[n])
         # receive_s: waiting for the target's lock; load_s: the lock held while landing
         return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "bytes": float(layout.total_bytes)}
+                "bytes": float(layout.total_bytes), "serves": _version(self.target)}
 
     def _land(self, mesh_id, name, version, layout, transport, address, cfg, verify,
               progress) -> dict[str, torch.Tensor]:

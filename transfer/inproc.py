@@ -28,6 +28,7 @@ def _slot(mesh_id: str) -> _Slot:
 
 class InprocSend:
     needs_staging = False
+    reads_after_send = True     # the receiver copies the sender's own tensors
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
         self.mesh_id = mesh_id

@@ -15,12 +15,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Mapping
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from .config import TransferConfig
+from .endpoints import SENDER_KEY
 from .errors import TransferError
 from .routes import Route, plan_route
 from .topology import Party, format_table
@@ -36,7 +38,8 @@ class TransferMesh:
         self.sender_party: Party | None = None
         self.parties: dict[str, Party] = {}
         self.specs: dict[str, dict] = {}
-        self.versions: dict[str, int] = {}      # what each receiver serves, as last seen
+        self.versions: dict[str, int] = {}      # the last version each receiver was sent
+        self.served: dict[str, int] = {}        # what each said it serves after loading it
         self.routes: dict[str, Route] = {}
         self.dead: set[str] = set()             # excluded until add_receiver brings it back
         self._reset: set[str] = set()           # transports whose links must be rebuilt
@@ -61,6 +64,7 @@ class TransferMesh:
             self.sender_party = _named(answers.pop("*sender*"), "sender")
         for n, (party, specs, version) in answers.items():
             self.parties[n], self.specs[n], self.versions[n] = _named(party, n), specs, version
+            self.served[n] = version
             self.dead.discard(n)
 
     def plan(self) -> dict[str, Route]:
@@ -91,7 +95,7 @@ class TransferMesh:
 
     def remove_receiver(self, name: str) -> None:
         handle = self.receivers.pop(name)
-        for table in (self.parties, self.specs, self.versions, self.routes):
+        for table in (self.parties, self.specs, self.versions, self.served, self.routes):
             table.pop(name, None)
         if name not in self.dead:
             handle.mesh.remote("close_receiver", self.mesh_id)
@@ -103,24 +107,39 @@ class TransferMesh:
         """Send `version` to every live receiver that serves an older one. Returns the
         step's metrics; raises TransferError (with .failures and .metrics) if any
         receiver failed, after the others have applied the version."""
+        return self.publish_end(self.publish_begin(version))
+
+    def publish_begin(self, version: int) -> "Publishing":
+        """The first half of publish: the sender prepares `version`, then its send and
+        every receive are started. When the answer's `sender_free` is True the sender's
+        tensors may change as soon as its send call has run (the trainer's next step can
+        be queued behind it); publish_end collects the outcome."""
         routes = self.routes if self.routes.keys() == self.receivers.keys() else self.plan()
         due = sorted(n for n in routes if n not in self.dead and self.versions[n] < version)
         t0 = time.perf_counter()
         if not due:
-            return {"transfer/version": version, "transfer/receivers": 0.0}
+            return Publishing(version, t0, due, None, None, {}, sender_free=True)
         plan: dict[str, list[str]] = defaultdict(list)
         for n in due:
             plan[routes[n].transport].append(n)
         layout, addresses = self._prepare(version, dict(plan), due)
-
+        sender = addresses.pop(SENDER_KEY, {"reads_after_send": True})
         send_ref = self.sender.mesh.remote("send", self.mesh_id, version)
         recv_refs = {n: self.receivers[n].mesh.remote(
             "receive", self.mesh_id, n, version, layout, routes[n].transport,
             addresses[routes[n].transport], self.cfg) for n in due}
+        return Publishing(version, t0, due, layout, send_ref, recv_refs,
+                          sender_free=not sender["reads_after_send"])
+
+    def publish_end(self, p: "Publishing") -> dict[str, float | str]:
+        """Wait for a publish_begin to finish; see publish."""
+        version, due, routes = p.version, p.due, self.routes
+        if not due:
+            return {"transfer/version": version, "transfer/receivers": 0.0}
         # Every wait inside the parties is bounded by timeout_s; this backstop only
         # catches a party that is wedged outside them (e.g. a deadlocked load_weights).
-        backstop = self.cfg.timeout_s * (layout.num_buckets + 2)
-        answers = self._gather({"*sender*": send_ref, **recv_refs}, backstop)
+        backstop = self.cfg.timeout_s * (p.layout.num_buckets + 2)
+        answers = self._gather({"*sender*": p.send_ref, **p.recv_refs}, backstop)
 
         sent = answers.pop("*sender*")
         failures = {n: self._failure(n, answers[n], sent, version) for n in due
@@ -130,7 +149,8 @@ class TransferMesh:
         for n in due:
             if n not in failures:
                 self.versions[n] = version
-        metrics = _metrics(version, layout.total_bytes, time.perf_counter() - t0,
+                self.served[n] = int(answers[n].get("serves", version))
+        metrics = _metrics(version, p.layout.total_bytes, time.perf_counter() - p.t0,
                            {n: a for n, a in answers.items() if n not in failures},
                            routes, sent if isinstance(sent, dict) else {})
         if failures:
@@ -199,6 +219,18 @@ class TransferMesh:
         refs += [h.mesh.remote("close_receiver", self.mesh_id)
                  for n, h in self.receivers.items() if n not in self.dead]
         ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
+
+
+@dataclass
+class Publishing:
+    """A publish in progress (TransferMesh.publish_begin)."""
+    version: int
+    t0: float
+    due: list[str]
+    layout: object
+    send_ref: object
+    recv_refs: dict
+    sender_free: bool
 
 
 def _named(party: Party, name: str) -> Party:

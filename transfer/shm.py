@@ -23,6 +23,13 @@ class ShmSend:
     def __init__(self, mesh_id, receivers, cfg, party, staging):
         self.staging, self.timeout = staging, cfg.timeout_s
 
+    @property
+    def reads_after_send(self) -> bool:
+        """Receivers copy from the segment after send returns: that is the sender's own
+        weights when it keeps them there (zero copy), so they must not change until the
+        receivers are done."""
+        return self.staging.zero_copy
+
     def prepare(self, snapshot) -> dict:
         return self.staging.address
 

@@ -21,5 +21,9 @@ class Update:
     def __init__(self, trainer):
         self.trainer = trainer
 
+    def submit(self, batch) -> ray.ObjectRef:
+        """Start the update (batch: a table, or its object ref); returns the metrics' ref."""
+        return self.trainer.train_step.remote(batch)
+
     def __call__(self, batch: pa.Table) -> dict:
-        return ray.get(self.trainer.train_step.remote(batch))
+        return ray.get(self.submit(batch))
