@@ -178,7 +178,8 @@ class TorchTrainer:
                  topk_ids: torch.Tensor | None = None):
         """Log-probs of the sampled tokens [b,T], entropy [b,T] (or None) and, given teacher
         top-k ids [b,T,K], the log-probs of those ids [b,T,K] (or None), all under `model`."""
-        out = model(input_ids=b.input_ids[rows], attention_mask=b.attn[rows]).logits.float() / self.temperature
+        out = model(input_ids=b.input_ids[rows], attention_mask=b.attn[rows],
+                    use_cache=False).logits.float() / self.temperature     # no KV cache to build
         pos = b.resp_pos[rows]
         logits = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))      # [b, T, V]
         logp = torch.log_softmax(logits, -1)
