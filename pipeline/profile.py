@@ -24,6 +24,7 @@ The rest of the module reads it back: `load_spans` (pandas), `stage_table`, `uti
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 import threading
@@ -55,13 +56,18 @@ class ProfileWarning(UserWarning):
 
 # ---- recording ----------------------------------------------------------------------------
 
+_SESSIONS = itertools.count()
+
+
 class SpanSink:
     """Buffers spans from every actor; writes `part-<session>-<k>.parquet` every `flush_s` or `flush_spans`."""
 
     def __init__(self, out_dir: str, flush_spans: int = 2048, flush_s: float = 5.0):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.session = f"{int(time.time() * 1000)}"      # a resumed run adds parts next to the first run's
+        # A resumed run adds parts next to the first run's, sorting after them; two sinks
+        # opened within one millisecond (pid + counter) must not overwrite each other's parts.
+        self.session = f"{int(time.time() * 1000)}{os.getpid():07d}{next(_SESSIONS):04d}"
         self.flush_spans, self.flush_s = flush_spans, flush_s
         self.buf: list[dict] = []
         self.parts = self.count = 0

@@ -200,6 +200,24 @@ def engine_state(handle, trainer, name):
     return ray.get(handle.state.remote())
 
 
+def receive_with_a_flipped_byte(trainer, engine, name, mesh, version, offset, bit):
+    """Drive the two halves of a shm publish by hand (what publish does), flipping one bit
+    of bucket 2 in the shared segment in between; return the receiver's TransferError."""
+    layout, addresses = ray.get(trainer.mesh.remote("prepare", mesh.mesh_id, version,
+                                                    {"shm": [name]}, CFG))
+    ray.get(trainer.mesh.remote("send", mesh.mesh_id, version))
+    start, _ = layout.span(2)
+    with open(addresses["shm"]["path"], "r+b") as f:
+        f.seek(addresses["shm"]["board_bytes"] + start + offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ bit]))
+    with pytest.raises(transfer.TransferError) as err:
+        ray.get(engine.mesh.remote("receive", mesh.mesh_id, name, version, layout, "shm",
+                                   addresses["shm"], CFG))
+    return err.value.cause if hasattr(err.value, "cause") else err.value
+
+
 # ---- pure units: no Ray ----------------------------------------------------------------
 
 def test_checksum_sees_a_flipped_bit_and_swapped_blocks():
@@ -350,20 +368,7 @@ def test_corrupt_bucket_is_rejected_and_the_receiver_catches_up_next_time(actors
     ray.get(t.step.remote())
     version, before = next_version(), ray.get(local.state.remote())
     old_version = ray.get(local.weight_version.remote())
-    # Drive the two halves by hand (what publish does), corrupting in between.
-    layout, addresses = ray.get(t.mesh.remote("prepare", mesh.mesh_id, version,
-                                              {"shm": ["local"]}, CFG))
-    ray.get(t.mesh.remote("send", mesh.mesh_id, version))
-    start, _ = layout.span(2)
-    with open(addresses["shm"]["path"], "r+b") as f:
-        f.seek(addresses["shm"]["board_bytes"] + start + 123)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(transfer.TransferError) as err:
-        ray.get(local.mesh.remote("receive", mesh.mesh_id, "local", version, layout, "shm",
-                                  addresses["shm"], CFG))
-    e = err.value.cause if hasattr(err.value, "cause") else err.value
+    e = receive_with_a_flipped_byte(t, local, "local", mesh, version, offset=123, bit=0x10)
     assert (e.receiver, e.transport, e.version, e.bucket) == ("local", "shm", version, 2)
     assert "checksum mismatch" in str(e)
     assert ray.get(local.weight_version.remote()) == old_version      # nothing applied
@@ -384,19 +389,7 @@ def test_corrupt_bucket_landed_in_place_stops_serving_until_the_next_version(act
     mesh.publish(next_version())
     ray.get(t.step.remote())
     version, old_version = next_version(), ray.get(ip.weight_version.remote())
-    layout, addresses = ray.get(t.mesh.remote("prepare", mesh.mesh_id, version,
-                                              {"shm": ["local_in_place"]}, CFG))
-    ray.get(t.mesh.remote("send", mesh.mesh_id, version))
-    start, _ = layout.span(2)
-    with open(addresses["shm"]["path"], "r+b") as f:
-        f.seek(addresses["shm"]["board_bytes"] + start + 77)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
-    with pytest.raises(transfer.TransferError) as err:
-        ray.get(ip.mesh.remote("receive", mesh.mesh_id, "local_in_place", version, layout,
-                               "shm", addresses["shm"], CFG))
-    e = err.value.cause if hasattr(err.value, "cause") else err.value
+    e = receive_with_a_flipped_byte(t, ip, "local_in_place", mesh, version, offset=77, bit=0x01)
     assert (e.transport, e.version, e.bucket) == ("shm", version, 2)
     assert "checksum mismatch" in str(e)
     assert ray.get(ip.serving.remote()) is False

@@ -134,6 +134,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", metavar="DIR", help="instead of a model: write DIR/train.jsonl and DIR/test.jsonl, "
                                                      "the tasks' prompts mixed, each row with its data_source")
+    p.add_argument("--train-size", type=int, default=2000, help="with --prompts: train rows")
+    p.add_argument("--test-size", type=int, default=100, help="with --prompts: test rows per task")
     p.set_defaults(fn=cmd_make_teacher)
 
 
@@ -143,7 +145,8 @@ def cmd_make_teacher(args) -> int:
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     try:
         if args.prompts:
-            train, test = write_prompts(tasks, args.prompts, digits=args.digits, seed=args.seed)
+            train, test = write_prompts(tasks, args.prompts, digits=args.digits, train_size=args.train_size,
+                                        test_size=args.test_size, seed=args.seed)
             print(f"wrote {train} and {test}")
             return 0
         if not args.out:
