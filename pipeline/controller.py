@@ -77,8 +77,6 @@ def _code_roots() -> list[str]:
     return [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
-
-
 class Controller:
     def __init__(self, cfg: Config, run_dir: str | Path, rows: list[dict] | None = None,
                  on_step: Callable[[dict], None] | None = None, log: Callable[[str], None] = print):
@@ -231,11 +229,9 @@ class Controller:
                         # while the engines still land. Not waited for: the window moves on
                         # (consumed, below) only once the engines serve the new version.
                         early, next_wait_s = self._next(prefetch, timeout=0.0)
-                        if early is _Prefetch.NOT_YET:
-                            pass
-                        elif early is None:
+                        if early is None:
                             item = None     # the stream ended
-                        else:
+                        elif early is not _Prefetch.NOT_YET:
                             item = early
                             pending = self._submit(item[1])
                     sync_m = self.publish_end(publishing)
