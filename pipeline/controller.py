@@ -26,7 +26,7 @@ import pyarrow as pa
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from pipeline.builder import Pipeline, Stage
+from pipeline.builder import Pipeline, Stage, set_stream_poll
 from pipeline.config import Config, ConfigError, dump_config, to_dict
 from pipeline.evaluate import evaluate, evaluate_agent
 from pipeline.placement import Placement, plan_pools
@@ -141,6 +141,9 @@ class Controller:
         c = self.cfg
         res = self.res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
+        if not set_stream_poll(c.run.data_poll_s):
+            self.log(f"run.data_poll_s: this Ray Data ({ray.__version__}) has no executor poll to set; "
+                     "block hand-offs wait up to Ray's own 0.1 s")
         self.placement = _placement(c)
         self.engines = _start_engines(c, self.model_path, res, self.placement)
         self.trainer = _start_trainer(c, self.model_path, res, self.placement)

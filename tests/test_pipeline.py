@@ -92,12 +92,15 @@ def test_bad_input_fails_at_start(tmp_path, tiny_model_dir, override, match):
 def test_async_run_keeps_staleness_bound_and_trains_each_group_once(ray_session, tiny_model_dir, tmp_path):
     cfg = load_config("configs/quickstart_async.yaml", FAST + [
         f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "rollout.num_engines=1",
-        "rollout.groups_per_batch=1", "rollout.partial_mask_old=true"])
+        "rollout.groups_per_batch=1", "rollout.partial_mask_old=true", "run.data_poll_s=0.02"])
     ctl = Controller(cfg, tmp_path / "async", log=lambda *_: None)
     try:
         assert ctl.run()["version"] == 4
     finally:
         ctl.stop()
+    from ray.data._internal.execution import streaming_executor_state
+
+    assert streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == 0.02    # the executor's poll, set
     lines = [m for m in read_metrics(tmp_path / "async") if "train/loss" in m]
     assert all(m["staleness/max"] <= 1 for m in lines)
     assert all(m["pipeline_buf_size"] <= 8 for m in lines)          # C = B * (1 + stale_steps)

@@ -51,6 +51,7 @@ def test_unknown_key_lists_valid_keys():
     ("rollout.n_samples=-1", "rollout.n_samples"),
     ("trainer.mini_batch_size=-4", "trainer.mini_batch_size"),
     ("rollout.stale_steps=-1", "rollout.stale_steps"),
+    ("run.data_poll_s=0", "run.data_poll_s"),
 ])
 def test_bad_sizes_fail_with_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
