@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfer.py names the package)
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.controller import run  # noqa: E402

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfer.py names the package)
 
 
 def agents(endpoints: list[tuple[str, str]], calls: int, max_tokens: int, out) -> None:

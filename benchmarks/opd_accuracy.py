@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfer.py names the package)
 
 import torch  # noqa: E402
 

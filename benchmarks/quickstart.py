@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfer.py names the package)
 
 import pyarrow.parquet as pq  # noqa: E402
 

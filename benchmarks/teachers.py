@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfer.py names the package)
 
 
 def make_teachers(root: Path, k: int, hidden: int, layers: int) -> dict[str, str]:

@@ -19,7 +19,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+sys.path[0] = ROOT     # the repository first; not this folder (benchmarks/transfer.py names the package)
 import transfer  # noqa: E402
 from transfer.layout import as_bytes  # noqa: E402
 

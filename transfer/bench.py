@@ -1,4 +1,6 @@
 """How fast does the TransferMesh move a state dict, against the physical limit?
+(The harness behind benchmarks/transfer.py; its actors live in this importable module,
+not in a script's __main__, so Ray workers load them from the package.)
 
 For each state-dict size and 1 or 2 receivers, prints GB/s for every CPU transport
 beside the machine's memcpy for the same bytes (one thread, into memory already
@@ -7,8 +9,8 @@ trainer, ray.get in each engine). GB/s is the state size over the time from publ
 to every receiver having loaded it. All actors live on this one node; gloo and zmq
 run over loopback.
 
-    python benchmarks/transfer_throughput.py                      # 64M, 256M, 1G
-    python benchmarks/transfer_throughput.py --sizes 16M,64M      # quicker
+    python benchmarks/transfer.py                      # 64M, 256M, 1G
+    python benchmarks/transfer.py --sizes 16M,64M      # quicker
 
 Target (issue 4): shm >= 0.5x memcpy and >= 2x naive at 1 GB."""
 from __future__ import annotations
@@ -16,16 +18,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import threading
 import time
 
 import ray
 import torch
 
+import transfer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import transfer  # noqa: E402
 
 TENSOR_BYTES = 16 << 20     # a state dict of 16 MiB matrices plus a few small vectors
 
