@@ -15,6 +15,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from . import native
 from .config import BLOCK_BYTES
 
 # Each tensor starts on a cache line, so a view of the flat buffer as any dtype is aligned.
@@ -154,6 +155,10 @@ def _copy_bucket(views, layout: Layout, i: int, bucket: torch.Tensor, into_bucke
     start, end = layout.span(i)
     n = end - start
     whole = n - n % BLOCK_BYTES
+    if not into_bucket and bucket.device.type == "cpu":
+        crc = _land_native(views, layout, start, end, bucket, whole)
+        if crc is not None:
+            return crc
     if bucket.device.type != "cpu":
         step = max(n, 1)                # GPU: one pass each
     else:
@@ -179,6 +184,25 @@ def _copy_bucket(views, layout: Layout, i: int, bucket: torch.Tensor, into_bucke
         if min(hi, whole) > lo:     # sum the chunk while it is still in cache
             sums.append(_block_sums(bucket[lo:min(hi, whole)]))
     return _fold(sums, bucket[whole:n])
+
+
+def _land_native(views, layout: Layout, start: int, end: int, bucket: torch.Tensor, whole: int) -> int | None:
+    """unpack_bucket in one pass over memory (transfer/native.py); None when the native
+    routine is unavailable or a destination is not a CPU tensor."""
+    pieces, landed = [], set()
+    for slot, a, b in layout.pieces(start, end):
+        for name in layout.names_of(slot):
+            view = views.get(name)
+            if view is None or view.data_ptr() in landed:
+                continue
+            if view.device.type != "cpu":
+                return None
+            landed.add(view.data_ptr())
+            pieces.append((slot.offset + a - start, b - a, view.data_ptr() + a))
+    sums = native.land(bucket.data_ptr(), end - start, whole, sorted(pieces))
+    if sums is None:
+        return None
+    return _fold([torch.from_numpy(sums)] if whole else [], bucket[whole:end - start])
 
 
 _libc = ctypes.CDLL(None)
