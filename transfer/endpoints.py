@@ -218,15 +218,9 @@ class Receiver:
         if in_place is not None and cfg.apply_in_place:
             return self._receive_in_place(in_place, mesh_id, name, version, layout,
                                           transport, address, cfg)
-        progress = [-1]     # last bucket verified: names the bucket when something fails
-
-        def verify(i: int, data: torch.Tensor, expected: int) -> None:
-            self.verify_bucket(name, transport, version, i, checksum(data), expected)
-            progress[0] = i
-
+        verify = _Buckets(lambda i, data: checksum(data), self.verify_bucket, name, transport, version)
         t0 = time.perf_counter()
-        named = self._land(mesh_id, name, version, layout, transport, address, cfg,
-                           verify, progress)
+        named = self._land(mesh_id, name, version, layout, transport, address, cfg, verify)
         t1 = time.perf_counter()
         self.target.load_weights({n: named[n] for n in specs}, version)
         return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
@@ -235,7 +229,6 @@ class Receiver:
     def _receive_in_place(self, in_place, mesh_id, name, version, layout, transport,
                           address, cfg) -> dict[str, float]:
         """Copy each bucket into the target's live tensors as it is verified."""
-        progress = [-1]
         t0 = time.perf_counter()
         with in_place(version) as live:
             t1 = time.perf_counter()
@@ -244,22 +237,18 @@ class Receiver:
                 raise TransferError("weights_in_place must yield contiguous tensors",
                                     receiver=name, transport=transport, version=version)
 
-            def land(i: int, data: torch.Tensor, expected: int) -> None:
-                self.verify_bucket(name, transport, version, i,
-                                   unpack_bucket(data, layout, i, views), expected)
-                progress[0] = i
-
-            named = self._land(mesh_id, name, version, layout, transport, address, cfg,
-                               land, progress)
-            if progress[0] < 0:     # inproc: the sender's own tensors, no buckets
+            land = _Buckets(lambda i, data: unpack_bucket(data, layout, i, views),
+                            self.verify_bucket, name, transport, version)
+            named = self._land(mesh_id, name, version, layout, transport, address, cfg, land)
+            if land.last < 0:       # inproc: the sender's own tensors, no buckets
                 for n, t in live.items():
                     t.copy_(named[n])
         # receive_s: waiting for the target's lock; load_s: the lock held while landing
         return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
                 "bytes": float(layout.total_bytes), "serves": _version(self.target)}
 
-    def _land(self, mesh_id, name, version, layout, transport, address, cfg, verify,
-              progress) -> dict[str, torch.Tensor]:
+    def _land(self, mesh_id, name, version, layout, transport, address, cfg,
+              verify: "_Buckets") -> dict[str, torch.Tensor]:
         try:
             link = self._link(mesh_id, name, transport, address, cfg)
             return link.receive(version, layout, verify)
@@ -268,7 +257,7 @@ class Receiver:
             if isinstance(e, TransferError):
                 raise
             raise TransferError(repr(e), receiver=name, transport=transport, version=version,
-                                bucket=progress[0] + 1 if layout.num_buckets else None) from e
+                                bucket=verify.last + 1 if layout.num_buckets else None) from e
 
     @staticmethod
     def verify_bucket(name: str, transport: str, version: int, i: int, got: int,
@@ -299,6 +288,25 @@ class Receiver:
     def close_receiver(self, mesh_id: str) -> None:
         for key in [k for k in self._links if k[0] == mesh_id]:
             self._drop_link(*key)
+
+
+class _Buckets:
+    """How a receive link hands over each bucket: `verify(i, data, expected)` lands bucket
+    i (`land`: copy it into the model and/or checksum it; returns the checksum) and checks
+    it; a link that lands before the sender's checksum is known calls `land` now and
+    `check` later. `last`: the last bucket checked (errors name the one after it)."""
+
+    def __init__(self, land, verify_bucket, name: str, transport: str, version: int):
+        self.land, self.verify_bucket = land, verify_bucket
+        self.name, self.transport, self.version = name, transport, version
+        self.last = -1
+
+    def check(self, i: int, got: int, expected: int) -> None:
+        self.verify_bucket(self.name, self.transport, self.version, i, got, expected)
+        self.last = i
+
+    def __call__(self, i: int, data: torch.Tensor, expected: int) -> None:
+        self.check(i, self.land(i, data), expected)
 
 
 def _version(target) -> int:

@@ -74,20 +74,42 @@ def remove_orphans(shm_dir: str) -> None:
             pass    # alive, someone else's
 
 
+READER_SLOTS = 32          # local readers that can report their progress on one board
+TRAIL_WAIT_S = 0.25        # how long the sender waits for the readers at one bucket before it stops trailing them
+
+
 class Board:
-    """Per-bucket (version, checksum) words at the head of a segment.
+    """Per-bucket (version, checksum) words at the head of a segment, then one progress
+    word per local reader.
 
     The sender writes the checksum, then the version; a reader that sees the version
     also sees the checksum and the bucket's bytes (x86 keeps stores in order, and a torn
-    read could not pass the checksum anyway: it would fail loudly, never silently)."""
+    read could not pass the checksum anyway: it would fail loudly, never silently).
+    A reader's progress word is version << 24 | buckets it has read of that version."""
 
     def __init__(self, segment: Segment, num_buckets: int):
-        self.words = np.frombuffer(segment.mm, dtype=np.int64, count=2 * num_buckets)
-        self.words = self.words.reshape(num_buckets, 2)
+        words = np.frombuffer(segment.mm, dtype=np.int64, count=2 * num_buckets + READER_SLOTS)
+        self.words = words[:2 * num_buckets].reshape(num_buckets, 2)
+        self.read = words[2 * num_buckets:]
 
     @staticmethod
     def nbytes(num_buckets: int) -> int:
-        return -(-16 * num_buckets // BLOCK_BYTES) * BLOCK_BYTES
+        return -(-(16 * num_buckets + 8 * READER_SLOTS) // BLOCK_BYTES) * BLOCK_BYTES
+
+    def report(self, slot: int, version: int, count: int) -> None:
+        """Reader `slot` has read the first `count` buckets of `version`."""
+        self.read[slot] = version << 24 | count
+
+    def readers_at(self, slots: list[int], version: int, count: int, deadline: float) -> bool:
+        """Wait until every reader in `slots` has read `count` buckets of `version`;
+        False if the deadline came first."""
+        target, pause = version << 24 | count, 1e-5
+        while (self.read[slots] < target).any():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-4)
+        return True
 
     def clear(self) -> None:
         self.words[:, 0] = -1
@@ -122,6 +144,7 @@ class HostStaging:
         self._ready = -1          # highest bucket packed and announced
         self._error: BaseException | None = None
         self.zero_copy = False    # the owner's tensors live in the segment: nothing to pack
+        self.trail: list[int] = []    # zero copy: board slots of the local readers to checksum behind
 
     def prepare(self, version: int, layout: Layout) -> None:
         """Make room for `version` and invalidate every bucket of the previous one."""
@@ -177,8 +200,16 @@ class HostStaging:
         so transports move bucket i while bucket i+1 packs."""
         try:
             views = byte_views(state)
+            trail = self.trail if self.zero_copy else []
             for i in range(self.layout.num_buckets):
                 if self.zero_copy:
+                    # Local readers copy the bytes in place without waiting for us; summing
+                    # each bucket just behind them reads it from the shared cache instead of
+                    # memory (one pass of the state less on the memory bus). A reader that
+                    # stalls (waiting for its model's lock, or dead) is not waited for again.
+                    if trail and not self.board.readers_at(trail, self.version, i + 1,
+                                                           time.monotonic() + TRAIL_WAIT_S):
+                        trail = []
                     crc = checksum(self.view(i))
                 else:
                     crc = pack_bucket(views, self.layout, i, self.view(i))
