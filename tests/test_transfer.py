@@ -309,6 +309,14 @@ def test_board_reports_reader_progress_and_gives_up_at_the_deadline(tmp_path):
     board.report(1, 7, 3)
     assert board.readers_at([0, 1], 7, 2, time.monotonic() + 0.05)
     assert Board(Segment(segment.path, segment.size, create=False), 4).read[1] == 7 << 24 | 3
+    from transfer.staging import HostStaging
+    staging = HostStaging("board-test", str(tmp_path))
+    layout = transfer.Layout.of({"w": torch.zeros(10)}, BUCKET)
+    staging.prepare(1, layout)
+    staging.trail = [0, 1]          # named by the shm link for version 1
+    staging.prepare(2, layout)      # a version without the shm link must not wait for them
+    assert staging.trail == []
+    staging.close()
 
 def test_config_rejects_unknown_transport_and_unaligned_buckets():
     with pytest.raises(ValueError, match="valid: auto, inproc"):

@@ -11,7 +11,8 @@ Every transport is one module with two classes, one per side of the wire:
       receive(version, layout, verify) -> dict[str, Tensor]
           land every bucket, call verify(i, bucket_bytes, checksum) as each arrives, and
           return the version's tensors (views into the link's buffer; valid until the
-          next receive)
+          next receive). A link whose bytes are there before their checksum (shm, zero
+          copy) calls got = verify.land(i, bucket_bytes) and later verify.check(i, got, checksum).
       close() -> None
 
 A link raises on any failure (TransferError where it knows the bucket); every wait in it

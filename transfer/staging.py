@@ -153,6 +153,7 @@ class HostStaging:
             self._map(layout)
         self.layout, self.version = layout, version
         self.board.clear()
+        self.trail = []           # the shm link names its readers again if it takes part
         self.checksums = [0] * layout.num_buckets
         with self._cond:
             self._ready, self._error = -1, None
