@@ -71,6 +71,37 @@ def test_greedy_is_deterministic_and_failed_rows_are_not_trained(tiny_model_dir)
     assert to_batch(t, 0).mask.sum(1).tolist() == [2.0, 0.0]
 
 
+def test_to_batch_lays_out_ragged_rows_right_padded(tiny_model_dir):
+    rows = [{"prompt_ids": p, "response_ids": r, "response_logprobs": [-0.5] * len(r), "loss_mask": m,
+             "token_versions": list(range(len(r))), "reward": float(i), "group_id": i // 2, "status": s}
+            for i, (p, r, m, s) in enumerate([([3, 4, 5], [6, 1], [1, 1], "completed"),
+                                              ([3], [7, 8, 9], [1, 0, 1], "truncated"),
+                                              ([4, 4], [], [], "failed"),
+                                              ([5, 6, 7, 8], [9], [1], "aborted")])]
+    # two chunks, the second sliced: Arrow offsets that do not start at 0
+    table = pa.concat_tables([pa.Table.from_pylist(rows[:1]), pa.Table.from_pylist(rows).slice(1)])
+    b = to_batch(table, pad_id=0)
+    assert b.input_ids.tolist() == [[3, 4, 5, 6, 1], [3, 7, 8, 9, 0], [4, 4, 0, 0, 0], [5, 6, 7, 8, 9]]
+    assert b.attn.sum(1).tolist() == [5, 4, 2, 5]
+    assert b.resp_pos.tolist() == [[2, 3, 0], [0, 1, 2], [0, 0, 0], [3, 0, 0]]
+    assert b.resp_ids.tolist() == [[6, 1, 0], [7, 8, 9], [0, 0, 0], [9, 0, 0]]
+    assert b.mask.tolist() == [[1, 1, 0], [1, 0, 1], [0, 0, 0], [0, 0, 0]]    # aborted/failed: never trained
+    assert b.versions.tolist() == [[0, 1, -1], [0, 1, 2], [-1, -1, -1], [0, -1, -1]]
+    assert b.engine_lp[1].tolist() == [-0.5] * 3 and b.engine_lp[2].tolist() == [0.0] * 3
+    assert b.lengths.tolist() == [2, 3, 0, 1] and b.truncated.tolist() == [False, True, False, False]
+    assert b.group_ids.tolist() == [0, 0, 1, 1] and b.rewards.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # the trainer runs without an attention mask: causal attention alone must give the log-probs
+    # of the masked model at every response position (pads only ever follow real tokens)
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1), AlgorithmConfig())
+    with torch.no_grad():
+        lp = tr.logprobs(tr.model, b)[0]
+        logits = tr.model(input_ids=b.input_ids, attention_mask=b.attn).logits
+    ref = torch.log_softmax(logits.gather(1, b.resp_pos[..., None].expand(-1, -1, logits.shape[-1])), -1)
+    ref = ref.gather(-1, b.resp_ids[..., None])[..., 0]
+    real = torch.arange(3)[None, :] < b.lengths[:, None]
+    assert torch.equal(lp[real], ref[real])
+
+
 class Exploding:
     async def run(self, ctx, sample):
         if sample["sample_idx"] == 1:
