@@ -102,6 +102,44 @@ def test_to_batch_lays_out_ragged_rows_right_padded(tiny_model_dir):
     assert torch.equal(lp[real], ref[real])
 
 
+def test_inverse_cdf_samples_the_distribution_and_never_a_zero_probability_token():
+    from stages.agentflow.engine import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3]])
+    u = torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tok = inverse_cdf(probs.expand(len(u), -1), 1.0 - u)
+    freq = torch.bincount(tok, minlength=5) / len(u)
+    assert freq[0] == freq[2] == 0 and (freq - probs[0]).abs().max() < 0.015
+    edges = torch.tensor([2.0 ** -53, 0.2, 0.2 + 1e-12, 1.0], dtype=torch.float64)
+    assert inverse_cdf(probs.expand(4, -1), edges).tolist() == [1, 1, 3, 4]
+    cut = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.0]])       # a top-p cut: rows need not sum to 1
+    assert inverse_cdf(cut, torch.tensor([1.0], dtype=torch.float64)).tolist() == [3]
+
+
+def test_seeded_uniforms_are_a_function_of_seed_and_step():
+    from stages.agentflow.engine import seeded_uniform
+
+    u = seeded_uniform([7] * 1000 + list(range(1000)), list(range(1000, 2000)) + [3] * 1000)
+    assert ((u > 0) & (u <= 1)).all() and len(set(u.tolist())) == 2000
+    assert abs(u.mean() - 0.5) < 0.03 and abs((u < 0.1).mean() - 0.1) < 0.03
+    assert seeded_uniform([7, -5, 2 ** 70], [3, 3, 3]).tolist()[0] == seeded_uniform([7], [3]).tolist()[0]
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_batched_or_resumed(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir, seed=5)
+    req = _requests(eng, ["12+7="], max_new_tokens=6, seed=11)[0]
+    alone = eng.generate([req])[0]
+    batched = eng.generate(_requests(eng, ["3+45=", "99+9="], seed=4) + [req])[2]
+    assert batched["response_ids"] == alone["response_ids"]
+    assert torch.allclose(torch.tensor(batched["logprobs"]), torch.tensor(alone["logprobs"]), atol=1e-5)
+    k = 2       # a partial rollout resumed after k tokens continues as if it had never stopped
+    resumed = eng.generate([req | {"prefix_ids": alone["response_ids"][:k], "prefix_logprobs": alone["logprobs"][:k],
+                                   "prefix_versions": alone["versions"][:k]}])[0]
+    assert resumed["response_ids"] == alone["response_ids"]
+    other = [eng.generate([req | {"seed": s}])[0]["response_ids"] for s in range(12, 20)]
+    assert any(o != alone["response_ids"] for o in other)     # the seed matters
+
+
 class Exploding:
     async def run(self, ctx, sample):
         if sample["sample_idx"] == 1:

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import torch
 
 from stages.model import load_model, load_tokenizer
@@ -152,9 +153,9 @@ class HFEngine:
         lps = [list(r.get("prefix_logprobs", [])) for r in reqs]
         vers = [list(r.get("prefix_versions", [])) for r in reqs]
         done = [len(x) > 0 and x[-1] == self.eos_id for x in resp]
-        # a request with its own seed samples from its own stream: reproducible whatever it is batched with
-        gens = [torch.Generator().manual_seed(int(r["seed"]) + len(resp[i])) if "seed" in r else None
-                for i, r in enumerate(reqs)]
+        # a request with its own seed samples token t from a uniform drawn by hash(seed, t): reproducible
+        # whatever it is batched with, and a resumed partial rollout draws what an uninterrupted one would
+        seeds = [int(r["seed"]) if "seed" in r else None for r in reqs]
         budget = [max_new - len(x) for x in resp]
         width = max(map(len, seqs))
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
@@ -181,13 +182,14 @@ class HFEngine:
                         if not hold:
                             self._lock.release()
                 cache = o[self._cache_kw]
-                tok, lp = self._sample(o.logits[:, -1].float(), temp, top_p, gens)
+                tok, lp = self._sample(o.logits[:, -1].float(), temp, top_p, seeds, [len(x) for x in resp])
+                toks, lpl = tok.tolist(), lp.tolist()
                 for i in range(n):
                     if done[i] or budget[i] <= 0:
                         continue
-                    t = int(tok[i])
+                    t = toks[i]
                     resp[i].append(t)
-                    lps[i].append(float(lp[i]))
+                    lps[i].append(lpl[i])
                     vers[i].append(version)
                     budget[i] -= 1
                     done[i] = t == self.eos_id
@@ -202,8 +204,12 @@ class HFEngine:
                  "status": "completed" if done[i] else ("aborted" if aborted and budget[i] > 0 else "truncated")}
                 for i in range(n)]
 
-    def _sample(self, logits: torch.Tensor, temp: float, top_p: float, gens=None):
-        """Sample one token per row; logprob is under the tempered distribution (what the trainer computes)."""
+    def _sample(self, logits: torch.Tensor, temp: float, top_p: float, seeds=None, steps=None):
+        """Sample one token per row; logprob is under the tempered distribution (what the trainer computes).
+
+        One uniform per row, then the inverse of the (top-p cut) CDF: the whole batch in a few
+        vector ops. Rows with a seed take their uniform from `seeded_uniform(seed, step)` (step:
+        the response token's index); the others from the engine's own generator."""
         if temp <= 0:  # greedy
             logp = torch.log_softmax(logits, -1)
             tok = logits.argmax(-1)
@@ -214,9 +220,36 @@ class HFEngine:
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        if gens is None or all(g is None for g in gens):
-            tok = torch.multinomial(probs, 1, generator=self._gen)[:, 0]
-        else:
-            tok = torch.cat([torch.multinomial(p[None], 1, generator=g or self._gen)[:, 0]
-                             for p, g in zip(probs, gens)])
+        u = 1.0 - torch.rand(probs.shape[0], generator=self._gen, dtype=torch.float64)     # in (0, 1]
+        if seeds is not None and any(x is not None for x in seeds):
+            rows = [i for i, x in enumerate(seeds) if x is not None]
+            u[rows] = torch.from_numpy(seeded_uniform([seeds[i] for i in rows], [steps[i] for i in rows]))
+        tok = inverse_cdf(probs, u)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+_M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit flips about half the output bits (uint64, wrapping)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_uniform(seeds, steps) -> np.ndarray:
+    """A uniform in (0, 1] per (seed, step), a pure function of the pair (float64, 53 random bits)."""
+    s = np.array([int(x) % 2 ** 64 for x in seeds], dtype=np.uint64)     # any int: an API caller's seed too
+    t = np.asarray(steps, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = _mix(_mix(s * _GOLDEN + _GOLDEN) ^ (t * _GOLDEN))
+    return ((z >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability reaches u x the row's total: a token of
+    probability 0 is never chosen (u > 0), and rows need not sum to 1 (a top-p cut)."""
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    return (cdf < target).sum(-1).clamp(max=probs.shape[-1] - 1)
