@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from pipeline.schema import with_columns
 
+DECODE_CACHE_ROWS = 65536     # decoded responses kept per reward worker
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -89,6 +90,7 @@ class Reward:
         self.fn = load_reward_fn(cfg.fn)
         self.tok = load_tokenizer(model_path)
         self.pool = cf.ThreadPoolExecutor(max_workers=cfg.num_threads)
+        self._texts: dict[tuple, str] = {}    # response ids -> text: a group's samples often give the same answer
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -112,15 +114,24 @@ class Reward:
             out["error"].append(error)
         return with_columns(batch, out)
 
+    def _text(self, ids: list[int]) -> str:
+        key = tuple(ids)
+        text = self._texts.get(key)
+        if text is None:
+            eos = self.tok.eos_token_id
+            text = self.tok.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+            if len(self._texts) >= DECODE_CACHE_ROWS:
+                self._texts.clear()
+            self._texts[key] = text
+        return text
+
     def _score(self, row: dict) -> tuple[float, dict]:
         transcript = json.loads(row.get("transcript") or "[]")
         if transcript:  # an agent's trajectory: the final model turn is the answer
             row = row | {"transcript": transcript}
             text = next((m["content"] or "" for m in reversed(transcript) if m["role"] == "assistant"), "")
         else:
-            ids = row["response_ids"]
-            eos = self.tok.eos_token_id
-            text = self.tok.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+            text = self._text(row["response_ids"])
         res = self.fn(row["prompt"], text, row.get("answer") or "", row)
         if asyncio.iscoroutine(res):
             res = asyncio.run(res)

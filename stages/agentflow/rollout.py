@@ -107,6 +107,7 @@ def load_agent(name: str):
     return agent
 
 
+ENCODE_CACHE_ROWS = 4096    # prompts kept tokenized per rollout worker
 EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats")   # optional schema columns
 
 
@@ -128,6 +129,7 @@ class AgentFlowRollout:
         self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "hold": cfg.partial == "wait"}
         self.loop = asyncio.new_event_loop()
+        self._encoded: dict[str, list[int]] = {}     # prompt text -> ids: a group's N samples share one prompt
         # started on first use, on self.loop: it serves while a batch runs, which is when agents call it
         self.proxy = Proxy(self.tok, cfg.proxy_host, cfg.proxy_port, int(cfg.proxy_max_body_mb * 2 ** 20),
                            cfg.proxy_force_sampling)
@@ -154,9 +156,17 @@ class AgentFlowRollout:
     def _context(self, row: dict) -> AgentContext:
         messages = _chat_prompt(row["prompt"])
         text = render(self.tok, messages) if messages else row["prompt"]
-        return AgentContext(self.affinity.for_group(row["group_id"]), self.tok, encode(self.tok, text),
+        return AgentContext(self.affinity.for_group(row["group_id"]), self.tok, self._encode(text),
                             dict(self.sampling, seed=self._seed(row)), prompt_text=text, messages=messages,
                             max_turns=self.cfg.max_turns, proxy=self.proxy)
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= ENCODE_CACHE_ROWS:
+                self._encoded.clear()
+            ids = self._encoded[text] = encode(self.tok, text)
+        return ids      # AgentContext copies it
 
     async def _one(self, row: dict, limit: asyncio.Semaphore) -> dict:
         """One trajectory. If its engine dies meanwhile, it is run again from the start (same
