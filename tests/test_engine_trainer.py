@@ -136,8 +136,13 @@ def test_a_seeded_request_samples_the_same_tokens_alone_batched_or_resumed(tiny_
     resumed = eng.generate([req | {"prefix_ids": alone["response_ids"][:k], "prefix_logprobs": alone["logprobs"][:k],
                                    "prefix_versions": alone["versions"][:k]}])[0]
     assert resumed["response_ids"] == alone["response_ids"]
-    other = [eng.generate([req | {"seed": s}])[0]["response_ids"] for s in range(12, 20)]
-    assert any(o != alone["response_ids"] for o in other)     # the seed matters
+    other = [eng.generate([req | {"seed": s}])[0] for s in range(12, 20)]
+    assert any(o["response_ids"] != alone["response_ids"] for o in other)     # the seed matters
+    # a group (one prompt, N seeds) shares one prefill in a batch: each sample as if it ran alone
+    group = eng.generate([req | {"seed": s} for s in range(12, 20)] + _requests(eng, ["3+45="], seed=4))
+    for g, o in zip(group, other):
+        assert g["response_ids"] == o["response_ids"]
+        assert torch.allclose(torch.tensor(g["logprobs"]), torch.tensor(o["logprobs"]), atol=1e-5)
 
 
 class Exploding:

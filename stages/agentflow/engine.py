@@ -163,6 +163,11 @@ class HFEngine:
         for i, s in enumerate(seqs):  # left padding keeps the newest token in the last column
             ids[i, width - len(s):] = torch.tensor(s)
             mask[i, width - len(s):] = 1
+        # Rows with the same context (a group's N samples of one prompt) share one prefill: it runs
+        # on one row per distinct context and the KV cache is then copied out to every row.
+        first: dict[tuple, int] = {}
+        inv = torch.tensor([first.setdefault(tuple(s), i) for i, s in enumerate(seqs)])
+        shared = sorted(set(first.values())) if len(first) < n else None
         cache, step_ids = None, ids
         if hold:
             self._acquire_serving()
@@ -175,14 +180,17 @@ class HFEngine:
                     if not hold:
                         self._acquire_serving()
                     try:
-                        o = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                       use_cache=True, **{self._cache_kw: cache})
+                        if cache is None and shared is not None:
+                            logits, cache = self._shared_prefill(step_ids, mask, pos, shared, inv)
+                        else:
+                            o = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                                           use_cache=True, **{self._cache_kw: cache})
+                            logits, cache = o.logits[:, -1], o[self._cache_kw]
                         version = self.version
                     finally:
                         if not hold:
                             self._lock.release()
-                cache = o[self._cache_kw]
-                tok, lp = self._sample(o.logits[:, -1].float(), temp, top_p, seeds, [len(x) for x in resp])
+                tok, lp = self._sample(logits.float(), temp, top_p, seeds, [len(x) for x in resp])
                 toks, lpl = tok.tolist(), lp.tolist()
                 for i in range(n):
                     if done[i] or budget[i] <= 0:
@@ -203,6 +211,16 @@ class HFEngine:
         return [{"response_ids": resp[i], "logprobs": lps[i], "versions": vers[i],
                  "status": "completed" if done[i] else ("aborted" if aborted and budget[i] > 0 else "truncated")}
                 for i in range(n)]
+
+    def _shared_prefill(self, ids, mask, pos, rows: list[int], inv: torch.Tensor):
+        """The prefill of `rows` only (one per distinct context); every row's last logits and KV cache."""
+        sel = torch.tensor(rows)
+        o = self.model(input_ids=ids[sel], attention_mask=mask[sel], position_ids=pos[sel], use_cache=True)
+        cache = o[self._cache_kw]
+        where = torch.full((int(inv.max()) + 1,), -1, dtype=torch.long)
+        where[sel] = torch.arange(len(rows))
+        cache.reorder_cache(where[inv])      # beam search's batch gather: row i gets its context's keys/values
+        return o.logits[where[inv], -1], cache
 
     def _sample(self, logits: torch.Tensor, temp: float, top_p: float, seeds=None, steps=None):
         """Sample one token per row; logprob is under the tempered distribution (what the trainer computes).
