@@ -141,8 +141,8 @@ class Controller:
         c = self.cfg
         res = self.res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
-        if not set_stream_poll(c.run.data_poll_s):
-            self.log(f"run.data_poll_s: this Ray Data ({ray.__version__}) has no executor poll to set; "
+        if not set_stream_poll(c.run.data_poll_s, c.run.data_wake):
+            self.log(f"run.data_wake/data_poll_s: this Ray Data ({ray.__version__}) has no executor poll to set; "
                      "block hand-offs wait up to Ray's own 0.1 s")
         self.placement = _placement(c)
         self.engines = _start_engines(c, self.model_path, res, self.placement)
