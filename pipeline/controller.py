@@ -249,7 +249,8 @@ class Controller:
                     if ckpt:
                         self.checkpoint(prefetch.untrained())   # before the next step touches the weights
                 done = (self.step, table, m | sync_m | staleness | {
-                    "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": t2 - t1})
+                    "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": t2 - t1,
+                    "time/next_update_queued": float(pending is not None)})
                 if pending is not None:
                     wait_s = next_wait_s
                 elif item is not None and not final_step:
