@@ -38,7 +38,7 @@ def one(mode: str, steps: int, extra: list[str], out: str) -> dict:
             "rollout_busy": statistics.mean(m["rollout/busy_frac"] for m in steps_m),
             "trainer_busy": statistics.mean(m["trainer/busy_frac"] for m in steps_m),
             "staleness_max": max(m["staleness/max"] for m in steps_m),
-            "final_accuracy": summary["final"].get("eval/accuracy")}
+            "final_accuracy": summary["final"].get("eval/accuracy"), "threads": summary["threads"]}
 
 
 def main() -> None:
@@ -59,6 +59,10 @@ def main() -> None:
                 print(f"{k + 1:<6} {mode:<6} {r['samples_per_s']:>10.1f} {r['rollout_busy']:>13.2f} "
                       f"{r['trainer_busy']:>13.2f} {r['staleness_max']:>10} "
                       f"{'-' if acc is None else f'{acc:.3f}':>10}", flush=True)
+            if k == 0:
+                print("torch threads: " + "; ".join(
+                    f"{m}: engine {res[m]['threads']['engines']}, trainer {res[m]['threads']['trainer']}"
+                    for m in ("sync", "async")), flush=True)
             ratios.append(res["async"]["samples_per_s"] / res["sync"]["samples_per_s"])
             async_busy.append(max(res["async"]["rollout_busy"], res["async"]["trainer_busy"]))
     print("async/sync throughput ratio per round: " + ", ".join(f"{x:.2f}x" for x in ratios))

@@ -152,7 +152,9 @@ class Controller:
             ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
         self.gate = ray.remote(Gate).options(num_cpus=0).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
-        ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
+        infos = ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
+        self.threads = {"engines": [i.get("threads", res.engine_threads) for i in infos[:-1]],
+                        "trainer": res.trainer_threads}     # an HF engine may time 1 thread as faster
         self.mesh = TransferMesh(self.trainer, {f"engine{i}": e for i, e in enumerate(self.engines)}, c.transfer)
         self.mesh.discover()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -266,7 +268,7 @@ class Controller:
             final = self._evaluate() if self.test is not None else {}
             self.checkpoint(prefetch.untrained())
             return {"steps": self.step, "version": self.version, "initial": last, "final": final,
-                    "run_dir": str(self.run_dir)}
+                    "run_dir": str(self.run_dir), "threads": self.threads}
         finally:
             if prefetch is not None:
                 prefetch.close()

@@ -145,6 +145,20 @@ def test_a_seeded_request_samples_the_same_tokens_alone_batched_or_resumed(tiny_
         assert torch.allclose(torch.tensor(g["logprobs"]), torch.tensor(o["logprobs"]), atol=1e-5)
 
 
+def test_engine_times_its_thread_count_on_a_small_model_and_keeps_its_sampling_stream(tiny_model_dir, monkeypatch):
+    import stages.agentflow.engine as engine_mod
+
+    calibrated = HFEngine(tiny_model_dir, seed=9, num_threads=2)
+    assert calibrated.info()["threads"] in (1, 2)
+    single = HFEngine(tiny_model_dir, seed=9, num_threads=1)      # not timed: nothing to choose
+    assert single.info()["threads"] == 1
+    reqs = _requests(single, ["12+7=", "3+45="] * 4)          # unseeded: the engine's own stream
+    # timing at start samples only seeded rows: the engine's own stream is where it started
+    assert [o["response_ids"] for o in calibrated.generate(reqs)] == [o["response_ids"] for o in single.generate(reqs)]
+    monkeypatch.setattr(engine_mod, "CALIBRATE_MAX_PARAMS", 0)    # a "large" model keeps every thread
+    assert HFEngine(tiny_model_dir, num_threads=2).info()["threads"] == 2
+
+
 class Exploding:
     async def run(self, ctx, sample):
         if sample["sample_idx"] == 1:
