@@ -166,7 +166,7 @@ class Controller:
                   workers=c.rollout.num_workers, num_cpus=res.worker_cpus),
             *([Stage(TeacherScoring, c.teacher, self.model_path, res.engine_threads, workers=c.teacher.workers,
                      num_cpus=res.worker_cpus)] if c.teacher.enabled else []),
-            Stage(Reward, c.reward, self.model_path, num_cpus=res.worker_cpus),
+            Stage(Reward, c.reward, self.model_path, c.rollout.nice, num_cpus=res.worker_cpus),
             WindowedBatcher(c.batcher, c.rollout.n_samples, c.rollout.stale_steps, make_strategy(c.rollout.window)),
             Update(self.trainer),
         ])
@@ -577,7 +577,7 @@ def _placement(c: Config) -> Placement | None:
 
 
 # rollout.engine -> (engine class, extra constructor arguments from the config)
-ENGINES = {"hf": (HFEngine, lambda c: ()), "sglang": (SGLangEngine, lambda c: (c.sglang,))}
+ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice,)), "sglang": (SGLangEngine, lambda c: (c.sglang,))}
 
 
 def _start_engines(c: Config, model_path: str, res, placement: Placement | None) -> list:

@@ -83,9 +83,11 @@ class Reward:
     inputs = ("prompt", "answer", "response_ids", "status")
     outputs = ("reward", "reward_info", "status", "error")
 
-    def __init__(self, cfg: RewardConfig, model_path: str = ""):
+    def __init__(self, cfg: RewardConfig, model_path: str = "", nice: int = 0):
+        from pipeline.resources import lower_priority
         from stages.model import load_tokenizer
 
+        lower_priority(nice)
         self.cfg = cfg
         self.fn = load_reward_fn(cfg.fn)
         self.tok = load_tokenizer(model_path)

@@ -233,3 +233,26 @@ def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model
     mesh.close()
     for a in (trainer, engine):
         ray.kill(a)
+
+
+def test_rollout_nice_lowers_an_actor_once_and_never_the_calling_process(ray_session):
+    import os
+
+    from pipeline.resources import lower_priority
+
+    before = os.nice(0)
+    lower_priority(5)               # not in an actor (a test, a notebook): left alone
+    assert os.nice(0) == before
+
+    @ray_session.remote(num_cpus=0)
+    class Probe:
+        def lowered(self, n):
+            start = os.nice(0)
+            lower_priority(n)
+            lower_priority(n)       # a second stage in the same process: no further drop
+            return start, os.nice(0)
+
+    probe = Probe.remote()
+    start, now = ray_session.get(probe.lowered.remote(5))
+    assert now == max(start, 5)
+    ray_session.kill(probe)

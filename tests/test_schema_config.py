@@ -52,6 +52,8 @@ def test_unknown_key_lists_valid_keys():
     ("trainer.mini_batch_size=-4", "trainer.mini_batch_size"),
     ("rollout.stale_steps=-1", "rollout.stale_steps"),
     ("run.data_poll_s=0", "run.data_poll_s"),
+    ("run.data_wake=sometimes", "run.data_wake"),
+    ("rollout.nice=20", "rollout.nice"),
 ])
 def test_bad_sizes_fail_with_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from pipeline.resources import lower_priority
 from stages.model import load_model, load_tokenizer
 
 RESYNC_TIMEOUT_S = 120.0
@@ -37,7 +38,8 @@ class HFEngine:
     """Batched sampling with a KV cache. Runs as a threaded Ray actor (max_concurrency > 1)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
-                 engine_id: str = "engine0"):
+                 engine_id: str = "engine0", nice: int = 0):
+        lower_priority(nice)
         torch.set_num_threads(num_threads)
         self.engine_id = engine_id
         self.model = load_model(model_path, dtype)

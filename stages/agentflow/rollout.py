@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import ray
 
+from pipeline.resources import lower_priority
 from pipeline.schema import with_columns
 from stages.agentflow.agent import AgentContext, SingleTurnAgent
 from stages.agentflow.blackbox import AgentExit, SubprocessAgent
@@ -67,6 +68,8 @@ class RolloutConfig:
     proxy_max_body_mb: float = 8.0     # larger request bodies get 413
     proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p override an agent's request
     seed: int = 0                      # sampling seed (per sample: seed, group, index; per turn within it)
+    nice: int = 0                      # niceness of engine and rollout/reward worker processes (0-19; 0 = as started):
+                                       # > 0 lets the trainer, an async run's bottleneck, keep its core
 
     def __post_init__(self):
         for k in ("n_samples", "max_new_tokens", "num_engines", "num_workers"):
@@ -85,6 +88,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"rollout.nice must be in 0..19, got {self.nice}")
         if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
             raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
 
@@ -121,6 +126,7 @@ class AgentFlowRollout:
         from stages.agentflow.proxy import Proxy
         from stages.model import load_tokenizer
 
+        lower_priority(cfg.nice)
         self.cfg = cfg
         self.gate = gate
         self.tok = ensure_chat_template(load_tokenizer(model_path))
