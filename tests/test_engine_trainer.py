@@ -1,4 +1,6 @@
 """The embedded engine and trainer, and the rollout stage on a fake batch with a real engine actor."""
+import time
+
 import pyarrow as pa
 import pytest
 import torch
@@ -157,6 +159,21 @@ def test_engine_times_its_thread_count_on_a_small_model_and_keeps_its_sampling_s
     assert [o["response_ids"] for o in calibrated.generate(reqs)] == [o["response_ids"] for o in single.generate(reqs)]
     monkeypatch.setattr(engine_mod, "CALIBRATE_MAX_PARAMS", 0)    # a "large" model keeps every thread
     assert HFEngine(tiny_model_dir, num_threads=2).info()["threads"] == 2
+
+
+@pytest.mark.parametrize("two_thread_s, kept", [(0.004, 2), (0.0095, 1), (0.02, 1)])
+def test_engine_keeps_more_threads_only_when_they_decode_clearly_faster(tiny_model_dir, monkeypatch,
+                                                                        two_thread_s, kept):
+    calls = []
+
+    def timed_decode(self, reqs, *args):        # 1 thread: 10 ms per unit; 2 threads: two_thread_s
+        calls.append(torch.get_num_threads())
+        time.sleep(0.01 if torch.get_num_threads() == 1 else two_thread_s)
+        return []
+
+    monkeypatch.setattr(HFEngine, "_decode", timed_decode)
+    assert HFEngine(tiny_model_dir, num_threads=2).info()["threads"] == kept
+    assert calls[:4] == [1, 2, 1, 2]             # interleaved, so a burst of load hits both settings
 
 
 class Exploding:
