@@ -593,7 +593,8 @@ def _start_engines(c: Config, model_path: str, res, placement: Placement | None)
 
 
 def _start_trainer(c: Config, model_path: str, res, placement: Placement | None):
-    trainer_cfg = _replace(c.trainer, num_threads=res.trainer_threads)
+    trainer_cfg = _replace(c.trainer, num_threads=res.trainer_threads,
+                           lr_decay_steps=c.trainer.lr_decay_steps or c.run.steps)   # 0 = decay over the run
     args = (c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
     if c.trainer.backend == "megatron":
         from stages.update.megatron.launch import launch

@@ -9,7 +9,7 @@ from pipeline.schema import table_from_columns
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.update.losses import AlgorithmConfig
-from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch
+from stages.update.trainer import TorchTrainer, TrainerConfig, lr_at, to_batch
 
 
 def _requests(eng, prompts, **kw):
@@ -40,6 +40,40 @@ def test_engine_logprobs_match_trainer_and_versions_advance(tiny_model_dir):
     assert eng.weight_version() == 1
     assert all(set(o["versions"]) == {1} for o in eng.generate(_requests(eng, ["1+1="])))
 
+
+
+def test_lr_schedules_warm_up_decay_to_their_floor_and_reject_bad_settings():
+    at = lambda **kw: [lr_at(TrainerConfig(lr=1.0, **kw), s) for s in range(12)]  # noqa: E731
+    assert at() == [1.0] * 12
+    assert at(lr_warmup_steps=4)[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    lin = at(lr_schedule="linear", lr_decay_steps=10, lr_min_ratio=0.1)
+    assert lin[0] == 1.0 and abs(lin[5] - 0.55) < 1e-12 and lin[10] == lin[11] == pytest.approx(0.1)
+    cos = at(lr_schedule="cosine", lr_warmup_steps=2, lr_decay_steps=10)
+    assert cos[:2] == [0.5, 1.0] and cos[6] == pytest.approx(0.5) and cos[10] == cos[11] == pytest.approx(0.0)
+    assert all(a >= b for a, b in zip(cos[1:], cos[2:]))           # never rises again after warm-up
+    for bad, key in [({"lr_schedule": "step"}, "lr_schedule"), ({"lr_min_ratio": 1.5}, "lr_min_ratio"),
+                     ({"lr_warmup_steps": -1}, "lr_warmup_steps")]:
+        with pytest.raises(ValueError, match=key):
+            TrainerConfig(**bad)
+
+
+def test_trainer_steps_follow_the_lr_schedule_and_a_restored_version_resumes_it(tiny_model_dir, tmp_path):
+    eng = HFEngine(tiny_model_dir, seed=3)
+    reqs = _requests(eng, ["12+7=", "3+45="] * 2)
+    rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
+             "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": float(i % 2),
+             "group_id": i // 2, "status": o["status"]} for i, (r, o) in enumerate(zip(reqs, eng.generate(reqs)))]
+    table = pa.Table.from_pylist(rows)
+    cfg = TrainerConfig(num_threads=1, lr=1e-3, lr_schedule="linear", lr_warmup_steps=1, lr_decay_steps=3)
+    tr = TorchTrainer(tiny_model_dir, cfg, AlgorithmConfig())
+    # step 0 warms up (1 step), step 1 starts the decay at lr, which ends at step 3
+    seen = [tr.train_step(table)["train/lr"] for _ in range(3)]
+    assert seen == [pytest.approx(1e-3), pytest.approx(1e-3), pytest.approx(5e-4)]
+    assert tr.opt.param_groups[0]["lr"] == pytest.approx(5e-4)       # what the optimizer stepped with
+    tr.save(str(tmp_path / "ck"))
+    resumed = TorchTrainer(tiny_model_dir, cfg, AlgorithmConfig())
+    assert resumed.load_state(str(tmp_path / "ck")) == 3
+    assert resumed.train_step(table)["train/lr"] == 0.0 == tr.train_step(table)["train/lr"]
 
 
 def test_decoupled_trainer_skips_the_recompute_and_still_measures_the_gap(tiny_model_dir):

@@ -18,7 +18,7 @@ FAST = ["run.steps=3", "batcher.groups_per_step=4", "rollout.n_samples=4", "roll
 
 
 def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
-    cfg = load_config("configs/quickstart.yaml", FAST + [f"model.path={tiny_model_dir}"])
+    cfg = load_config("configs/quickstart.yaml", FAST + [f"model.path={tiny_model_dir}", "trainer.lr_schedule=linear"])
     ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
     try:
         summary = ctl.run()
@@ -39,6 +39,8 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     steps = [m for m in lines if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["train/loss"] is not None and abs(m["train/loss"]) < 1e3 for m in steps)
+    # a linear schedule with no decay length given decays over the run's steps
+    assert [m["train/lr"] for m in steps] == pytest.approx([cfg.trainer.lr * f for f in (1, 2 / 3, 1 / 3)])
     evals = [m for m in lines if "eval/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2, 3] and all(0 <= m["eval/accuracy"] <= 1 for m in evals)
     # every trained row records the version that produced each of its tokens: step k trains version k-1
@@ -122,7 +124,8 @@ def _trained_prompts(run_dir, steps):
 
 def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_dir, tmp_path):
     base = FAST + [f"model.path={tiny_model_dir}", "eval.num_prompts=0", "rollout.num_engines=1",
-                   "batcher.groups_per_step=2", "data.train_size=5"]   # 5 prompts: the stream crosses epochs
+                   "batcher.groups_per_step=2", "data.train_size=5",   # 5 prompts: the stream crosses epochs
+                   "trainer.lr_schedule=cosine", "trainer.lr_decay_steps=4", "trainer.lr_min_ratio=0.5"]
     full = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=4"]), tmp_path / "full",
                       log=lambda *_: None)
     try:
@@ -154,6 +157,8 @@ def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_d
     for a, b in zip(resumed, uninterrupted):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-3, abs=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-3)
+        assert a["train/lr"] == b["train/lr"]            # the lr schedule continues where it stopped
+    assert resumed[0]["train/lr"] > resumed[1]["train/lr"]      # still decaying: decay ends at step 4
 
 
 def test_resume_from_a_non_checkpoint_fails(tmp_path, tiny_model_dir):

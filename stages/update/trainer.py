@@ -8,6 +8,7 @@ token has ratio 1 up to numerics (reported as the mismatch metrics).
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ class TrainerConfig:
     num_threads: int = 0             # torch threads in the trainer actor; 0 = pipeline/resources.py decides
     seed: int = 0
     backend: str = "torch"           # torch (this module) | megatron (stages/update/megatron, `megatron:` section)
+    lr_schedule: str = "constant"    # constant | linear | cosine: decay from lr to lr * lr_min_ratio
+    lr_warmup_steps: int = 0         # training steps of linear warm-up from lr / lr_warmup_steps to lr
+    lr_min_ratio: float = 0.0        # where linear / cosine decay ends, as a fraction of lr
+    lr_decay_steps: int = 0          # the step the decay ends at (0 = run.steps, the run's last step)
 
     def __post_init__(self):
         if self.backend not in ("torch", "megatron"):
@@ -47,6 +52,30 @@ class TrainerConfig:
             raise ValueError(f"trainer.mini_batch_size must be >= 0, got {self.mini_batch_size}")
         if self.ppo_epochs <= 0:
             raise ValueError(f"trainer.ppo_epochs must be > 0, got {self.ppo_epochs}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
+            raise ValueError("trainer.lr_warmup_steps and trainer.lr_decay_steps must be >= 0")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"trainer.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_at(cfg: TrainerConfig, step: int) -> float:
+    """The learning rate of training step `step` (0-based; the trainer's version before the step):
+    linear warm-up over lr_warmup_steps, then constant or a linear / cosine decay that reaches
+    lr * lr_min_ratio at lr_decay_steps and stays there. A function of the step alone, so a
+    resumed run (its version restored) continues the schedule where it stopped."""
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.lr_decay_steps - cfg.lr_warmup_steps)
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / span)
+    shape = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.lr_min_ratio + (1 - cfg.lr_min_ratio) * shape)
 
 
 @dataclass
@@ -240,6 +269,9 @@ class TorchTrainer:
         metrics |= distill_m
         n = b.input_ids.shape[0]
         mb = self.cfg.mini_batch_size or n
+        lr = lr_at(self.cfg, self.version)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         losses, gnorms, parts = [], [], []
         for _ in range(self.cfg.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
@@ -266,5 +298,5 @@ class TorchTrainer:
         metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms)),
                     "train/tokens": trained, "train/samples": n, "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
-                    "version": self.version}
+                    "train/lr": lr, "version": self.version}
         return metrics

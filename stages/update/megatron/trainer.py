@@ -30,7 +30,7 @@ import torch
 
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
 from stages.update.losses import AlgorithmConfig, policy_loss
-from stages.update.trainer import Batch, TrainerConfig, task_advantages, to_batch
+from stages.update.trainer import Batch, TrainerConfig, lr_at, task_advantages, to_batch
 
 from . import parallel
 from .config import MegatronConfig
@@ -265,6 +265,10 @@ class MegatronTrainer:
         n = b.input_ids.shape[0]
         mb = self.cfg.mini_batch_size or n
         parts, gnorms = [], []
+        lr = lr_at(self.cfg, self.version)
+        for o in self._inner_optimizers():      # the same schedule as TorchTrainer's, set on every rank
+            for group in o.optimizer.param_groups:
+                group["lr"] = lr
         for _ in range(self.cfg.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
                 part, gnorm = self._optimizer_step(np.sort(idx), fields)
@@ -278,7 +282,8 @@ class MegatronTrainer:
         metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
                     "train/grad_norm": float(np.mean(gnorms)), "train/tokens": trained, "train/samples": n,
                     "train/seconds": time.time() - t0,
-                    "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "version": self.version}
+                    "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "train/lr": lr,
+                    "version": self.version}
         return metrics
 
     def _inputs(self, b: Batch) -> dict:
