@@ -58,8 +58,8 @@ def main() -> None:
 
     import ray
 
+    from pipeline.cluster import init_ray
     from pipeline.config import load_config
-    from pipeline.controller import init_ray
     from stages.agentflow.client import EngineClient
     from stages.agentflow.engine import HFEngine
     from stages.agentflow.proxy import Proxy

@@ -25,8 +25,9 @@ sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfe
 
 import pyarrow as pa  # noqa: E402
 
+from pipeline.cluster import init_ray  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.controller import Controller, init_ray  # noqa: E402
+from pipeline.controller import Controller  # noqa: E402
 from pipeline.profile import Profiler, bubbles, load_spans, profiled, sink_summaries  # noqa: E402
 
 

@@ -85,7 +85,7 @@ def scoring_child(dirs: dict[str, str], budget: int, rows_per_teacher: int, batc
     """Runs in a fresh process: peak RSS and rows/s of the scoring stage at one budget."""
     import numpy as np
 
-    from pipeline.schema import table_from_columns
+    from stages.schema import table_from_columns
     from stages.teacher import TeacherConfig, TeacherScoring
 
     cfg = TeacherConfig(teachers=dirs, routes={t: t for t in dirs}, max_resident=budget, micro_batch=64)

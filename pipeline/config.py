@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.placement import PlacementConfig
-from pipeline.replay import ReplayConfig
+from pipeline.recorder import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.rollout import RolloutConfig
 from stages.agentflow.sglang_engine import SGLangConfig

@@ -15,7 +15,6 @@ The driver holds no weights. It keeps the version clock, writes the run director
 from __future__ import annotations
 
 import json
-import os
 import queue
 import threading
 import time
@@ -27,13 +26,13 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from pipeline.builder import Pipeline, Stage, set_stream_poll
+from pipeline.cluster import init_ray
 from pipeline.config import Config, ConfigError, dump_config, to_dict
 from pipeline.evaluate import evaluate, evaluate_agent
 from pipeline.placement import Placement, plan_pools
 from pipeline.profile import Profiler
 from pipeline.recorder import Recorder
 from pipeline.resources import plan_resources
-from pipeline.schema import conform
 from pipeline.trackers import open_metrics
 from pipeline.window import Gate, capacity, make_strategy
 from stages.agentflow.engine import HFEngine
@@ -43,6 +42,7 @@ from stages.batcher import WindowedBatcher, mask_old_versions
 from stages.model import load_tokenizer, resolve_model_path
 from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
+from stages.schema import conform
 from stages.teacher import TeacherScoring, check_recipe, check_teachers, teacher_metrics
 from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
@@ -53,28 +53,6 @@ from transfer import TransferError, TransferMesh
 # CHUNK_BYTES of prompt rows allows, between CHUNK_STEPS_MIN and CHUNK_STEPS_MAX steps.
 CHUNK_BYTES = 64 * 2**20
 CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 1000
-
-
-def init_ray(cfg: Config, num_cpus: int) -> None:
-    if ray.is_initialized():
-        return
-    if cfg.run.ray_address:
-        ray.init(address=cfg.run.ray_address, log_to_driver=False)
-    else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_code_roots())}})
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.verbose_stats_logs = False
-    ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
-
-
-def _code_roots() -> list[str]:
-    """Make the project importable in workers even when it is run from a source checkout."""
-    root = str(Path(__file__).resolve().parent.parent)
-    return [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 class Controller:

@@ -11,7 +11,7 @@ import time
 import pyarrow as pa
 import ray
 
-from pipeline.schema import table_from_columns
+from stages.schema import table_from_columns
 
 
 def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,

@@ -10,7 +10,7 @@ step. A file is written under a hidden temporary name and renamed when complete:
 aborted run leaves at most a `.part-0.parquet.tmp` that no reader picks up, never a
 truncated `part-0.parquet`.
 
-File metadata carries the schema version (pipeline/schema.py), the step and the group size.
+File metadata carries the schema version (stages/schema.py), the step and the group size.
 `Recording.open` checks every file before anything reads rows: a file that is not whole
 Parquet, a missing column, a newer schema version or a group with missing samples is an
 error that names the file, so replay never trains on partial rows.
@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.schema import COLUMNS, SCHEMA_VERSION, conform
+from stages.schema import COLUMNS, SCHEMA_VERSION, conform
 
 VERSION_KEY = b"loongsage.schema_version"
 STEP_KEY = b"loongsage.step"
@@ -167,3 +167,39 @@ def _group_index(f: StepFile) -> tuple[pa.Table, int]:
         raise RecordingError(f"{f.path}: a group spans several data sources")
     return pa.table({"step": pa.array([f.step] * g.num_rows, pa.int64()), "group_id": g.column("group_id"),
                      "data_source": g.column("data_source"), "reward": g.column("reward_mean")}), n
+
+
+class ReplayError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Which recorded groups to train on (empty / None = no filter)."""
+    steps: tuple[int, ...] = ()            # recorded step numbers
+    data_sources: tuple[str, ...] = ()     # data_source values
+    reward_min: float | None = None        # inclusive bounds on a group's mean reward
+    reward_max: float | None = None
+
+
+def select_groups(rec: Recording, f: ReplayConfig | None = None) -> pa.Table:
+    """The recording's group index (step, group_id, data_source, reward) after the filters, in recorded order."""
+    f = f or ReplayConfig()
+    g = rec.groups
+    if f.steps:
+        unknown = sorted(set(f.steps) - set(rec.steps))
+        if unknown:
+            raise ReplayError(f"replay.steps: {unknown} not in the recording {rec.root} "
+                              f"(it has steps {rec.steps[0]}..{rec.steps[-1]})")
+        g = g.filter(pc.is_in(g.column("step"), pa.array(f.steps, pa.int64())))
+    if f.data_sources:
+        have = set(rec.groups.column("data_source").to_pylist())
+        unknown = sorted(set(f.data_sources) - have)
+        if unknown:
+            raise ReplayError(f"replay.data_sources: {unknown} not in the recording (it has {sorted(have)})")
+        g = g.filter(pc.is_in(g.column("data_source"), pa.array(f.data_sources, pa.string())))
+    if f.reward_min is not None:
+        g = g.filter(pc.greater_equal(g.column("reward"), f.reward_min))
+    if f.reward_max is not None:
+        g = g.filter(pc.less_equal(g.column("reward"), f.reward_max))
+    return g

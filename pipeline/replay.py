@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,44 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.recorder import Recorder, Recording, RecordingError
+from pipeline.recorder import Recorder, Recording, RecordingError, ReplayConfig, ReplayError, select_groups
 
 CHUNK_STEPS = 50     # recorded steps read per Ray Dataset: memory holds a chunk, never the whole recording
-
-
-class ReplayError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Which recorded groups to train on (empty / None = no filter)."""
-    steps: tuple[int, ...] = ()            # recorded step numbers
-    data_sources: tuple[str, ...] = ()     # data_source values
-    reward_min: float | None = None        # inclusive bounds on a group's mean reward
-    reward_max: float | None = None
-
-
-def select_groups(rec: Recording, f: ReplayConfig) -> pa.Table:
-    """The recording's group index (step, group_id, data_source, reward) after the filters, in recorded order."""
-    g = rec.groups
-    if f.steps:
-        unknown = sorted(set(f.steps) - set(rec.steps))
-        if unknown:
-            raise ReplayError(f"replay.steps: {unknown} not in the recording {rec.root} "
-                              f"(it has steps {rec.steps[0]}..{rec.steps[-1]})")
-        g = g.filter(pc.is_in(g.column("step"), pa.array(f.steps, pa.int64())))
-    if f.data_sources:
-        have = set(rec.groups.column("data_source").to_pylist())
-        unknown = sorted(set(f.data_sources) - have)
-        if unknown:
-            raise ReplayError(f"replay.data_sources: {unknown} not in the recording (it has {sorted(have)})")
-        g = g.filter(pc.is_in(g.column("data_source"), pa.array(f.data_sources, pa.string())))
-    if f.reward_min is not None:
-        g = g.filter(pc.greater_equal(g.column("reward"), f.reward_min))
-    if f.reward_max is not None:
-        g = g.filter(pc.less_equal(g.column("reward"), f.reward_max))
-    return g
 
 
 class RecordedSource:
@@ -118,7 +82,7 @@ class RecordedSource:
         return ray.data.from_arrow(blocks)
 
 
-def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayConfig = ReplayConfig(),
+def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayConfig | None = None,
            trackers=None, stages: tuple = (), log: Callable[[str], None] = print,
            on_step: Callable[[dict], None] | None = None) -> dict:
     """Train `cfg`'s trainer on a recording; write a run directory like a run's. Returns a summary.
@@ -188,7 +152,7 @@ def start_trainer(cfg, model_path: str):
     (from the same resource plan), so its RNGs and reductions run as they did in the recorded run."""
     import ray
 
-    from pipeline.controller import init_ray
+    from pipeline.cluster import init_ray
     from pipeline.resources import plan_resources
     from stages.update.trainer import TorchTrainer
 
@@ -217,7 +181,7 @@ class ReplayLoop:
         self.chunk = CHUNK_STEPS * cfg.batcher.groups_per_step
 
     def batches(self):
-        from pipeline.schema import conform
+        from stages.schema import conform
 
         ends, start, t_wait = self.source.step_ends(), 0, time.time()
         while self.step < self.steps and start < self.source.num_groups:
@@ -244,7 +208,7 @@ def _rollout_metrics(t: pa.Table) -> dict:
             "rollout/tokens": sum(lens), "rollout/response_len": sum(lens) / len(lens)}
 
 
-def read_rollouts(path: str | Path, filters: ReplayConfig = ReplayConfig()):
+def read_rollouts(path: str | Path, filters: ReplayConfig | None = None):
     """A recording (RUN_DIR or RUN_DIR/rollouts) as a pandas DataFrame with a `step` column, checked and filtered."""
     path = Path(path)
     rec = Recording.open(path / "rollouts" if (path / "rollouts").is_dir() else path)

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.schema import table_from_columns
+from stages.schema import table_from_columns
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from pipeline.schema import with_columns
+from stages.schema import with_columns
 
 DECODE_CACHE_ROWS = 65536     # decoded responses kept per reward worker
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
@@ -84,8 +84,8 @@ class Reward:
     outputs = ("reward", "reward_info", "status", "error")
 
     def __init__(self, cfg: RewardConfig, model_path: str = "", nice: int = 0):
-        from pipeline.resources import lower_priority
         from stages.model import load_tokenizer
+        from stages.priority import lower_priority
 
         lower_priority(nice)
         self.cfg = cfg

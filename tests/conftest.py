@@ -29,8 +29,8 @@ def ray_session():
     """One local Ray (2 logical CPUs) shared by a module's tests."""
     import ray
 
+    from pipeline.cluster import init_ray
     from pipeline.config import load_config
-    from pipeline.controller import init_ray
 
     init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
     yield ray

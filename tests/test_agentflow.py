@@ -18,7 +18,6 @@ import openai
 import pytest
 import ray
 
-from pipeline.schema import table_from_columns
 from stages.agentflow.blackbox import openai_agent
 from stages.agentflow.chat import encode, render
 from stages.agentflow.engine import HFEngine
@@ -26,6 +25,7 @@ from stages.agentflow.envs import RetryEnv
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig, load_agent
 from stages.agentflow.tools import calculate
 from stages.reward import Reward, RewardConfig
+from stages.schema import table_from_columns
 
 GREEDY = dict(max_new_tokens=4, temperature=0.0)
 

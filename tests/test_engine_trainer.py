@@ -5,9 +5,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.schema import table_from_columns
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.schema import table_from_columns
 from stages.update.losses import AlgorithmConfig
 from stages.update.trainer import TorchTrainer, TrainerConfig, lr_at, to_batch
 
@@ -289,7 +289,7 @@ def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model
 def test_rollout_nice_lowers_an_actor_once_and_never_the_calling_process(ray_session):
     import os
 
-    from pipeline.resources import lower_priority
+    from stages.priority import lower_priority
 
     before = os.nice(0)
     lower_priority(5)               # not in an actor (a test, a notebook): left alone

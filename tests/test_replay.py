@@ -18,7 +18,7 @@ from pipeline.replay import (
     replay_batcher,
     select_groups,
 )
-from pipeline.schema import COLUMNS, SCHEMA_VERSION, conform, table_from_columns
+from stages.schema import COLUMNS, SCHEMA_VERSION, conform, table_from_columns
 from stages.update.stage import Update
 
 

@@ -2,7 +2,7 @@ import pyarrow as pa
 import pytest
 
 from pipeline.config import ConfigError, load_config, to_dict
-from pipeline.schema import (
+from stages.schema import (
     COLUMNS,
     OPTIONAL,
     SCHEMA_VERSION,

@@ -6,10 +6,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.builder import Pipeline, PipelineError, Stage
-from pipeline.schema import table_from_columns
 from stages.batcher import BatcherConfig, WindowedBatcher
 from stages.prompts import DataConfig, PromptSource, load_prompts
 from stages.reward import Reward, RewardConfig, load_reward_fn
+from stages.schema import table_from_columns
 from stages.update.stage import Update
 
 # ---- prompt source -------------------------------------------------------------------

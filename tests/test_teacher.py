@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.schema import table_from_columns
 from stages.model import build_char_tokenizer, load_model
+from stages.schema import table_from_columns
 from stages.tasks.make_teacher import SHARED_VOCAB, shared_tokenizer, tiny_qwen2
 from stages.teacher import TeacherConfig, TeacherError, TeacherManager, TeacherScoring, check_teachers, teacher_metrics
 

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.schema import table_from_columns
 from pipeline.window import STRATEGIES, Gate, capacity, make_strategy
 from stages.batcher import BatcherConfig, WindowedBatcher
+from stages.schema import table_from_columns
 
 N = 2  # samples per group
 

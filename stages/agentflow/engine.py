@@ -18,8 +18,8 @@ import time
 import numpy as np
 import torch
 
-from pipeline.resources import lower_priority
 from stages.model import load_model, load_tokenizer
+from stages.priority import lower_priority
 
 RESYNC_TIMEOUT_S = 120.0
 CALIBRATE_MAX_PARAMS = 50_000_000   # larger models are matmul-bound: they keep every thread they are given

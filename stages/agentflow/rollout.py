@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import pyarrow as pa
 import ray
 
-from pipeline.resources import lower_priority
-from pipeline.schema import with_columns
 from stages.agentflow.agent import AgentContext, SingleTurnAgent
 from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
 from stages.agentflow.client import Affinity
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent
+from stages.priority import lower_priority
+from stages.schema import with_columns
 
 BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculator": CalculatorAgent}
 

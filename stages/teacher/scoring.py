@@ -24,7 +24,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from pipeline.schema import with_columns
+from stages.schema import with_columns
 from stages.teacher.config import TeacherConfig
 from stages.teacher.manager import TeacherManager
 

@@ -5,7 +5,7 @@ reward, exactly as in training.
 The controller's periodic eval does the same on the live engines when `rollout.agent` is not
 `single_turn`; this command measures any checkpoint offline, the same way:
 
-    python -m stages.agentflow.eval_agent configs/agent_tool.yaml [--model DIR] [--prompts 200] [key=value ...]
+    python -m pipeline.eval_agent configs/agent_tool.yaml [--model DIR] [--prompts 200] [key=value ...]
 
 --model is an HF directory (a run's checkpoints/step_N); without it, the recipe's own
 model (the cached built-in one when model.path is ""). Prints one JSON line:
@@ -48,11 +48,11 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipeline.cluster import init_ray
     from pipeline.config import ConfigError, load_config
-    from pipeline.controller import init_ray
     from stages.model import resolve_model_path
 
-    p = argparse.ArgumentParser(prog="python -m stages.agentflow.eval_agent", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline.eval_agent", description=__doc__.split("\n\n")[0])
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as for `loongsage run`")
     p.add_argument("--model", default="", help="HF model directory (default: the recipe's model)")
