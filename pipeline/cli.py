@@ -1,6 +1,6 @@
 """`loongsage` command line: run a recipe, replay a recording, profile a run.
 
-    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR]
+    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--verbose]
     loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
     loongsage profile RUN [--out DIR]
     loongsage make-teacher --task addition --out DIR
@@ -8,10 +8,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v, spec: str) -> str:
+    """A metric as the display shows it: '-' when it is missing, None (NaN in metrics.jsonl),
+    not a number or not finite. The display never stops a run."""
+    return format(v, spec) if _finite(v) else "-"
 
 
 def _progress(total: int):
@@ -25,23 +39,46 @@ def _progress(total: int):
     task = bar.add_task("train", total=total, info="starting")
     state = {"t0": time.time(), "samples": 0, "acc": None}
 
+    def say(text: str) -> None:     # plain text: "[eval]" is not rich markup
+        console.print(text, markup=False, highlight=False)
+
     def on_step(line: dict) -> None:
         if "eval/accuracy" in line:
             state["acc"] = line["eval/accuracy"]
-            console.print(f"[eval] step {line['step']}: accuracy {line['eval/accuracy']:.3f} "
-                          f"(reward mean {line['eval/reward_mean']:.3f})")
+            say(f"[eval] step {line.get('step')}: accuracy {_num(line['eval/accuracy'], '.3f')} "
+                f"(reward mean {_num(line.get('eval/reward_mean'), '.3f')})")
         if "train/loss" in line:
-            state["samples"] += line.get("rollout/samples", 0)
+            samples = line.get("rollout/samples")
+            state["samples"] += samples if _finite(samples) else 0
             rate = state["samples"] / max(time.time() - state["t0"], 1e-9)
-            acc = "-" if state["acc"] is None else f"{state['acc']:.3f}"
-            info = (f"reward {line['rollout/reward_mean']:.3f}  eval acc {acc}  "
-                    f"loss {line['train/loss']:+.4f}  {rate:.1f} samples/s")
-            bar.update(task, completed=line["step"], info=info)
+            info = (f"reward {_num(line.get('rollout/reward_mean'), '.3f')}  eval acc {_num(state['acc'], '.3f')}  "
+                    f"loss {_num(line['train/loss'], '+.4f')}  {rate:.1f} samples/s")
+            step = line.get("step")
+            bar.update(task, info=info, **({"completed": step} if isinstance(step, int) else {}))
 
-    return bar, on_step
+    return bar, on_step, say
+
+
+def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
+    """A run stopped by a signal (the summary's "interrupted": "SIGINT" | "SIGTERM"): print
+    how to resume it and return the shell's exit code for that signal (128 + its number:
+    130, 143). None for a run that finished."""
+    sig = summary.get("interrupted")
+    if not sig:
+        return None
+    code = 128 + signal.Signals[sig].value if sig in signal.Signals.__members__ else 1
+    where = f"interrupted at step {summary.get('steps', '?')}"
+    if summary.get("resume_from"):
+        again = ["loongsage", "run", config, *(o for o in overrides if not o.startswith("run.resume_from=")),
+                 f"run.resume_from={summary['resume_from']}"]
+        print(f"{where}; resume with: {shlex.join(again)}")
+    else:
+        print(f"{where}; no checkpoint was written, so there is nothing to resume from")
+    return code
 
 
 def cmd_run(args) -> int:
+    from pipeline.cluster import ray_output_to
     from pipeline.config import ConfigError, load_config
     from pipeline.controller import run
 
@@ -51,17 +88,31 @@ def cmd_run(args) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    bar, on_step = _progress(cfg.run.steps)
+    # Ray's own output goes to RUN_DIR/ray.log; --verbose leaves it on the terminal
+    ray_log = run_dir / "ray.log"
+    quiet = contextlib.nullcontext() if args.verbose else ray_output_to(ray_log)
     try:
-        with bar:
-            summary = run(cfg, run_dir, on_step=on_step, log=bar.console.print)
+        with quiet:
+            bar, on_step, say = _progress(cfg.run.steps)
+            with bar:
+                summary = run(cfg, run_dir, on_step=on_step, log=say)
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted before the run could stop at a step; nothing to resume from", file=sys.stderr)
+        return 130
+    except BaseException:
+        if not args.verbose:
+            print(f"(Ray's own log of this run: {ray_log})", file=sys.stderr)
+        raise
+    code = resume_hint(summary, args.config, args.overrides)
+    if code is not None:
+        return code
     init, final = summary["initial"].get("eval/accuracy"), summary["final"].get("eval/accuracy")
     print(f"done: {summary['steps']} steps, weights version {summary['version']}; run directory {run_dir}")
     if init is not None and final is not None:
-        print(f"eval/accuracy: {init:.3f} at step 0 -> {final:.3f} at step {summary['steps']}")
+        print(f"eval/accuracy: {_num(init, '.3f')} at step 0 -> {_num(final, '.3f')} at step {summary['steps']}")
     return 0
 
 
@@ -85,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("config", help="recipe YAML, e.g. configs/quickstart.yaml")
     r.add_argument("overrides", nargs="*", help="section.key=value overrides")
     r.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
+    r.add_argument("--verbose", action="store_true",
+                   help="show Ray's own logs on the terminal (by default they go to RUN_DIR/ray.log)")
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="train from a recorded rollouts/ dataset, without rollout engines")
     rp.add_argument("rollouts_dir", help="RUN_DIR/rollouts of a recorded run")

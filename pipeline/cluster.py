@@ -1,8 +1,13 @@
 """Ray for a run: start local Ray or join a cluster, once per process, with Ray Data's
-settings for a run (no progress bars, no stats logs, no memory-issue detector)."""
+settings for a run (no progress bars, no stats logs, no memory-issue detector); and
+`ray_output_to(path)`, which keeps what Ray itself prints off the terminal."""
 from __future__ import annotations
 
+import contextlib
+import importlib
+import logging
 import os
+import sys
 from pathlib import Path
 
 import ray
@@ -28,3 +33,109 @@ def _code_roots() -> list[str]:
     """Make the project importable in workers even when it is run from a source checkout."""
     root = str(Path(__file__).resolve().parent.parent)
     return [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+@contextlib.contextmanager
+def ray_output_to(path: str | Path):
+    """While the block runs, what Ray itself prints goes to the file `path`, not the terminal.
+
+    Three channels reach a driver's terminal, and each is moved:
+    * Python loggers under `ray` (start-up and token-auth notices, Ray Data's execution
+      plans): their console handlers give way to one handler on the file;
+    * the C++ core worker in this process writes its warnings and errors straight to file
+      descriptor 2 ("core_worker.cc: ... max_restarts > 0"): fd 2 is pointed at the file,
+      and `sys.stderr` (the project's own output: progress, evaluation lines, tracebacks)
+      keeps writing to the terminal through a copy of the old descriptor;
+    * errors the cluster pushes to the driver ("(raylet) Task ... failed ... ray.kill") are
+      printed to sys.stdout by a Ray thread: its printer writes to the file instead.
+    Ray is shut down before the block ends, so what it prints while stopping lands there too.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    importlib.import_module("ray.data")     # configures its logger, with a console handler, on import
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.INFO)      # Ray Data logs DEBUG too; its own ray-data.log in the session dir keeps them
+    handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
+    try:
+        with _loggers_to(handler), _fd2_to(path), _pushed_errors_to(logging.getLogger("ray.pushed_to_driver")):
+            try:
+                yield path
+            finally:
+                if ray.is_initialized():
+                    ray.shutdown()
+    finally:
+        handler.close()
+
+
+@contextlib.contextmanager
+def _loggers_to(handler: logging.Handler):
+    names = ["ray"] + [n for n in logging.root.manager.loggerDict if n.startswith("ray.")]
+    moved = {}
+    for name in names:
+        lg = logging.getLogger(name)
+        if isinstance(lg, logging.PlaceHolder):
+            continue
+        consoles = [h for h in lg.handlers if isinstance(h, logging.StreamHandler)
+                    and not isinstance(h, logging.FileHandler)]
+        if consoles or name == "ray":
+            for h in consoles:
+                lg.removeHandler(h)
+            if name == "ray" or not lg.propagate:     # a propagating one reaches the file through "ray"
+                lg.addHandler(handler)
+            moved[name] = consoles
+    try:
+        yield
+    finally:
+        for name, consoles in moved.items():
+            lg = logging.getLogger(name)
+            lg.removeHandler(handler)
+            for h in consoles:
+                lg.addHandler(h)
+
+
+@contextlib.contextmanager
+def _fd2_to(path: Path):
+    """fd 2 -> the file; sys.stderr, if it wrote to fd 2, -> a copy of the old fd 2."""
+    try:
+        on_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):      # replaced by a test harness or a notebook
+        on_fd2 = False
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    old = sys.stderr
+    if on_fd2:
+        sys.stderr = open(os.dup(saved), "w", buffering=1, encoding=getattr(old, "encoding", None) or "utf-8",
+                          errors="backslashreplace")
+    try:
+        yield
+    finally:
+        if sys.stderr is not old:
+            sys.stderr.close()
+            sys.stderr = old
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _pushed_errors_to(logger: logging.Logger):
+    """Ray's error listener thread calls ray._private.worker.print_to_stdstream (looked up at
+    each call): while the block runs, it logs the lines instead. A Ray without that function
+    prints them as before."""
+    from ray._private import worker
+
+    printer = getattr(worker, "print_to_stdstream", None)
+
+    def to_log(data: dict, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", []):
+            logger.warning("(%s) %s", data.get("pid", "?"), line)
+
+    if printer is not None:
+        worker.print_to_stdstream = to_log
+    try:
+        yield
+    finally:
+        if printer is not None:
+            worker.print_to_stdstream = printer
