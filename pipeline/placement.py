@@ -16,6 +16,10 @@ Colocated mode (`colocate_with="trainer"`): worker i of the pool shares bundle i
 host pool, i.e. the same GPU (trainer and engine take a fraction each), which is what
 lets weight sync use CUDA IPC instead of the network.
 
+Custom Ray resources pin a pool to the nodes that carry them: a node started with
+`ray start --resources='{"trainer_node": 1}'` and `placement.trainer_resources:
+{trainer_node: 0.01}` puts every trainer rank there (each bundle asks for that much).
+
 The placement is all-or-nothing and bounded in time: if the cluster cannot hold a group,
 `Placement(...)` raises naming the pool, the bundles and what the cluster has, instead
 of leaving actors pending forever.
@@ -23,7 +27,7 @@ of leaving actors pending forever.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -38,6 +42,10 @@ class PlacementConfig:
     engine_gpus: float = 1.0        # per engine: GPUs it spans (colocated: its share of the trainer rank's GPU)
     cpus: float = 1.0               # per worker (fractions allowed)
     timeout_s: float = 300.0        # how long to wait for the cluster to hold every group
+    # custom Ray resources per trainer rank / per engine, e.g. {trainer_node: 0.01}: only nodes
+    # that carry them host the role (trainer and engines on different nodes, a GPU type, ...)
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    engine_resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.mode not in ("none", "disaggregated", "colocated"):
@@ -46,6 +54,10 @@ class PlacementConfig:
             raise ValueError("placement.mode=colocated shares one GPU: trainer_gpus + engine_gpus must be <= 1")
         if min(self.trainer_gpus, self.engine_gpus, self.cpus) < 0 or self.timeout_s <= 0:
             raise ValueError("placement: resources must be >= 0 and timeout_s > 0")
+        for role, res in (("trainer", self.trainer_resources), ("engine", self.engine_resources)):
+            if any(k in ("CPU", "GPU") or not isinstance(v, (int, float)) or v <= 0 for k, v in res.items()):
+                raise ValueError(f"placement.{role}_resources: custom resource names with amounts > 0 "
+                                 f"(CPU and GPU are set by cpus and {role}_gpus), got {res}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class Pool:
     gpus: float = 0.0           # per worker
     group: int = 1              # consecutive workers that must share a node
     colocate_with: str = ""     # host pool: worker i shares its bundle i
+    resources: dict[str, float] = field(default_factory=dict)     # custom Ray resources per worker
 
     def __post_init__(self):
         if self.workers < 1 or self.group < 1 or self.workers % self.group:
@@ -64,10 +77,11 @@ class Pool:
 
 def plan_pools(cfg: PlacementConfig, trainer_ranks: int, trainer_group: int, engines: int) -> list[Pool]:
     """The two pools of a recipe: trainer ranks in TP groups, and the rollout engines."""
-    trainer = Pool("trainer", trainer_ranks, cfg.cpus, cfg.trainer_gpus, trainer_group)
-    if cfg.mode == "colocated":
-        return [trainer, Pool("rollout", engines, cfg.cpus, cfg.engine_gpus, colocate_with="trainer")]
-    return [trainer, Pool("rollout", engines, cfg.cpus, cfg.engine_gpus)]
+    trainer = Pool("trainer", trainer_ranks, cfg.cpus, cfg.trainer_gpus, trainer_group,
+                   resources=dict(cfg.trainer_resources))
+    host = "trainer" if cfg.mode == "colocated" else ""
+    return [trainer, Pool("rollout", engines, cfg.cpus, cfg.engine_gpus, colocate_with=host,
+                          resources=dict(cfg.engine_resources))]
 
 
 class Placement:
@@ -97,9 +111,10 @@ class Placement:
     def _group(self, host: Pool, g: int, guest: Pool | None):
         bundles = []
         for i in range(g * host.group, (g + 1) * host.group):
-            res = {"CPU": host.cpus, "GPU": host.gpus}
+            res = {"CPU": host.cpus, "GPU": host.gpus, **host.resources}
             if guest is not None and i < guest.workers:    # the guest's worker i rides in bundle i
-                res = {"CPU": res["CPU"] + guest.cpus, "GPU": res["GPU"] + guest.gpus}
+                for k, v in {"CPU": guest.cpus, "GPU": guest.gpus, **guest.resources}.items():
+                    res[k] = res.get(k, 0) + v
             bundles.append({k: v for k, v in res.items() if v > 0})
         return placement_group(bundles, strategy="STRICT_PACK", name=f"{host.name}-{g}")
 
