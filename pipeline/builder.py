@@ -21,6 +21,30 @@ class PipelineError(ValueError):
     pass
 
 
+# The Ray releases whose executor internals set_stream_poll was read against and measured on
+# (pyproject.toml pins ray to this range). tests/test_pipeline.py checks the internals on the
+# installed Ray, so an upgrade that changes them fails there, loudly, not by running slower.
+RAY_DATA_TESTED = ("2.60",)
+
+
+def stream_poll_internals() -> list[str]:
+    """What set_stream_poll relies on that this Ray lacks (empty: all there)."""
+    import inspect
+
+    import ray
+    from ray.data._internal.execution import streaming_executor_state as state
+
+    missing = [f"streaming_executor_state.{n}" for n in ("WAIT_FOR_TASK_COMPLETION_TIMEOUT_S", "ray",
+                                                         "process_completed_tasks") if not hasattr(state, n)]
+    if not missing:
+        src = inspect.getsource(state.process_completed_tasks)
+        if "ray.wait(" not in src or "timeout=WAIT_FOR_TASK_COMPLETION_TIMEOUT_S" not in src:
+            missing.append("process_completed_tasks: ray.wait(..., timeout=WAIT_FOR_TASK_COMPLETION_TIMEOUT_S)")
+    if not ray.__version__.startswith(RAY_DATA_TESTED):
+        missing.append(f"ray {ray.__version__} (tested: {', '.join(RAY_DATA_TESTED)})")
+    return missing
+
+
 def set_stream_poll(seconds: float, wake: str = "event") -> bool:
     """How Ray Data's streaming executor (on the driver) waits for its running tasks.
 
@@ -34,17 +58,30 @@ def set_stream_poll(seconds: float, wake: str = "event") -> bool:
     then takes all that are ready, so it wakes per hand-off, not per poll; a task that stays
     ready without its output being taken (Ray's output budget) makes that loop fall back to
     polling every `seconds`. Both take effect for streams already open. Returns False (and
-    changes nothing) on a Ray Data without these internals: Ray's own polling then runs."""
+    changes nothing) on a Ray Data without these internals (stream_poll_internals), and with
+    `wake="ray"`: Ray's own polling then runs.
+
+    Ray Data has no public route to this: DataContext's options (execution, backpressure,
+    prefetching) and iter_batches' prefetch settings change what runs, not how long the
+    executor sleeps between hand-offs. Measured against `wake="ray"` (Ray as it ships):
+    see README, "Measured here", the data_wake row."""
     from ray.data._internal.execution import streaming_executor_state as state
 
-    if not hasattr(state, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S") or not hasattr(state, "ray"):
+    if wake not in ("event", "poll", "ray"):
+        raise ValueError(f"run.data_wake must be event, poll or ray, got {wake!r}")
+    if stream_poll_internals():
         return False
-    if wake not in ("event", "poll"):
-        raise ValueError(f"run.data_wake must be event or poll, got {wake!r}")
+    if wake == "ray":
+        state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = _RAY_DEFAULT_POLL_S
+        state.ray = state.ray._ray if isinstance(state.ray, _WakeOnOutput) else state.ray
+        return False
     state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = float(seconds)
     real = state.ray._ray if isinstance(state.ray, _WakeOnOutput) else state.ray
     state.ray = _WakeOnOutput(real) if wake == "event" else real
     return True
+
+
+_RAY_DEFAULT_POLL_S = 0.1
 
 
 class _WakeOnOutput:

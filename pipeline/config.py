@@ -53,14 +53,15 @@ class RunConfig:
     checkpoint_every: int = 0      # 0 = only at the end
     resume_from: str = ""          # a checkpoint dir (RUN/checkpoints/step_N) to continue from
     log_every: int = 1
-    data_wake: str = "event"       # Ray Data's executor wakes when a task has output (event) or every data_poll_s
+    data_wake: str = "event"       # Ray Data's executor wakes when a task has output (event), every data_poll_s
+    #                                (poll), or as Ray ships it (ray: every 0.1 s, no patch of its internals)
     data_poll_s: float = 0.01      # poll period (wake=poll, or a task whose output waits); Ray's own: 0.1
 
     def __post_init__(self):
         if not self.data_poll_s > 0:
             raise ValueError(f"run.data_poll_s must be > 0, got {self.data_poll_s}")
-        if self.data_wake not in ("event", "poll"):
-            raise ValueError(f"run.data_wake must be event or poll, got {self.data_wake!r}")
+        if self.data_wake not in ("event", "poll", "ray"):
+            raise ValueError(f"run.data_wake must be event, poll or ray, got {self.data_wake!r}")
 
 
 @dataclass(frozen=True)

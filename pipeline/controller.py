@@ -14,8 +14,10 @@ The driver holds no weights. It keeps the version clock, writes the run director
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import queue
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -25,10 +27,11 @@ import pyarrow as pa
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from pipeline.builder import Pipeline, Stage, set_stream_poll
+from pipeline.builder import Pipeline, Stage, set_stream_poll, stream_poll_internals
 from pipeline.cluster import init_ray
 from pipeline.config import Config, ConfigError, dump_config, to_dict
 from pipeline.evaluate import evaluate, evaluate_agent
+from pipeline.loop import Batch, StepLoop, StepParts
 from pipeline.placement import Placement, plan_pools
 from pipeline.profile import Profiler
 from pipeline.recorder import Recorder
@@ -69,11 +72,11 @@ class Controller:
         if cfg.teacher.enabled:    # teacher dirs, tokenizers, budget and routes, before any actor starts
             sources = set(self.source.table.column("data_source").to_pylist())
             check_teachers(cfg.teacher, self.model_path, sources)
-        self.version = self.resume_state["version"] if self.resume_state else 0
-        self.step = self.resume_state["step"] if self.resume_state else 0
+        self._start_version = self.resume_state["version"] if self.resume_state else 0
+        self._start_step = self.resume_state["step"] if self.resume_state else 0
+        self.loop: StepLoop | None = None        # the step loop holds the clock (step, version) while it runs
         self._mesh_lock = threading.RLock()     # one weight publish at a time (step loop, engine watch)
         self._seqs_lock = threading.Lock()      # done_seqs: the prefetch thread adds, checkpoints read
-        self._watch_stop = threading.Event()
         self.engine_restarts = 0
 
     # ---- start-up checks: everything that can be wrong is found before an actor exists
@@ -119,9 +122,9 @@ class Controller:
         c = self.cfg
         res = self.res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
-        if not set_stream_poll(c.run.data_poll_s, c.run.data_wake):
-            self.log(f"run.data_wake/data_poll_s: this Ray Data ({ray.__version__}) has no executor poll to set; "
-                     "block hand-offs wait up to Ray's own 0.1 s")
+        if not set_stream_poll(c.run.data_poll_s, c.run.data_wake) and c.run.data_wake != "ray":
+            self.log(f"run.data_wake={c.run.data_wake}: not applied on this Ray Data, which changed what it relies on "
+                     f"({'; '.join(stream_poll_internals())}); block hand-offs wait up to Ray's own 0.1 s")
         self.placement = _placement(c)
         self.engines = _start_engines(c, self.model_path, res, self.placement)
         self.trainer = _start_trainer(c, self.model_path, res, self.placement)
@@ -131,14 +134,25 @@ class Controller:
         self.gate = ray.remote(Gate).options(num_cpus=0).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
         infos = ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
+        self._engine_infos = infos[:-1]
         self.threads = {"engines": [i.get("threads", res.engine_threads) for i in infos[:-1]],
                         "trainer": res.trainer_threads}     # an HF engine may time 1 thread as faster
-        self.mesh = TransferMesh(self.trainer, {f"engine{i}": e for i, e in enumerate(self.engines)}, c.transfer)
+        self._start_mesh()
+        self.pipeline = self.build_pipeline()
+        self.reward_local = Reward(c.reward, self.model_path)
+
+    def _start_mesh(self) -> None:
+        """The TransferMesh from the trainer to every engine; its topology and routes go to topology.txt."""
+        self.mesh = TransferMesh(self.trainer, {f"engine{i}": e for i, e in enumerate(self.engines)}, self.cfg.transfer)
         self.mesh.discover()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         routes = "\n".join(f"{n}: {r.transport} ({r.reason})" for n, r in self.mesh.plan().items())
         (self.run_dir / "topology.txt").write_text(self.mesh.topology_table() + "\n\n" + routes + "\n")
-        self.pipeline = Pipeline([
+
+    def build_pipeline(self) -> Pipeline:
+        """The default pipeline: source -> rollout -> [teacher scoring] -> reward -> batcher -> update."""
+        c, res = self.cfg, self.res
+        return Pipeline([
             self.source,
             Stage(AgentFlowRollout, c.rollout, self.engines, self.gate, self.model_path,
                   workers=c.rollout.num_workers, num_cpus=res.worker_cpus),
@@ -148,7 +162,6 @@ class Controller:
             WindowedBatcher(c.batcher, c.rollout.n_samples, c.rollout.stale_steps, make_strategy(c.rollout.window)),
             Update(self.trainer),
         ])
-        self.reward_local = Reward(c.reward, self.model_path)
 
     def stop(self) -> None:
         if getattr(self, "_eval_rollout", None) is not None:
@@ -163,6 +176,34 @@ class Controller:
 
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> dict:
+        """Evaluate, run the step loop, evaluate again, checkpoint; returns the run's summary."""
+        c = self.cfg
+        self._open_run_dir()
+        self.loop = StepLoop(self._step_parts(), c.run.steps, step=self.step, version=self.version,
+                             queue_next=c.rollout.stale_steps >= 1, checkpoint_every=c.run.checkpoint_every)
+        try:
+            with self._engine_watch(), _interrupts(self.loop.stop, self._on_interrupt) as signals:
+                initial = self._evaluate() if self.test is not None else {}
+                self._t_step = time.time()
+                self.loop.run()
+                self._wait_window()
+                return self._close_run(initial, signals)
+        finally:
+            self.loop.close()
+            ray.get(self.gate.close.remote())
+            self.mesh.close()
+            self.metrics.close()
+            self.profiler.close()
+
+    @property
+    def step(self) -> int:
+        return self.loop.step if self.loop is not None else self._start_step
+
+    @property
+    def version(self) -> int:
+        return self.loop.version if self.loop is not None else self._start_version
+
+    def _open_run_dir(self) -> None:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(c, self.run_dir / "config.yaml")
@@ -171,116 +212,64 @@ class Controller:
         if not hasattr(self, "pipeline"):   # a caller may start() and swap in its own pipeline first
             self.start()
         self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
-        self._watch_stop.clear()
-        watch = threading.Thread(target=self._watch_engines, name="engine-watch", daemon=True)
-        watch.start()
-        prefetch = None
-        try:
-            last = self._evaluate() if self.test is not None else {}
-            self._t_step = time.time()
-            self._tables_left = c.run.steps - self.step
-            self._take_version = self.version       # the version the next table taken is trained at
-            prefetch = _Prefetch(self.batches())
-            done = None         # the step just trained, whose bookkeeping runs during the next one
-            consumed = None
-            item, wait_s = self._next(prefetch)
-            pending = None      # the next update, when it was queued during this step's publish
-            while item is not None and self.step < c.run.steps:
-                t0 = time.time()
-                table, table_ref, _ = item
-                self.profiler.add("batcher", t0 - wait_s, t0, step=self.step + 1, rows_out=table.num_rows)
-                staleness = self._staleness(table)      # measured against the version being trained
-                with self._mesh_lock:       # a restarted engine is re-sent weights between steps, not mid-update
-                    if pending is None:
-                        pending = self._submit(table_ref)
-                    if done is not None:    # the trainer is busy with this step meanwhile
-                        self._finish(*done)
-                    m = ray.get(pending) if not isinstance(pending, dict) else pending
-                    pending = None
-                    t1 = time.time()
-                    self.profiler.add("update", t0, t1, actor="trainer", step=self.step + 1,
-                                      rows_in=table.num_rows, tokens=int(m.get("train/tokens", 0)))
-                    self.version += 1
-                    publishing = self.mesh.publish_begin(self.version)
-                    self.step += 1
-                    prefetch.trained(table)
-                    ckpt = bool(c.run.checkpoint_every and self.step % c.run.checkpoint_every == 0)
-                    final_step = self.step >= c.run.steps
-                    if c.rollout.stale_steps >= 1 and publishing.sender_free and not ckpt and not final_step:
-                        # If the next batch is already here, the trainer's next update is queued
-                        # behind its send: it starts the moment its part of the publish is done,
-                        # while the engines still land. Not waited for: the window moves on
-                        # (consumed, below) only once the engines serve the new version.
-                        early, next_wait_s = self._next(prefetch, timeout=0.0)
-                        if early is None:
-                            item = None     # the stream ended
-                        elif early is not _Prefetch.NOT_YET:
-                            item = early
-                            pending = self._submit(item[1])
-                    sync_m = self.publish_end(publishing)
-                    t2 = time.time()
-                    if consumed is not None:
-                        ray.get(consumed)   # the previous step's: long done, surfaces any error
-                    # The window moves on. Not waited for: the gate starts this driver's calls
-                    # in the order they were made, so the next batch sees it.
-                    consumed = self.gate.consumed.remote(sorted(set(table.column("group_id").to_pylist())),
-                                                         self.version)
-                    self.profiler.add("sync", t1, t2, actor="trainer", step=self.step)
-                    if ckpt:
-                        self.checkpoint(prefetch.untrained())   # before the next step touches the weights
-                done = (self.step, table, m | sync_m | staleness | {
-                    "time/rollout_wait_s": wait_s, "time/update_s": t1 - t0, "time/sync_s": t2 - t1,
-                    "time/next_update_queued": float(pending is not None)})
-                if pending is not None:
-                    wait_s = next_wait_s
-                elif item is not None and not final_step:
-                    item, wait_s = self._next(prefetch)
-            if done is not None:
-                self._finish(*done)
-            if consumed is not None:
-                ray.get(consumed)
-            if self.step < c.run.steps:
-                self.log(f"the data stream ended after {self.step} of {c.run.steps} steps "
-                         f"(dropped: {self.pipeline.batcher.stats})")
-            prefetch.close()
-            final = self._evaluate() if self.test is not None else {}
-            self.checkpoint(prefetch.untrained())
-            return {"steps": self.step, "version": self.version, "initial": last, "final": final,
-                    "run_dir": str(self.run_dir), "threads": self.threads}
-        finally:
-            if prefetch is not None:
-                prefetch.close()
-            self._watch_stop.set()
-            watch.join(timeout=60)
-            ray.get(self.gate.close.remote())
-            self.mesh.close()
-            self.metrics.close()
-            self.profiler.close()
+        self._consumed = None
+        self._tables_left = c.run.steps - self.step     # the batch stream's own count (it runs ahead)
+        self._take_version = self.version              # the version the next table taken is trained at
 
-    @staticmethod
-    def _next(prefetch: "_Prefetch", timeout: float | None = None):
-        """The next batch from the prefetch thread, and how long the step loop waited for it."""
-        t = time.time()
-        item = prefetch.get(timeout)
-        return item, time.time() - t
-
-    def _submit(self, table_ref):
-        """Start the update on the trainer; returns its ObjectRef (or the metrics, for an
-        update stage that has no submit: it then runs to completion here)."""
+    def _step_parts(self) -> StepParts:
+        """The step loop's parts: the batch stream, the trainer, the TransferMesh, the window gate."""
         update = self.pipeline.update
-        if hasattr(update, "submit"):
-            return update.submit(table_ref)
-        return update(ray.get(table_ref))
+        return StepParts(
+            batches=self.batches(),
+            submit=update.submit if hasattr(update, "submit") else update,   # an update without submit runs here
+            record=self._finish, publish_begin=self.mesh.publish_begin, publish_end=self.publish_end,
+            window_moved=self._window_moved, checkpoint=self.checkpoint, lock=self._mesh_lock,
+            release=lambda: ray.get(self.gate.close.remote()),
+            # One chunk per column: a step's table is sliced from many Ray Data blocks, and
+            # serialising slices ships their parent buffers (measured 796 KB vs 52 KB).
+            put=lambda table: ray.put(table.combine_chunks()),
+            span=self.profiler.add)
 
-    def _finish(self, step: int, table: pa.Table, line: dict) -> None:
+    def _window_moved(self, batch: Batch, version: int) -> None:
+        """Not waited for: the gate runs this driver's calls in order, so the next batch sees it;
+        the previous step's call is long done and surfaces any error."""
+        self._wait_window()
+        self._consumed = self.gate.consumed.remote(batch.groups, version)
+
+    def _wait_window(self) -> None:
+        if self._consumed is not None:
+            ray.get(self._consumed)
+            self._consumed = None
+
+    def _close_run(self, initial: dict, signals: list[int]) -> dict:
+        c = self.cfg
+        summary = {"steps": self.step, "version": self.version, "initial": initial, "run_dir": str(self.run_dir),
+                   "threads": self.threads}
+        if signals:       # no final eval: the user asked to stop; the checkpoint below resumes it
+            path = self.checkpoint(self.loop.untrained())
+            return summary | {"final": {}, "interrupted": signal.Signals(signals[0]).name, "resume_from": path}
+        if self.step < c.run.steps:
+            self.log(f"the data stream ended after {self.step} of {c.run.steps} steps "
+                     f"(dropped: {self.pipeline.batcher.stats})")
+        self.loop.close()
+        final = self._evaluate() if self.test is not None else {}
+        self.checkpoint(self.loop.untrained())
+        return summary | {"final": final}
+
+    def _on_interrupt(self, signum: int) -> None:
+        self.log(f"{signal.Signals(signum).name}: stopping after step {self.step + 1}, then writing a checkpoint "
+                 f"(press Ctrl-C again to exit at once)")
+
+    def _finish(self, step: int, batch: Batch, line: dict) -> None:
         """A trained step's bookkeeping: rollouts, metrics, periodic eval. Runs while the
         trainer works on the next step (the engines serve this step's weights meanwhile)."""
-        c = self.cfg
+        c, table = self.cfg, batch.table
         self.recorder.write(step, table)
-        line = line | self._rollout_metrics(table) | teacher_metrics(table) | self._pipeline_metrics(table, line)
+        line = line | self._staleness(table, batch.version) | self._rollout_metrics(table) | teacher_metrics(table) \
+            | self._pipeline_metrics(table, line)
         if self.test is not None and c.eval.every and step % c.eval.every == 0 and step < c.run.steps:
-            line |= self._evaluate(write=False)
-        self._emit(line)        # self.step and self.version are still this step's here
+            line |= self._evaluate(write=False, step=step)
+        self._emit(line, step, batch.version + 1)
 
     def batches(self):
         """Yield (step table, seconds waited) as soon as B eligible complete groups exist."""
@@ -346,12 +335,13 @@ class Controller:
                 "rollout/tokens": sum(lens), "rollout/failed": status.count("failed"),
                 "rollout/truncated": status.count("truncated"), "rollout/span_s": span} | _agent_metrics(t)
 
-    def _staleness(self, t: pa.Table) -> dict:
-        """current version - token version over trained tokens; how many rows span an update."""
+    @staticmethod
+    def _staleness(t: pa.Table, version: int) -> dict:
+        """Trained-at version - token version over trained tokens; how many rows span an update."""
         gaps, spans = [], []
         for vs, mask in zip(t.column("token_versions").to_pylist(), t.column("loss_mask").to_pylist()):
             model = [v for v, k in zip(vs, mask) if v >= 0 and k]
-            gaps += [self.version - v for v in model]
+            gaps += [version - v for v in model]
             spans.append(max(model) - min(model) if model else 0)
         return {"staleness/mean": sum(gaps) / max(len(gaps), 1), "staleness/max": max(gaps, default=0),
                 "partial_ratio": sum(s > 0 for s in spans) / max(len(spans), 1), "partial_span_max": max(spans)}
@@ -369,8 +359,8 @@ class Controller:
                 "rollout/busy_frac": sum(b["busy_s"] for b in busy) / len(busy) / max(wall, 1e-9),
                 "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)}
 
-    def _evaluate(self, write: bool = True) -> dict:
-        c, t = self.cfg, time.time()
+    def _evaluate(self, write: bool = True, step: int | None = None) -> dict:
+        c, t, step = self.cfg, time.time(), self.step if step is None else step
         if c.rollout.agent == "single_turn":
             m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature,
                          c.rollout.max_new_tokens, c.eval.n_samples)
@@ -380,13 +370,13 @@ class Controller:
                                                                seed=c.run.seed + 1), self.engines, None,
                                                       self.model_path)
             m = evaluate_agent(self._eval_rollout, self.reward_local, self.test, c.eval.n_samples)
-        self.profiler.add("eval", t, time.time(), actor="engines", step=self.step)
+        self.profiler.add("eval", t, time.time(), actor="engines", step=step)
         if write:
-            self._emit(m)
+            self._emit(m, self.step, self.version)
         return m
 
-    def _emit(self, metrics: dict) -> None:
-        line = self.metrics.write(self.step, metrics | {"version": self.version})
+    def _emit(self, metrics: dict, step: int, version: int) -> None:
+        line = self.metrics.write(step, metrics | {"version": version})
         if self.on_step:
             self.on_step(line)
 
@@ -413,21 +403,36 @@ class Controller:
             raise RuntimeError(f"weight sync: engines serve versions {served}, expected {version}")
         return {k: v for k, v in m.items() if isinstance(v, (int, float))} | {"engine_restarts": self.engine_restarts}
 
-    def _watch_engines(self) -> None:
-        """Driver thread: a restarted engine gets the current weights, then serves again."""
+    @contextlib.contextmanager
+    def _engine_watch(self):
+        """A driver thread re-sends the current weights to an engine Ray restarted, before it serves again."""
+        stop = threading.Event()
+        known = {i: info.get("incarnation") for i, info in enumerate(self._engine_infos)}
+        watch = threading.Thread(target=self._watch_engines, args=(stop, known), name="engine-watch", daemon=True)
+        watch.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watch.join(timeout=60)
+
+    def _watch_engines(self, stop: threading.Event, known: dict[int, str]) -> None:
+        """A restart is a new engine process: its incarnation id changed (not a cleared serving flag,
+        which an ordinary in-place landing clears too)."""
         from ray.exceptions import GetTimeoutError
 
-        while not self._watch_stop.wait(0.5):
+        while not stop.wait(0.5):
             for i, e in enumerate(self.engines):
                 try:
-                    stale = ray.get(e.needs_sync.remote(), timeout=30)
+                    incarnation = ray.get(e.info.remote(), timeout=30).get("incarnation")
                 except (RayActorError, ActorUnavailableError, GetTimeoutError):
                     continue                    # restarting (or gone for good): ask again next round
-                if not stale:
+                if incarnation == known.get(i):
                     continue
                 with self._mesh_lock:
                     self.mesh.add_receiver(f"engine{i}", e)
                     self.mesh.publish(self.version)
+                known[i] = incarnation
                 self.engine_restarts += 1
                 self.log(f"engine{i} restarted: re-sent weights version {self.version}")
 
@@ -444,81 +449,6 @@ class Controller:
         (path / "controller.json").write_text(json.dumps(
             {"step": self.step, "version": self.version, "done_seqs": done}))
         return str(path)
-
-
-class _Prefetch:
-    """Takes the next step's batch while the trainer works on this one.
-
-    A thread iterates the controller's batch stream (Ray Data rollout -> batcher) and hands
-    over one table at a time, already in the object store, so the trainer's next update is
-    submitted the moment the previous one is published: no serialisation, no batcher work
-    and no bookkeeping sits between two updates. At most one table waits here, taken at the
-    version it will be trained at, so the staleness bound holds as if taken just in time."""
-
-    _END = object()
-    NOT_YET = object()
-
-    def __init__(self, batches):
-        self._q: queue.Queue = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._untrained: list[set[int]] = []
-        self._thread = threading.Thread(target=self._run, args=(batches,), name="prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self, batches) -> None:
-        item = self._END
-        try:
-            for table, wait_s in batches:
-                with self._lock:
-                    self._untrained.append(set(table.column("group_id").to_pylist()))
-                # One chunk per column: a step's table is sliced from many Ray Data blocks, and
-                # serialising slices ships their parent buffers (measured 796 KB vs 52 KB).
-                if not self._put((table, ray.put(table.combine_chunks()), wait_s)):
-                    return
-        except BaseException as e:     # noqa: BLE001 - re-raised in the step loop
-            item = e
-        finally:
-            batches.close()
-            self._put(item)
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def get(self, timeout: float | None = None):
-        """The next (table, object ref, seconds the batcher waited), None at the end, or
-        NOT_YET when `timeout` passed first."""
-        try:
-            item = self._q.get(timeout=timeout)
-        except queue.Empty:
-            return self.NOT_YET
-        if isinstance(item, BaseException):
-            raise item
-        return None if item is self._END else item
-
-    def trained(self, table: pa.Table) -> None:
-        with self._lock:
-            self._untrained.pop(0)
-
-    def untrained(self) -> set[int]:
-        """Group ids of batches taken but not trained yet."""
-        with self._lock:
-            return set().union(*self._untrained)
-
-    def close(self) -> None:
-        self._stop.set()
-        while self._thread.is_alive():
-            try:
-                self._q.get(timeout=0.1)
-            except queue.Empty:
-                pass
-            self._thread.join(timeout=0.1)
 
 
 class _StateView:
@@ -596,3 +526,27 @@ def run(cfg: Config, run_dir: str | Path, rows: list[dict] | None = None, on_ste
         return ctl.run()
     finally:
         ctl.stop()
+
+
+@contextlib.contextmanager
+def _interrupts(stop: threading.Event, announce: Callable[[int], None]):
+    """SIGINT / SIGTERM end the run after the step in hand (the caller checkpoints); a second one
+    exits at once. Yields the signals received. Outside the main thread signals stay as they are."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def handler(signum, _frame):
+        if got:
+            os._exit(128 + signum)       # the user insists: Ray's raylet reaps this driver's actors
+        got.append(signum)
+        stop.set()
+        announce(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -94,12 +94,52 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
 
     from pipeline.builder import Pipeline
     from pipeline.config import dump_config
+    from pipeline.loop import Batch, StepLoop, StepParts
     from pipeline.profile import Profiler
     from pipeline.trackers import TrackerConfig, open_metrics
-    from stages.batcher import mask_old_versions
     from stages.model import resolve_model_path
     from stages.update.stage import Update
 
+    source, steps = _open_source(rollouts_dir, cfg, filters)
+    B = cfg.batcher.groups_per_step
+    model_path = resolve_model_path(cfg.model, log=log)
+    trainer = start_trainer(cfg, model_path)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    pipeline = Pipeline([source, *stages, replay_batcher(cfg), Update(trainer)])
+    pipeline.profiler = profiler = Profiler(run_dir)
+    metrics = open_metrics(run_dir, trackers or TrackerConfig())
+    recorder = Recorder(run_dir, cfg.rollout.n_samples)
+    batches = ReplayBatches(pipeline, source, cfg, steps)
+
+    def record(step: int, batch: Batch, m: dict) -> None:
+        recorder.write(step, batch.table)
+        line = metrics.write(step, m | _rollout_metrics(batch.table) | {"version": step})
+        if on_step:
+            on_step(line)
+
+    parts = StepParts(batches=batches.batches(), submit=pipeline.update.submit, record=record,
+                      put=ray.put, span=profiler.add)
+    loop = StepLoop(parts, steps)
+    try:
+        loop.run()
+        st = batches.batcher.stats
+        left = source.num_groups - loop.step * B - st.dropped_filter
+        if left or st.dropped_filter:
+            log(f"replay: trained {loop.step} steps of {B} groups; {left} kept group(s) left over, "
+                f"{st.dropped_filter} dropped by batcher.filter_equal_rewards")
+        ckpt = ray.get(trainer.save.remote(str(run_dir / "checkpoints" / f"step_{loop.step:06d}"), model_path))
+    finally:
+        loop.close()
+        metrics.close()
+        profiler.close()
+        ray.kill(trainer)
+    return {"steps": loop.step, "version": loop.step, "checkpoint": ckpt, "run_dir": str(run_dir)}
+
+
+def _open_source(rollouts_dir, cfg, filters: ReplayConfig | None) -> tuple[RecordedSource, int]:
+    """The recording's kept groups as a source, and how many whole steps they make."""
     rec = Recording.open(rollouts_dir)
     source = RecordedSource(rec, select_groups(rec, filters))
     B, n = cfg.batcher.groups_per_step, cfg.rollout.n_samples
@@ -110,41 +150,7 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
     if steps == 0:
         raise ReplayError(f"{rollouts_dir}: {source.num_groups} groups pass the filters, fewer than one step "
                           f"(batcher.groups_per_step={B})")
-    model_path = resolve_model_path(cfg.model, log=log)
-    trainer = start_trainer(cfg, model_path)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
-    pipeline = Pipeline([source, *stages, replay_batcher(cfg), Update(trainer)])
-    pipeline.profiler = profiler = Profiler(run_dir)
-    metrics = open_metrics(run_dir, trackers or TrackerConfig())
-    recorder = Recorder(run_dir, n)
-    loop = ReplayLoop(pipeline, source, cfg, steps)
-    try:
-        for table, wait_s in loop.batches():
-            t0 = time.time()
-            profiler.add("batcher", t0 - wait_s, t0, step=loop.step + 1, rows_out=table.num_rows)
-            if cfg.rollout.partial_mask_old:     # as the controller does; idempotent on recorded tables
-                table = mask_old_versions(table)
-            m = pipeline.update(table)
-            loop.step += 1
-            profiler.add("update", t0, time.time(), actor="trainer", step=loop.step, rows_in=table.num_rows)
-            recorder.write(loop.step, table)
-            line = metrics.write(loop.step, m | _rollout_metrics(table) | {
-                "version": loop.step, "time/rollout_wait_s": wait_s, "time/update_s": time.time() - t0})
-            if on_step:
-                on_step(line)
-        st = loop.batcher.stats
-        left = source.num_groups - loop.step * B - st.dropped_filter
-        if left or st.dropped_filter:
-            log(f"replay: trained {loop.step} steps of {B} groups; {left} kept group(s) left over, "
-                f"{st.dropped_filter} dropped by batcher.filter_equal_rewards")
-        ckpt = ray.get(trainer.save.remote(str(run_dir / "checkpoints" / f"step_{loop.step:06d}"), model_path))
-    finally:
-        metrics.close()
-        profiler.close()
-        ray.kill(trainer)
-    return {"steps": loop.step, "version": loop.step, "checkpoint": ckpt, "run_dir": str(run_dir)}
+    return source, steps
 
 
 def start_trainer(cfg, model_path: str):
@@ -171,30 +177,35 @@ def replay_batcher(cfg):
     return WindowedBatcher(cfg.batcher, cfg.rollout.n_samples, stale_steps=sys.maxsize)
 
 
-class ReplayLoop:
-    """The driver side of the stream, as the controller's: feed the batcher, take B groups per step."""
+class ReplayBatches:
+    """The recording as a stream of step tables: feed the batcher, take B groups per step."""
 
     def __init__(self, pipeline, source: RecordedSource, cfg, steps: int):
-        self.pipeline, self.source, self.steps, self.step = pipeline, source, steps, 0
+        self.pipeline, self.source, self.steps = pipeline, source, steps
         self.batcher = pipeline.batcher
         self.gpb = cfg.rollout.groups_per_batch or cfg.batcher.groups_per_step
         self.chunk = CHUNK_STEPS * cfg.batcher.groups_per_step
+        self.mask_old = cfg.rollout.partial_mask_old
 
     def batches(self):
+        from stages.batcher import mask_old_versions
         from stages.schema import conform
 
-        ends, start, t_wait = self.source.step_ends(), 0, time.time()
-        while self.step < self.steps and start < self.source.num_groups:
+        ends, start, t_wait, taken = self.source.step_ends(), 0, time.time(), 0
+        while taken < self.steps and start < self.source.num_groups:
             stop = next(e for e in ends if e >= min(start + self.chunk, ends[-1]))   # whole recorded steps
             stream = self.pipeline.stream(start, stop - start, self.gpb)
             try:
                 for part in stream:
                     self.batcher.feed(part)
-                    while self.step < self.steps:
-                        table, _ = self.batcher.take(self.step)      # the version trained next = steps done
+                    while taken < self.steps:
+                        table, _ = self.batcher.take(taken)      # the version trained next = steps taken
                         if table is None:
                             break
+                        if self.mask_old:     # as a run's stream does; idempotent on recorded tables
+                            table = mask_old_versions(table)
                         yield conform(table), time.time() - t_wait
+                        taken += 1
                         t_wait = time.time()
             finally:
                 stream.close()

@@ -1,5 +1,7 @@
 """End to end on local Ray: a few synchronous steps through the real pipeline."""
 import json
+import os
+import signal
 
 import pyarrow.parquet as pq
 import pytest
@@ -38,6 +40,9 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     assert all("step" in m and "time_s" in m for m in lines)
     steps = [m for m in lines if "train/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
+    # no fault injected: no engine restarted, and each step published its own version once
+    assert ctl.engine_restarts == 0 and [m["engine_restarts"] for m in steps] == [0, 0, 0]
+    assert [m["transfer/version"] for m in steps] == [1, 2, 3]
     assert all(m["train/loss"] is not None and abs(m["train/loss"]) < 1e3 for m in steps)
     # a linear schedule with no decay length given decays over the run's steps
     assert [m["train/lr"] for m in steps] == pytest.approx([cfg.trainer.lr * f for f in (1, 2 / 3, 1 / 3)])
@@ -53,6 +58,35 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     assert (run / "config.yaml").is_file() and (run / "topology.txt").is_file()
     assert (run / "checkpoints" / "step_000003" / "model.safetensors").is_file()
     assert (run / "checkpoints" / "step_000003" / "tokenizer.json").is_file()
+
+
+def test_an_engine_landing_weights_in_place_is_not_taken_for_a_restarted_one(tiny_model_dir):
+    """The engine watch asked needs_sync() while an ordinary version landed in place, saw the serving
+    flag cleared and counted a restart that never happened (issue 17.1). A restart is a new process."""
+    import threading
+
+    from stages.agentflow.engine import HFEngine
+
+    eng = HFEngine(tiny_model_dir)
+    landing, done = threading.Event(), threading.Event()
+
+    def land():
+        with eng.weights_in_place(1):
+            landing.set()
+            done.wait(5)
+
+    t = threading.Thread(target=land)
+    t.start()
+    try:
+        assert landing.wait(5)
+        assert not eng.needs_sync()                 # mid-landing: not a restarted engine
+        incarnation = eng.info()["incarnation"]
+    finally:
+        done.set()
+        t.join()
+    assert eng.info()["incarnation"] == incarnation and eng.weight_version() == 1
+    assert HFEngine(tiny_model_dir).info()["incarnation"] != incarnation     # a new process would differ
+
 
 
 def test_cli_run_and_unknown_key(ray_session, tiny_model_dir, tmp_path, capsys):
@@ -132,13 +166,19 @@ def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_d
         full.run()
     finally:
         full.stop()
-    first = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=2"]), tmp_path / "a",
-                       log=lambda *_: None)
+    # Ctrl-C during step 2 (step 1's bookkeeping runs during step 2's update): step 2 finishes,
+    # then a resumable checkpoint; the batch already taken for step 3 is not counted as trained
+    logs = []
+    first = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=4"]), tmp_path / "a",
+                       log=logs.append, on_step=lambda m: m["step"] == 1 and os.kill(os.getpid(), signal.SIGINT))
     try:
-        first.run()
+        stopped = first.run()
     finally:
         first.stop()
     ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    assert stopped["interrupted"] == "SIGINT" and stopped["steps"] == 2 and stopped["resume_from"] == str(ckpt)
+    assert any("SIGINT" in x and "checkpoint" in x for x in logs), logs
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler        # the handler is put back
     second = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=4", f"run.resume_from={ckpt}"]),
                         tmp_path / "b", log=lambda *_: None)
     try:
@@ -263,6 +303,13 @@ def test_an_engine_killed_mid_run_is_restarted_and_its_groups_rerun(ray_session,
     assert seen == list(range(16))
 
 
+def test_ray_data_still_has_what_the_stream_poll_relies_on():
+    """Fails loudly on a Ray whose executor internals changed (rather than a run silently slower)."""
+    from pipeline.builder import stream_poll_internals
+
+    assert stream_poll_internals() == []
+
+
 def test_the_executor_wakes_on_the_first_output_and_never_spins_on_one_left_unread(ray_session):
     import time
 
@@ -295,6 +342,7 @@ def test_the_executor_wakes_on_the_first_output_and_never_spins_on_one_left_unre
         assert wait([slow], num_returns=1, fetch_local=False, timeout=5)[0] == []
         assert time.monotonic() - t < 0.5     # nothing ready: back within MAX_SLEEP_S, as Ray's loop would be
         assert set_stream_poll(0.01, "poll") and state.ray is ray_session     # the real module again
+        assert not set_stream_poll(0.01, "ray") and state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == 0.1
         with pytest.raises(ValueError, match="data_wake"):
             set_stream_poll(0.01, "sometimes")
     finally:

@@ -11,9 +11,9 @@ from pipeline.config import load_config
 from pipeline.recorder import N_SAMPLES_KEY, TMP, VERSION_KEY, Recorder, Recording, RecordingError, RecordingWarning
 from pipeline.replay import (
     RecordedSource,
+    ReplayBatches,
     ReplayConfig,
     ReplayError,
-    ReplayLoop,
     read_rollouts,
     replay_batcher,
     select_groups,
@@ -166,12 +166,10 @@ def test_replay_loop_rebatches_filtered_groups(ray_session, tmp_path):
     cfg = load_config("configs/quickstart.yaml", ["batcher.groups_per_step=2", "rollout.n_samples=2"])
     source = RecordedSource(rec, select_groups(rec, ReplayConfig(reward_min=1.0)))     # 3 of 4 groups per step
     pipeline = Pipeline([source, replay_batcher(cfg), Update(None)])
-    loop = ReplayLoop(pipeline, source, cfg, steps=6)
     seen = []
-    for table, wait in loop.batches():
+    for table, wait in ReplayBatches(pipeline, source, cfg, steps=6).batches():
         seen.append(table.column("group_id").to_pylist())
         assert wait >= 0 and table.schema.metadata[VERSION_KEY] == str(SCHEMA_VERSION).encode()
-        loop.step += 1
     steps = [[1, 2], [3, 5], [6, 7], [9, 10], [11, 13], [14, 15]]
     assert seen == [[g for g in s for _ in range(2)] for s in steps]
 

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 import numpy as np
 import torch
@@ -62,7 +63,10 @@ class HFEngine:
         torch.set_num_threads(self.threads)
         # A restarted engine (Ray re-ran this constructor after the process died) holds the
         # initial weights: it serves nothing until the controller has re-sent the current version.
-        if _reconstructed():
+        # `incarnation` is new in every process: the controller counts a restart only when it changes.
+        self.incarnation = uuid.uuid4().hex
+        self._awaiting_resend = _reconstructed()
+        if self._awaiting_resend:
             self._synced.clear()
 
     def _pick_threads(self, most: int) -> int:
@@ -90,14 +94,15 @@ class HFEngine:
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "version": self.version, "threads": self.threads}
+                "version": self.version, "threads": self.threads, "incarnation": self.incarnation}
 
     def weight_version(self) -> int:
         return self.version
 
     def needs_sync(self) -> bool:
-        """True on a restarted engine until its first weight load."""
-        return not self._synced.is_set()
+        """True on a restarted engine until its first complete weight load. Not the serving flag:
+        that one is also clear while an ordinary version lands in place (weights_in_place)."""
+        return self._awaiting_resend
 
     def weight_specs(self) -> dict:
         return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
@@ -107,6 +112,7 @@ class HFEngine:
         with self._lock:
             self.model.load_state_dict(named_tensors, strict=False)
             self.version = int(version)
+            self._awaiting_resend = False
         self._synced.set()
 
     @contextlib.contextmanager
@@ -118,6 +124,7 @@ class HFEngine:
             self._synced.clear()
             yield self.model.state_dict()
             self.version = int(version)
+            self._awaiting_resend = False
             self._synced.set()
 
     def _acquire_serving(self) -> None:

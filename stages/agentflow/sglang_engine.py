@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -116,6 +117,7 @@ class SGLangEngine:
         self.tok = load_tokenizer(model_path)
         self.eos_id = self.tok.eos_token_id
         self.version = 0
+        self.incarnation = uuid.uuid4().hex      # new in every process: a changed one means restarted
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh_endpoint = None
         self._specs = weight_specs_of(model_path, dtype)
@@ -184,7 +186,7 @@ class SGLangEngine:
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "version": self.version, "server": self.url}
+                "version": self.version, "server": self.url, "incarnation": self.incarnation}
 
     def weight_version(self) -> int:
         return self.version
