@@ -19,6 +19,7 @@ import uuid
 import numpy as np
 import torch
 
+from stages.agentflow.limits import failed_row, row_error
 from stages.model import load_model, load_tokenizer
 from stages.priority import lower_priority
 
@@ -49,6 +50,10 @@ class HFEngine:
         self.tok = load_tokenizer(model_path)
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id
+        # a row over the context fails alone; every row's budget is clipped to the room it leaves
+        text_cfg = self.model.config.get_text_config()
+        self.context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
+        self.vocab = self.model.get_input_embeddings().num_embeddings
         self.version = 0
         self._lock = threading.Lock()
         self._gen = torch.Generator().manual_seed(seed)
@@ -162,7 +167,9 @@ class HFEngine:
     def generate(self, requests: list[dict]) -> list[dict]:
         """Each request: prompt_ids, max_new_tokens, temperature, top_p, [prefix_ids, prefix_logprobs,
         prefix_versions] (resume a partial rollout), [hold] (keep one version for the whole call).
-        Returns per request: response_ids, logprobs, versions, status (completed|truncated|aborted)."""
+        Returns per request: response_ids, logprobs, versions, status (completed|truncated|aborted|failed);
+        a failed row (malformed, or its prompt does not fit the context) has `error` and `code`,
+        and is not decoded: the other rows are served."""
         if not requests:
             return []
         if not self._synced.wait(timeout=RESYNC_TIMEOUT_S):
@@ -170,11 +177,15 @@ class HFEngine:
                                f"{RESYNC_TIMEOUT_S:.0f}s")
         t0 = time.time()
         groups: dict[tuple, list[int]] = {}
+        out: list[dict] = [{}] * len(requests)
         for i, r in enumerate(requests):  # one decode loop per sampling setting
+            refused = row_error(r, self.context, self.vocab)
+            if refused:
+                out[i] = failed_row(*refused)
+                continue
             key = (int(r["max_new_tokens"]), float(r.get("temperature", 1.0)), float(r.get("top_p", 1.0)),
                    bool(r.get("hold", False)))
             groups.setdefault(key, []).append(i)
-        out: list[dict] = [{}] * len(requests)
         for (max_new, temp, top_p, hold), idx in groups.items():
             for i, res in zip(idx, self._decode([requests[i] for i in idx], max_new, temp, top_p, hold, t0)):
                 out[i] = res
@@ -194,6 +205,8 @@ class HFEngine:
         # whatever it is batched with, and a resumed partial rollout draws what an uninterrupted one would
         seeds = [int(r["seed"]) if "seed" in r else None for r in reqs]
         budget = [max_new - len(x) for x in resp]
+        if self.context:    # prompt + response never outgrow the context: decode work per row is bounded
+            budget = [min(b, self.context - len(s)) for b, s in zip(budget, seqs)]
         width = max(map(len, seqs))
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)

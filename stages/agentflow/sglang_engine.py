@@ -41,6 +41,7 @@ from datetime import timedelta
 
 import torch
 
+from stages.agentflow.limits import failed_row, model_limits, room, row_error
 from stages.model import load_tokenizer
 
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -121,6 +122,12 @@ class SGLangEngine:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh_endpoint = None
         self._specs = weight_specs_of(model_path, dtype)
+        # SGLang refuses a whole /generate batch if one row's input + max_new_tokens reaches its
+        # context: rows are checked and clipped here instead, so one bad row fails alone
+        self.context, self.vocab = model_limits(model_path)
+        self.context = int(cfg.server_args.get("context-length") or cfg.server_args.get("context_length")
+                           or self.context)
+        self.vocab = self.vocab or len(self.tok)
         self._gate = threading.Condition()   # hold requests vs weight updates
         self._holding, self._updating = 0, False
         self._update_lock = threading.Lock()
@@ -290,21 +297,13 @@ class SGLangEngine:
     def generate(self, requests: list[dict]) -> list[dict]:
         """Each request: prompt_ids, max_new_tokens, temperature, top_p, [prefix_ids,
         prefix_logprobs, prefix_versions] (resume), [hold] (one version for the whole call).
-        Returns per request: response_ids, logprobs, versions, status."""
+        Returns per request: response_ids, logprobs, versions, status; a row refused before
+        decoding (malformed, or over the context) has status failed, `error` and `code`."""
         if not requests:
             return []
         t0 = time.time()
-        hold = any(r.get("hold") for r in requests)
-        out: list[dict] = [{}] * len(requests)
-        todo = []
-        for i, r in enumerate(requests):
-            budget = int(r["max_new_tokens"]) - len(r.get("prefix_ids", []))
-            done = bool(r.get("prefix_ids")) and r["prefix_ids"][-1] == self.eos_id
-            if budget <= 0 or done:     # nothing left to generate: return the prefix as it is
-                out[i] = parse_output({"meta_info": {"finish_reason": {"type": "stop" if done else "length"},
-                                                     "weight_version": self.version}}, r)
-            else:
-                todo.append((i, r, budget))
+        hold = any(isinstance(r, dict) and r.get("hold") for r in requests)
+        out, todo = plan_rows(requests, self.context, self.vocab, self.eos_id, self.version)
         if todo:
             with self._holding_version(hold):
                 results = self._post("/generate", {
@@ -343,6 +342,26 @@ class SGLangEngine:
             with self._gate:
                 self._holding -= 1
                 self._gate.notify_all()
+
+
+def plan_rows(requests: list, context: int, vocab: int, eos_id: int, version: int) -> tuple[list[dict], list]:
+    """Split a generate call: rows answered here (refused, or with nothing left to generate) and
+    (index, row, budget) for the server, each budget clipped so input + budget < context."""
+    out: list[dict] = [{}] * len(requests)
+    todo = []
+    for i, r in enumerate(requests):
+        refused = row_error(r, context, vocab, reserve=1)
+        if refused:
+            out[i] = failed_row(*refused)
+            continue
+        budget = room(r, context, reserve=1)
+        done = bool(r.get("prefix_ids")) and r["prefix_ids"][-1] == eos_id
+        if budget <= 0 or done:     # nothing left to generate: return the prefix as it is
+            out[i] = parse_output({"meta_info": {"finish_reason": {"type": "stop" if done else "length"},
+                                                 "weight_version": version}}, r)
+        else:
+            todo.append((i, r, budget))
+    return out, todo
 
 
 class DistributedWeightSender:
