@@ -15,17 +15,23 @@ An agent is any object with `async def run(ctx, sample) -> None`; `sample` is th
 
 AgentFlow owns the token stream, so the trajectory is built in token space and model
 tokens are never re-tokenised. A turn past `max_turns` raises TurnLimitReached, which the
-rollout turns into a `truncated` trajectory (what was generated is kept).
+rollout turns into a `truncated` trajectory (what was generated is kept). A turn whose
+context is over the model's context or rollout.max_prompt_tokens raises
+ContextLengthExceeded (stages/agentflow/limits.py), which fails the trajectory; a turn
+that fits gets the completion budget the context leaves (clipped, unless the agent asked
+for `max_new_tokens` itself, which must then fit).
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
+from stages.agentflow.limits import PromptLimit, raise_if_failed
 from stages.agentflow.session import TurnLimitReached, turn_seed
 from stages.agentflow.stream import TokenStream
 from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
@@ -53,8 +59,9 @@ class AgentContext:
 
     def __init__(self, client, tokenizer, prompt_ids: list[int], sampling: dict, *, prompt_text: str = "",
                  messages: list[dict] | None = None, max_turns: int = 0, tools: ToolRegistry | None = None,
-                 proxy=None):
+                 proxy=None, limit: PromptLimit | None = None):
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
+        self.limit = limit or PromptLimit()     # the model's context and rollout.max_prompt_tokens
         self.stream = TokenStream(list(prompt_ids), prompt_text)
         self.messages = messages            # chat history when the prompt is chat messages, else None
         self.max_turns = max_turns
@@ -90,11 +97,14 @@ class AgentContext:
             raise TurnLimitReached(f"turn limit reached: {self.max_turns} model turns")
         context = self.stream.ids
         req = {**self.sampling, **overrides, "prompt_ids": context}
+        req["max_new_tokens"] = self.limit.budget(len(context), int(req["max_new_tokens"]),
+                                                  explicit="max_new_tokens" in overrides)
         if "seed" in self.sampling and "seed" not in overrides:
             req["seed"] = turn_seed(self.sampling["seed"], self.turns)
         t0 = time.perf_counter()
         (out,) = await self.client.generate([req])
         self.gen_s += time.perf_counter() - t0
+        raise_if_failed(out)
         ids, stopped = cut_at_stop(self.tokenizer, context, out["response_ids"], stop or [], keep_stop=True)
         lps, vers = out["logprobs"][: len(ids)], out["versions"][: len(ids)]
         self.stream.add_model(ids, lps, vers, decode_continuation(self.tokenizer, context, ids))
@@ -113,6 +123,7 @@ class AgentContext:
         self.transcript.append({"role": role, "content": text})
 
     def add_text(self, text: str, role: str = "context") -> None:
+        self.limit.check_text(text, known=len(self.stream.ids))    # a hopeless text is not tokenized
         self.stream.add_context(encode(self.tokenizer, text), text)
         self.transcript.append({"role": role, "content": text})
 
@@ -152,6 +163,8 @@ class AgentContext:
         res = env.step(action)
         if asyncio.iscoroutine(res):
             res = await res
+        if not math.isfinite(float(res.reward)):     # NaN / inf would reach the advantages: fail the row
+            raise ValueError(f"environment {type(env).__name__} returned a non-finite reward {res.reward!r}")
         self.reward = (self.reward or 0.0) + float(res.reward)
         self.info.update(res.info)
         if not res.done and res.observation:

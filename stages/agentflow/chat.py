@@ -59,18 +59,31 @@ def encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"] if text else []
 
 
+class MessageError(ValueError):
+    """A malformed chat message; `param` names the field at fault (e.g. messages[0].content)."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
 def normalise_messages(messages) -> list[dict]:
-    """OpenAI chat messages -> plain dicts with string content. Raises ValueError naming the bad message."""
+    """OpenAI chat messages -> plain dicts with string content. Raises MessageError naming the bad field."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
+        raise MessageError("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object")
+            raise MessageError(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
         if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+            raise MessageError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
+                               f"messages[{i}].role")
+        content = m.get("content")
+        if content is None and role != "assistant":  # only an assistant turn (e.g. tool calls alone) may be empty
+            raise MessageError(f"messages[{i}].content must be a string or a list of text parts, got null "
+                               f"(only an assistant message may omit its content)", f"messages[{i}].content")
+        msg = {"role": "system" if role == "developer" else role, "content": _content_text(content, i)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _check_tool_calls(m["tool_calls"], i)
         if role == "tool":
@@ -86,19 +99,20 @@ def _content_text(content, i: int) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content: only text parts are supported")
+                raise MessageError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
             texts.append(part["text"])
         return "".join(texts)
-    raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+    raise MessageError(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}",
+                       f"messages[{i}].content")
 
 
 def _check_tool_calls(calls, i: int) -> list[dict]:
     if not isinstance(calls, list):
-        raise ValueError(f"messages[{i}].tool_calls must be a list")
+        raise MessageError(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls")
     for j, c in enumerate(calls):
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise ValueError(f"messages[{i}].tool_calls[{j}] needs function.name")
+            raise MessageError(f"messages[{i}].tool_calls[{j}] needs function.name", f"messages[{i}].tool_calls")
     return calls
 
 

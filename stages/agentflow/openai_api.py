@@ -52,6 +52,7 @@ class Request:
     include_usage: bool
     model: str
     seed: int | None = None                              # choice i samples with seed + i
+    max_tokens_set: bool = False                         # the body set max_tokens: not fitting the context is a 400
     messages: list[dict] = field(default_factory=list)   # chat
     tools: list[dict] | None = None                      # chat; None = do not parse tool calls
     prompt: str | list[int] = ""                         # completions
@@ -102,7 +103,7 @@ def _common(body: dict, allowed: set, defaults: dict, max_tokens_cap: int) -> di
             "top_p": float(_number(body, "top_p", defaults["top_p"], 1e-6, 1)),
             "seed": _number(body, "seed", None, 0, 1 << 62, integer=True),
             "stop": stop, "stream": stream, "include_usage": bool((opts or {}).get("include_usage")),
-            "model": str(body.get("model") or "loongsage")}
+            "model": str(body.get("model") or "loongsage"), "max_tokens_set": limit is not None}
 
 
 def parse_chat(body: dict, defaults: dict, max_tokens_cap: int) -> Request:
@@ -110,7 +111,7 @@ def parse_chat(body: dict, defaults: dict, max_tokens_cap: int) -> Request:
     try:
         messages = normalise_messages(body.get("messages"))
     except ValueError as e:
-        raise _bad(str(e), "messages") from None
+        raise _bad(str(e), getattr(e, "param", "messages")) from None
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, (bool, type(None))):
         raise _bad("'logprobs' must be a boolean", "logprobs")
@@ -136,7 +137,7 @@ def parse_completion(body: dict, defaults: dict, max_tokens_cap: int) -> Request
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]   # a batch of one
-    ids_ok = isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)
+    ids_ok = isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not ids_ok:
         raise _bad("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)",
                    "prompt")

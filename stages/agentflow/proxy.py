@@ -12,22 +12,30 @@ Every call is forwarded token-in/token-out to the trajectory's engine (the rollo
 session affinity) and recorded by its Session (stages/agentflow/session.py), which builds
 the trajectory in token space. Errors use the OpenAI error body: 401 missing or wrong key,
 404 unknown path or route (a trajectory that ended), 413 body over the limit, 400
-malformed JSON / unsupported parameter / turn limit reached, 503 request aborted by the
-engine (the run is stopping).
+malformed JSON / unsupported parameter / invalid message or token id (`param` names the
+field) / turn limit reached, 400 `context_length_exceeded` for a prompt over the model's
+context or rollout.max_prompt_tokens (checked before the prompt is tokenized, see
+stages/agentflow/limits.py), 503 request aborted by the engine (the run is stopping) or the
+engine restarting. Anything else is a generic 500 carrying a request id (also in the
+`x-request-id` header); its detail goes to the `loongsage.proxy` logger, never to the client.
 
 Each response carries `x-loongsage-engine-ms`: the time the call waited on the engine,
 so a client can measure the proxy's own overhead (benchmarks/agentflow.py does).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from stages.agentflow.chat import ensure_chat_template, render
+from stages.agentflow.client import ENGINE_LOST
+from stages.agentflow.limits import PromptLimit, RequestRejected, longest_token_chars
 from stages.agentflow.openai_api import (
     APIError,
     assistant_message,
@@ -43,6 +51,9 @@ from stages.agentflow.openai_api import (
 from stages.agentflow.session import Session, TurnLimitReached
 
 SESSION = web.RequestKey("session", Session)
+log = logging.getLogger("loongsage.proxy")
+THREAD_CHARS = 1 << 16  # a longer prompt text is tokenized on a thread (the tokenizer releases the GIL):
+                        # the proxy's loop serves other trajectories meanwhile
 
 
 @dataclass
@@ -55,10 +66,14 @@ class Endpoint:
 
 class Proxy:
     def __init__(self, tokenizer, host: str = "127.0.0.1", port: int = 0, max_body_bytes: int = 8 << 20,
-                 force_sampling: bool = False):
+                 force_sampling: bool = False, limit: PromptLimit | None = None):
         self.tok = ensure_chat_template(tokenizer)
         self.host, self.port, self.max_body = host, port, max_body_bytes
         self.force_sampling = force_sampling    # True: rollout temperature/top_p override the agent's
+        # the model's context and rollout.max_prompt_tokens (PromptLimit.for_model); without one, only the
+        # engine's own per-row check bounds a prompt
+        self.limit = limit or PromptLimit(longest=longest_token_chars(self.tok))
+        self.vocab = len(self.tok)
         self.sessions: dict[str, tuple[str, Session]] = {}
         self._runner: web.AppRunner | None = None
 
@@ -118,12 +133,25 @@ class Proxy:
             return await handler(request)
         except APIError as e:
             return web.json_response(e.body(), status=e.status)
+        except RequestRejected as e:    # the engine refused the row: what the proxy's own checks would say
+            return web.json_response(APIError(400, str(e), e.param, e.code).body(), status=400)
         except web.HTTPRequestEntityTooLarge:
             return web.json_response(APIError(413, f"request body over the {self.max_body} byte limit").body(),
                                      status=413)
-        except Exception as e:  # noqa: BLE001 - an engine or template failure answers 500, the proxy lives on
-            err = APIError(500, f"{type(e).__name__}: {e}", kind="server_error")
-            return web.json_response(err.body(), status=500)
+        except Exception as e:  # noqa: BLE001 - the proxy lives on; the client learns nothing of its insides
+            return self._internal_error(request, e)
+
+    @staticmethod
+    def _internal_error(request: web.Request, e: Exception) -> web.Response:
+        """A generic 500 (503 while the engine restarts) with a request id; the detail goes to the log."""
+        rid = "req_" + secrets.token_hex(12)
+        log.error("request %s: %s %s failed", rid, request.method, request.path, exc_info=e)
+        if isinstance(e, ENGINE_LOST):
+            status, msg = 503, "the engine serving this trajectory is unavailable (restarting); retry later"
+        else:
+            status, msg = 500, "the server had an error while processing this request"
+        err = APIError(status, f"{msg} (request id {rid}; the detail is in the run's log)", kind="server_error")
+        return web.json_response(err.body(), status=status, headers={"x-request-id": rid})
 
     async def _json(self, request: web.Request) -> dict:
         raw = await request.read()
@@ -143,8 +171,7 @@ class Proxy:
             text = render(self.tok, req.messages, req.tools)
         except Exception as e:  # noqa: BLE001 - jinja raises template-specific errors for unsupported histories
             raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
-        self._admit(session)
-        base = session.base_for_text(text)
+        base = await self._prompt(session, req, text=text, param="messages")
         choices = await self._complete(session, base, req)
         msgs = [assistant_message(req, c) for c in choices]
         if not session.closed:
@@ -157,8 +184,10 @@ class Proxy:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         session: Session = request[SESSION]
         req = parse_completion(await self._json(request), self._defaults(session), session.sampling["max_new_tokens"])
-        self._admit(session)
-        base = session.base_for_ids(req.prompt) if isinstance(req.prompt, list) else session.base_for_text(req.prompt)
+        if isinstance(req.prompt, list):
+            base = await self._prompt(session, req, ids=req.prompt, param="prompt")
+        else:
+            base = await self._prompt(session, req, text=req.prompt, param="prompt")
         choices = await self._complete(session, base, req)
         if not session.closed:
             prompt = req.prompt if isinstance(req.prompt, str) else base.text
@@ -179,12 +208,32 @@ class Proxy:
         return web.json_response({"object": "list", "data": [{"id": "loongsage", "object": "model", "created": 0,
                                                               "owned_by": "loongsage"}]})
 
-    @staticmethod
-    def _admit(session: Session) -> None:
+    async def _prompt(self, session: Session, req, text: str | None = None, ids: list[int] | None = None,
+                      param: str = "messages"):
+        """The call's prompt stream, checked against the context before anything long is tokenized
+        (req.max_tokens becomes the budget that fits), then admitted as one of the trajectory's calls."""
         try:
-            session.admit()
+            if ids is not None:
+                if max(ids) >= self.vocab:
+                    bad = next(i for i, t in enumerate(ids) if t >= self.vocab)
+                    raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id: the vocabulary has "
+                                        f"{self.vocab} tokens (ids 0..{self.vocab - 1})", param)
+                self.limit.budget(len(ids), 0, param=param)     # the length alone, before the ids are decoded
+                base = session.base_for_ids(ids)
+            else:
+                self.limit.check_text(text, param=param)        # cheap: no tokenizing of a hopeless text
+                if len(text) > THREAD_CHARS:
+                    base = await asyncio.to_thread(session.base_for_text, text)
+                else:
+                    base = session.base_for_text(text)
+            req.max_tokens = self.limit.budget(len(base.ids), req.max_tokens, req.max_tokens_set, param)
+        except RequestRejected as e:
+            raise APIError(400, str(e), e.param, e.code) from None
+        try:
+            session.admit(base)
         except TurnLimitReached as e:
             raise APIError(400, str(e), code="turn_limit_reached") from None
+        return base
 
     async def _complete(self, session: Session, base, req):
         temp, top_p = req.temperature, req.top_p

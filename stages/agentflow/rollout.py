@@ -35,6 +35,7 @@ from stages.agentflow.agent import AgentContext, SingleTurnAgent
 from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
 from stages.agentflow.client import Affinity
+from stages.agentflow.limits import PromptLimit
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent
 from stages.priority import lower_priority
 from stages.schema import with_columns
@@ -46,6 +47,8 @@ BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculat
 class RolloutConfig:
     n_samples: int = 8                 # N: samples per prompt (a group)
     max_new_tokens: int = 8            # per model turn (and the cap on a proxy call's max_tokens)
+    max_prompt_tokens: int = 0         # per model call; 0 = the model's context less one. A longer prompt fails its
+                                       # trajectory (white-box) or gets 400 context_length_exceeded (proxy)
     temperature: float = 1.0
     top_p: float = 1.0
     agent: str = "single_turn"         # built-in name | dotted path | "cmd:<command>" (subprocess black-box)
@@ -77,7 +80,7 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{k} must be > 0, got {getattr(self, k)}")
         if self.engine_restarts < -1:
             raise ValueError(f"rollout.engine_restarts must be >= -1, got {self.engine_restarts}")
-        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port", "engine_retries"):
+        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port", "engine_retries", "max_prompt_tokens"):
             if getattr(self, k) < 0:
                 raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
@@ -130,6 +133,7 @@ class AgentFlowRollout:
         self.cfg = cfg
         self.gate = gate
         self.tok = ensure_chat_template(load_tokenizer(model_path))
+        self.limit = PromptLimit.for_model(model_path, self.tok, cfg.max_prompt_tokens)
         self.agent = load_agent(cfg.agent)
         self.affinity = Affinity(engines)
         self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
@@ -138,7 +142,7 @@ class AgentFlowRollout:
         self._encoded: dict[str, list[int]] = {}     # prompt text -> ids: a group's N samples share one prompt
         # started on first use, on self.loop: it serves while a batch runs, which is when agents call it
         self.proxy = Proxy(self.tok, cfg.proxy_host, cfg.proxy_port, int(cfg.proxy_max_body_mb * 2 ** 20),
-                           cfg.proxy_force_sampling)
+                           cfg.proxy_force_sampling, self.limit)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -162,9 +166,10 @@ class AgentFlowRollout:
     def _context(self, row: dict) -> AgentContext:
         messages = _chat_prompt(row["prompt"])
         text = render(self.tok, messages) if messages else row["prompt"]
+        self.limit.check_text(text)     # a hopeless prompt fails its row before it is tokenized
         return AgentContext(self.affinity.for_group(row["group_id"]), self.tok, self._encode(text),
                             dict(self.sampling, seed=self._seed(row)), prompt_text=text, messages=messages,
-                            max_turns=self.cfg.max_turns, proxy=self.proxy)
+                            max_turns=self.cfg.max_turns, proxy=self.proxy, limit=self.limit)
 
     def _encode(self, text: str) -> list[int]:
         ids = self._encoded.get(text)

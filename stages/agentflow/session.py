@@ -7,6 +7,9 @@ plus the tokens of the new text only, so the model's earlier tokens are reused, 
 re-tokenised. If it extends none (the agent edited or summarised its history, or the
 chat template is not append-only), the call starts a new segment from scratch; segments
 are counted. The trajectory a row trains on is the stream of the last call (choice 0).
+
+Assembling a prompt has no side effect: the proxy checks its length first, and only a call
+it admits (`admit`) counts as a turn and, if it extends no recorded stream, as a segment.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode
+from stages.agentflow.limits import raise_if_failed
 from stages.agentflow.stream import TokenStream
 
 MAX_TIPS = 64   # recent streams kept as extension candidates; older ones are dropped
@@ -57,7 +61,6 @@ class Session:
         """The stream a prompt text continues: a recorded tip plus the new text's tokens, or a new segment."""
         best = max((t for t in self.tips if text.startswith(t.text)), key=lambda t: len(t.text), default=None)
         if best is None:
-            self.segments += 1
             return TokenStream(encode(self.tok, text), text)
         base = best.copy()
         delta = text[len(best.text):]
@@ -68,7 +71,6 @@ class Session:
         """Token-in prompts (completions with a list of ids) match tips id for id."""
         best = max((t for t in self.tips if ids[: len(t.ids)] == t.ids), key=lambda t: len(t.ids), default=None)
         if best is None:
-            self.segments += 1
             return TokenStream(list(ids), self.tok.decode(ids, skip_special_tokens=False))
         base = best.copy()
         delta = list(ids[len(best.ids):])
@@ -76,14 +78,18 @@ class Session:
         return base
 
     # ---- generation ----------------------------------------------------------------
-    def admit(self) -> None:
-        """Count a call, or refuse it past the turn limit (before its prompt is assembled)."""
+    def admit(self, base: TokenStream) -> None:
+        """Count a call whose prompt is `base` (and a segment if it extends no recorded stream),
+        or refuse it past the turn limit."""
         if self.closed:
             raise RuntimeError("the trajectory has ended")
         if self.max_turns and self.calls >= self.max_turns:
             self.truncated = True
             raise TurnLimitReached(f"turn limit reached: this trajectory may make {self.max_turns} model calls")
         self.calls += 1
+        ids = base.ids
+        if not any(len(t.ids) <= len(ids) and ids[: len(t.ids)] == t.ids for t in self.tips):
+            self.segments += 1
 
     async def complete(self, base: TokenStream, n: int, max_tokens: int, temperature: float, top_p: float,
                        stop: list[str], seed: int | None = None) -> list[Choice]:
@@ -98,6 +104,8 @@ class Session:
         else:
             reqs = [req] * n
         outs = await self.client.generate(reqs)
+        for out in outs:        # a row the engine refused (the proxy's checks should have caught it)
+            raise_if_failed(out)
         engine_s = time.perf_counter() - t0
         self.gen_s += engine_s
         choices = [self._choice(base, out, stop, engine_s) for out in outs]
