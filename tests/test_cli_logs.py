@@ -32,14 +32,14 @@ RAY_LINES = ["Started a local Ray instance", "Execution plan of Dataset", "core_
              "Token authentication is enabled", "streaming_executor.py"]
 
 
-def cli(run_dir: Path, model: str, *extra: str) -> subprocess.CompletedProcess:
+def cli(model: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "configs/quickstart.yaml", *FAST, f"model.path={model}",
            *extra, "--run-dir", str(run_dir)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_a_cli_run_keeps_rays_lines_in_its_run_dir(tiny_model_dir, tmp_path):
-    quiet = cli(tmp_path / "quiet", tiny_model_dir)
+    quiet = cli(tiny_model_dir, tmp_path / "quiet")
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     terminal = quiet.stdout + quiet.stderr
     assert [s for s in RAY_LINES if s in terminal] == [], terminal
@@ -48,11 +48,13 @@ def test_a_cli_run_keeps_rays_lines_in_its_run_dir(tiny_model_dir, tmp_path):
     for line in ("Started a local Ray instance", "Execution plan of Dataset", "core_worker.cc"):
         assert line in log, line
 
-    # --verbose: Ray's lines on the terminal as before. A run that stops once Ray is up (the
-    # trainer's placement cannot fit: 64 CPUs asked of 2) shows it at a fraction of the cost.
-    loud = cli(tmp_path / "loud", tiny_model_dir, "placement.mode=disaggregated", "placement.cpus=64",
+
+def test_verbose_leaves_rays_lines_on_the_terminal(tiny_model_dir, tmp_path):
+    """A run that stops once Ray is up (the trainer's placement cannot fit: 64 CPUs asked of
+    2) shows Ray's start-up lines on the terminal, as before, and writes no ray.log."""
+    loud = cli(tiny_model_dir, tmp_path / "loud", "placement.mode=disaggregated", "placement.cpus=64",
                "placement.trainer_gpus=0", "placement.engine_gpus=0", "placement.timeout_s=1", "--verbose")
-    assert loud.returncode != 0 and "could not hold pool" in loud.stderr, loud.stderr[-3000:]
+    assert loud.returncode != 0 and "could not hold pool 'trainer'" in loud.stderr, loud.stderr[-3000:]
     assert "Started a local Ray instance" in loud.stdout + loud.stderr
     assert not (tmp_path / "loud" / "ray.log").exists()
 
