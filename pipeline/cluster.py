@@ -44,8 +44,10 @@ def ray_output_to(path: str | Path):
       plans): their console handlers give way to one handler on the file;
     * the C++ core worker in this process writes its warnings and errors straight to file
       descriptor 2 ("core_worker.cc: ... max_restarts > 0"): fd 2 is pointed at the file,
-      and `sys.stderr` (the project's own output: progress, evaluation lines, tracebacks)
-      keeps writing to the terminal through a copy of the old descriptor;
+      and `sys.stderr` (the project's own output: progress, evaluation lines, tracebacks,
+      Python warnings) keeps writing to the terminal through a copy of the old descriptor.
+      Whatever else writes to fd 2 itself (a library's handler that kept the original
+      sys.stderr object, a crash dump) lands in the file too;
     * errors the cluster pushes to the driver ("(raylet) Task ... failed ... ray.kill") are
       printed to sys.stdout by a Ray thread: its printer writes to the file instead.
     Ray is shut down before the block ends, so what it prints while stopping lands there too.
