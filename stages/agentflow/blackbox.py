@@ -7,7 +7,8 @@ once per trajectory with
     LOONGSAGE_SAMPLE                  the row as JSON (prompt, answer, data_source, ids)
 
 and ends by exiting. If its last stdout line is a JSON object with a numeric `reward`
-(and optionally `info`), that reward is the trajectory's, used instead of reward.fn.
+(and optionally `info`), that reward is the trajectory's, used instead of reward.fn; a
+reward that is not a finite number (NaN, Infinity) fails the row.
 A non-zero exit, a crash or a hang past rollout.timeout_s fails the row with the stderr
 tail; the agent runs in its own process group, which is killed when the trajectory ends,
 so no agent process outlives its trajectory.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shlex
 import signal
@@ -78,6 +80,8 @@ def reported_reward(ctx, stdout: str) -> None:
         return
     if isinstance(last["reward"], bool) or not isinstance(last["reward"], (int, float)):
         raise ValueError(f"the agent reported a non-numeric reward: {last['reward']!r}")
+    if not math.isfinite(last["reward"]):   # json reads NaN / Infinity (and 1e999 as inf); training must not
+        raise ValueError(f"the agent reported a non-finite reward: {last['reward']!r}")
     ctx.reward = float(last["reward"])
     if isinstance(last.get("info"), dict):
         ctx.info.update(last["info"])
