@@ -165,8 +165,6 @@ class AgentContext:
             res = await res
         if not math.isfinite(float(res.reward)):     # NaN / inf would reach the advantages: fail the row
             raise ValueError(f"environment {type(env).__name__} returned a non-finite reward {res.reward!r}")
-        if not math.isfinite(float(res.reward)):     # NaN / inf would reach the advantages: fail the row
-            raise ValueError(f"environment {type(env).__name__} returned a non-finite reward {res.reward!r}")
         self.reward = (self.reward or 0.0) + float(res.reward)
         self.info.update(res.info)
         if not res.done and res.observation:
