@@ -252,8 +252,8 @@ def cli_replay(rollouts_dir: str, config: str | None, overrides: list[str], run_
         cfg = resolve_replay_config(rollouts_dir, config, overrides)
         out = Path(run_dir or f"{Path(rollouts_dir).resolve().parent}-replay-{time.strftime('%Y%m%d-%H%M%S')}")
         summary = replay(rollouts_dir, cfg, out, cfg.replay, trackers=cfg.trackers,
-                         on_step=lambda m: print(f"step {m['step']}: loss {m['train/loss']:+.5f} "
-                                                 f"grad_norm {m['train/grad_norm']:.4f}"))
+                         on_step=lambda m: print(f"step {m['step']}: loss {m.get('train/loss', float('nan')):+.5f} "
+                                                 f"grad_norm {m.get('train/grad_norm', float('nan')):.4f}"))
     except (ConfigError, RecordingError, ReplayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -42,6 +42,8 @@ class TrainerConfig:
     lr_warmup_steps: int = 0         # training steps of linear warm-up from lr / lr_warmup_steps to lr
     lr_min_ratio: float = 0.0        # where linear / cosine decay ends, as a fraction of lr
     lr_decay_steps: int = 0          # the step the decay ends at (0 = run.steps, the run's last step)
+    on_nonfinite: str = "skip"       # a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer
+                                     # step is not taken; counted as train/nonfinite_skipped) | stop (raise)
 
     def __post_init__(self):
         if self.backend not in ("torch", "megatron"):
@@ -58,6 +60,30 @@ class TrainerConfig:
             raise ValueError("trainer.lr_warmup_steps and trainer.lr_decay_steps must be >= 0")
         if not 0 <= self.lr_min_ratio <= 1:
             raise ValueError(f"trainer.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
+                             f"got {self.on_nonfinite!r}")
+
+
+ON_NONFINITE = ("skip", "stop")
+
+
+class NonFiniteUpdate(FloatingPointError):
+    """trainer.on_nonfinite=stop and a mini-batch's loss or gradient norm was NaN / inf."""
+
+
+def on_nonfinite(cfg: TrainerConfig, step: int, mini_batch: int, what: str) -> None:
+    """A mini-batch's loss or gradients were NaN / inf (`what` says which): its update is not applied
+    (trainer.on_nonfinite=skip; the caller counts it), or NonFiniteUpdate naming the step (stop)."""
+    if cfg.on_nonfinite == "stop":
+        raise NonFiniteUpdate(f"training step {step} (version {step} -> {step + 1}), mini-batch {mini_batch}: "
+                              f"{what}; the weights were not updated (trainer.on_nonfinite=stop; "
+                              "'skip' drops such mini-batches and goes on)")
+
+
+def finite_metrics(metrics: dict) -> dict:
+    """The step's metrics without NaN / inf values (a skipped mini-batch's own numbers)."""
+    return {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -272,13 +298,13 @@ class TorchTrainer:
         lr = lr_at(self.cfg, self.version)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        losses, gnorms, parts = [], [], []
+        losses, gnorms, parts, skipped, mb_i = [], [], [], 0, 0
         for _ in range(self.cfg.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
                 rows = torch.as_tensor(np.sort(idx))
                 lp, ent, top = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef > 0,
                                              topk_ids=None if tb is None else tb.topk_ids[rows])
-                if recomputed is None and not losses:
+                if recomputed is None and mb_i == 0:
                     metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], stale[rows])
                 loss, m = policy_loss(algo, lp, old[rows], adv[rows], mask[rows],
                                       ref_logprobs=None if ref_lp is None else ref_lp[rows], entropy=ent,
@@ -286,17 +312,28 @@ class TorchTrainer:
                 if tb is not None:      # GKD: the top-k KL to the teacher, through the student
                     loss, m = gkd_term(algo, loss, m, top, tb, rows, mask[rows])
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+                mb_i, value = mb_i + 1, loss.item()
+                bad = "" if math.isfinite(value) else f"non-finite loss {value}"
+                if not bad:     # a NaN loss has no gradient worth computing
+                    loss.backward()
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True))
+                    bad = "" if math.isfinite(gnorm) else f"non-finite grad norm {gnorm} (loss {value})"
+                if bad:         # never applied: weights and optimizer state stay as they were
+                    on_nonfinite(self.cfg, self.version, mb_i, bad)
+                    self.opt.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
                 self.opt.step()
-                losses.append(loss.item())
-                gnorms.append(float(gnorm))
+                losses.append(value)
+                gnorms.append(gnorm)
                 parts.append(m)
         self.version += 1
         trained = mask.sum().item()
-        metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
-        metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms)),
-                    "train/tokens": trained, "train/samples": n, "train/seconds": time.time() - t0,
+        if parts:       # no loss metrics when every mini-batch was skipped: there was no finite loss
+            metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
+            metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms))}
+        metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
+                    "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
                     "train/lr": lr, "version": self.version}
-        return metrics
+        return finite_metrics(metrics)

@@ -30,7 +30,15 @@ import torch
 
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
 from stages.update.losses import AlgorithmConfig, policy_loss
-from stages.update.trainer import Batch, TrainerConfig, lr_at, task_advantages, to_batch
+from stages.update.trainer import (
+    Batch,
+    TrainerConfig,
+    finite_metrics,
+    lr_at,
+    on_nonfinite,
+    task_advantages,
+    to_batch,
+)
 
 from . import parallel
 from .config import MegatronConfig
@@ -264,7 +272,7 @@ class MegatronTrainer:
             fields |= {"old": old, "adv": adv, "mask": mask, "weights": weights, "ref": ref_lp}
         n = b.input_ids.shape[0]
         mb = self.cfg.mini_batch_size or n
-        parts, gnorms = [], []
+        parts, gnorms, skipped = [], [], 0
         lr = lr_at(self.cfg, self.version)
         for o in self._inner_optimizers():      # the same schedule as TorchTrainer's, set on every rank
             for group in o.optimizer.param_groups:
@@ -272,19 +280,26 @@ class MegatronTrainer:
         for _ in range(self.cfg.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
                 part, gnorm = self._optimizer_step(np.sort(idx), fields)
+                if gnorm is None:   # every rank agrees: the decision was all-reduced
+                    on_nonfinite(self.cfg, self.version, len(parts) + skipped + 1,
+                                 f"a non-finite loss or gradient (loss {part.get('loss', 'on the last stage')})")
+                    skipped += 1
+                    continue
                 parts.append(part)
                 gnorms.append(gnorm)
         self.version += 1
         if not (self.last and self.tp_rank == 0 and self.dp_rank == 0):
             return None
         trained = mask.sum().item()
-        metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0] if k != "loss"}
-        metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
-                    "train/grad_norm": float(np.mean(gnorms)), "train/tokens": trained, "train/samples": n,
+        if parts:       # no loss metrics when every mini-batch was skipped
+            metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0] if k != "loss"}
+            metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
+                        "train/grad_norm": float(np.mean(gnorms))}
+        metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
                     "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "train/lr": lr,
                     "version": self.version}
-        return metrics
+        return finite_metrics(metrics)
 
     def _inputs(self, b: Batch) -> dict:
         L = b.input_ids.shape[1]
@@ -362,13 +377,30 @@ class MegatronTrainer:
             full[r::self.dp] = part.cpu()[: len(range(r, n, self.dp))]
         return full
 
-    def _optimizer_step(self, rows: np.ndarray, fields: dict) -> tuple[dict, float]:
+    def _optimizer_step(self, rows: np.ndarray, fields: dict) -> tuple[dict, float | None]:
+        """One mini-batch: forward-backward, then the optimizer step unless a loss or gradient is
+        NaN / inf on any rank (grad norm None: nothing was applied)."""
         items = self._micro_batches(rows.tolist(), fields)
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
         reports = self._run(self.model, items, self._loss, forward_only=False)
-        ok, gnorm, _ = self.opt.step()
-        return self._reduce_reports(reports), float(gnorm if gnorm is not None else 0.0)
+        part = self._reduce_reports(reports)
+        if self._nonfinite(part):
+            return part, None
+        ok, gnorm, _ = self.opt.step()      # fp16: megatron's own overflow check may still skip it
+        if not ok:
+            return part, None
+        return part, float(gnorm if gnorm is not None else 0.0)
+
+    def _nonfinite(self, part: dict) -> bool:
+        """Any NaN / inf in this rank's gradient buffers or (last stage) the loss, on any rank. The
+        gradients are checked before megatron's step, which with fp32 or bf16 would apply them."""
+        bad = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for buf in getattr(self.model, "buffers", []) + getattr(self.model, "expert_parallel_buffers", []):
+            bad += (~torch.isfinite(buf.grad_data)).any()
+        bad += not np.isfinite(part.get("loss", 0.0))
+        torch.distributed.all_reduce(bad)      # all ranks: every one must skip the same steps
+        return bad.item() > 0
 
     def _loss(self, item: dict, logits: torch.Tensor):
         algo = self.algo
