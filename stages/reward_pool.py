@@ -143,6 +143,8 @@ class RewardPool:
         self.fn_path, self.size, self.timeout_s = fn_path, max(1, workers), timeout_s
         self.workers: list[_Worker] = []
         self.row_s: float | None = None    # measured seconds per row; None = not yet (use every worker)
+        self.suspects: set[int] = set()     # this call's rows that were with a worker when it died
+        self.start_deaths = 0               # this call's workers that died before they were ready
         self.lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _kill_all, self.workers)   # also runs at interpreter exit
 
@@ -154,7 +156,7 @@ class RewardPool:
 
     def map(self, calls: list[tuple]) -> list[tuple[bool, object]]:
         with self.lock:
-            self.suspects: set[int] = set()     # rows that were with a worker when it died
+            self.suspects, self.start_deaths = set(), 0
             results: list = [None] * len(calls)
             queue = deque(range(len(calls)))
             while queue or any(w.jobs for w in self.workers):
@@ -179,7 +181,13 @@ class RewardPool:
             w.jobs.append(queue.popleft())
             while queue and len(w.jobs) < share and not self.suspects & {w.jobs[0], queue[0]}:
                 w.jobs.append(queue.popleft())      # a row that may kill its worker goes alone
-            w.conn.send([(i, calls[i]) for i in w.jobs])
+            try:
+                w.conn.send([(i, calls[i]) for i in w.jobs])
+            except OSError:     # it died since it said ready: its rows wait for the next worker
+                queue.extendleft(reversed(w.jobs))
+                w.jobs.clear()
+                self._drop(w)
+                continue
             w.deadline = w.mark = time.monotonic()
             w.deadline += self.timeout_s
 
@@ -209,8 +217,10 @@ class RewardPool:
                 self.suspects.update(w.jobs)
                 queue.extendleft(reversed(w.jobs))
                 w.jobs.clear()
-            else:
-                self._fail_queue(results, queue, f": its worker process {w.exit_text()} on start")
+            else:   # twice in a call: the user module kills its interpreter on import
+                self.start_deaths += 1
+                if self.start_deaths >= 2:
+                    self._fail_queue(results, queue, f": its worker process {w.exit_text()} on start")
             self._drop(w)
             return
         if kind == "ready":
