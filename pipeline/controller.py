@@ -166,6 +166,8 @@ class Controller:
     def stop(self) -> None:
         if getattr(self, "_eval_rollout", None) is not None:
             self._eval_rollout.close()
+        if getattr(self, "reward_local", None) is not None:
+            self.reward_local.close()           # its reward worker processes
         if getattr(self, "trainer", None) is not None and self.cfg.trainer.backend == "megatron":
             ray.get(self.trainer.shutdown.remote())        # the leader stops its peer ranks
         for h in getattr(self, "engines", []) + [getattr(self, "trainer", None), getattr(self, "gate", None)]:

@@ -297,6 +297,9 @@ def test_requests_arriving_while_a_batch_is_at_the_engine_are_served(engine):
 
 
 # ---- the tool-use recipe and the SDK game agent -------------------------------------------------
+# ~30 s; the default tier covers the tool agent's masks (test_white_box_tool_turns_have_the_right_masks) and
+# agents through the pipeline
+@pytest.mark.slow
 def test_tool_recipe_run_masks_tool_results_and_trains_model_turns(ray_session, tmp_path):
     """configs/agent_tool.yaml through the real pipeline (a smaller, briefly warmed model): every
     trajectory is prompt | model | tool | model ..., tool results loss_mask 0, model turns 1."""

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -24,6 +26,9 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", "run", "configs/quickstart.yaml", *args]
 
 
+# ~90 s; the default tier covers SIGINT -> checkpoint -> resume in-process
+# (test_resume_continues_the_data_stream_without_loss) and the resume line (test_cli_logs.py)
+@pytest.mark.slow
 def test_sigint_checkpoints_and_the_printed_command_resumes(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     args = [f"model.path={tiny_model_dir}", "run.steps=200", "eval.num_prompts=0", "rollout.num_engines=1",

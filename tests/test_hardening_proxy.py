@@ -114,7 +114,7 @@ def test_a_2mb_message_gets_400_context_length_exceeded_fast_and_the_next_reques
 
 
 def test_a_long_prompt_is_counted_off_the_loop_while_other_trajectories_are_served(server, engine, tiny_model_dir):
-    """With no cheap bound (longest=0) 300k characters must be tokenized to be counted (seconds with
+    """With no cheap bound (longest=0) 1.5M characters must be tokenized to be counted (seconds with
     this tokenizer): that runs on a thread, and another trajectory's call is answered meanwhile."""
     loop, _ = server
     proxy = Proxy(load_tokenizer(tiny_model_dir), limit=PromptLimit(context=64))
@@ -124,7 +124,7 @@ def test_a_long_prompt_is_counted_off_the_loop_while_other_trajectories_are_serv
     def long_call():
         try:
             oai(slow, timeout=60).chat.completions.create(model="m", messages=[{"role": "user",
-                                                                                "content": "1" * 300_000}])
+                                                                                "content": "1" * 1_500_000}])
         except openai.BadRequestError as e:
             done["long"], done["code"] = time.perf_counter(), e.code
 

@@ -39,6 +39,9 @@ def cluster():
     c.shutdown()
 
 
+# ~40 s; the default tier covers multi-raylet placement (test_megatron_placement.py) and the cross-node gloo
+# route (test_transfer.py)
+@pytest.mark.slow
 def test_quickstart_trains_on_one_node_and_serves_from_another(cluster, tiny_model_dir, tmp_path):
     cfg = load_config("configs/quickstart.yaml", FAST + ACROSS + [f"model.path={tiny_model_dir}",
                                                                  f"run.ray_address={cluster.address}"])

@@ -22,7 +22,9 @@ def outputs(nb, kind: str) -> list:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if kind in o.get("data", {})]
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)     # ~100 s for the three on an idle 2-core machine
+# The compose notebook runs in the default tier; the replay and profiling ones (70 s each here) in the
+# slow tier: what they show is tested in the default tier by test_replay.py and test_profile.py.
+@pytest.mark.parametrize("name", [NOTEBOOKS[0], *(pytest.param(n, marks=pytest.mark.slow) for n in NOTEBOOKS[1:])])
 def test_notebook_runs(name):
     nb = execute(name)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o["output_type"] == "error"]

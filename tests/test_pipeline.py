@@ -208,6 +208,8 @@ def test_resume_from_a_non_checkpoint_fails(tmp_path, tiny_model_dir):
                    tmp_path / "r", log=lambda *_: None)
 
 
+# ~26 s; the default tier covers the teacher scoring stage as a Ray Data actor pool (test_teacher.py)
+@pytest.mark.slow
 def test_opd_recipe_scores_with_the_routed_teacher_and_trains_on_the_signal(ray_session, tmp_path):
     """configs/opd_multi_teacher.yaml as shipped, on tiny teachers: the teacher stage sits in the
     stream, each row is scored by its data source's teacher, the trainer logs the reverse KL."""
@@ -250,6 +252,8 @@ def test_opd_recipe_without_teachers_fails_at_start(tmp_path):
         Controller(cfg, tmp_path / "r", log=lambda *_: None)
 
 
+# ~34 s; the default tier covers the Megatron trainer step against the torch trainer (test_megatron.py)
+@pytest.mark.slow
 def test_megatron_recipe_trains_through_the_same_pipeline(ray_session, tiny_model_dir, tmp_path):
     """configs/megatron_cpu_tiny.yaml: two tensor-parallel Megatron ranks replace the torch
     trainer; the leader gathers HF weights and the engines serve exactly them."""
