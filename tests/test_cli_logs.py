@@ -52,6 +52,8 @@ def test_a_cli_run_keeps_rays_lines_in_its_run_dir(tiny_model_dir, tmp_path):
         assert line in log, line
 
 
+# ~15 s (a CLI subprocess up to Ray's start); the default tier covers the routing in-process
+@pytest.mark.slow
 def test_verbose_leaves_rays_lines_on_the_terminal(tiny_model_dir, tmp_path):
     """A run that stops once Ray is up (the trainer's placement cannot fit: 64 CPUs asked of
     2) shows Ray's start-up lines on the terminal, as before, and writes no ray.log."""

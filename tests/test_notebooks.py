@@ -22,9 +22,10 @@ def outputs(nb, kind: str) -> list:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if kind in o.get("data", {})]
 
 
-# The compose notebook runs in the default tier; the replay and profiling ones (70 s each here) in the
-# slow tier: what they show is tested in the default tier by test_replay.py and test_profile.py.
-@pytest.mark.parametrize("name", [NOTEBOOKS[0], *(pytest.param(n, marks=pytest.mark.slow) for n in NOTEBOOKS[1:])])
+# The notebooks run in the slow tier (50-70 s each here): what they show is tested in the default
+# tier by test_readme.py (the composition example), test_replay.py and test_profile.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name):
     nb = execute(name)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o["output_type"] == "error"]
