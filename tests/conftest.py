@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,19 @@ def ray_session():
 
     init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
     yield ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray of the module's own (2 CPUs), shut down after it: for modules whose actors must
+    not share a Ray with others (Megatron ranks and their gloo groups)."""
+    import ray
+
+    root = str(Path(__file__).resolve().parent.parent)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}})
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

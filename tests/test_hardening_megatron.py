@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +39,6 @@ def qwen2_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
-    yield
-    ray.shutdown()
 
 
 def _table(rewards: list[float], seed: int = 0) -> pa.Table:

@@ -10,7 +10,6 @@ error is a generic 500 with a request id, its detail only in the log.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -27,25 +26,12 @@ from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.agentflow.sglang_engine import plan_rows
 from stages.model import load_tokenizer
 from stages.schema import table_from_columns
+from tests.test_proxy import LoopThread  # the proxy's event loop on a thread, as on a rollout worker
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
 USER = [{"role": "user", "content": "37+48="}]
 
 
-class LoopThread:
-    """The proxy's event loop on a thread of its own, as it runs on a rollout worker's loop."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @ray.remote(num_cpus=0)

@@ -7,7 +7,6 @@ bias, GQA) and Llama (untied, llama3 RoPE scaling) with a vocabulary that TP mus
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -152,12 +151,6 @@ def test_unsupported_configs_are_rejected_with_the_reason(models):
 
 # ---- Megatron ranks in Ray actors ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
-    yield
-    ray.shutdown()
 
 
 TRAIN = TrainerConfig(lr=1e-3, num_threads=1)
