@@ -48,7 +48,7 @@ from stages.agentflow.openai_api import (
     sse,
     token_pieces,
 )
-from stages.agentflow.session import Session, TurnLimitReached
+from stages.agentflow.session import KindError, Session, TurnLimitReached, request_kind
 
 SESSION = web.RequestKey("session", Session)
 log = logging.getLogger("loongsage.proxy")
@@ -171,7 +171,7 @@ class Proxy:
             text = render(self.tok, req.messages, req.tools)
         except Exception as e:  # noqa: BLE001 - jinja raises template-specific errors for unsupported histories
             raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
-        base = await self._prompt(session, req, text=text, param="messages")
+        base = await self._prompt(request, req, text=text, param="messages")
         choices = await self._complete(session, base, req)
         msgs = [assistant_message(req, c) for c in choices]
         if not session.closed:
@@ -185,9 +185,9 @@ class Proxy:
         session: Session = request[SESSION]
         req = parse_completion(await self._json(request), self._defaults(session), session.sampling["max_new_tokens"])
         if isinstance(req.prompt, list):
-            base = await self._prompt(session, req, ids=req.prompt, param="prompt")
+            base = await self._prompt(request, req, ids=req.prompt, param="prompt")
         else:
-            base = await self._prompt(session, req, text=req.prompt, param="prompt")
+            base = await self._prompt(request, req, text=req.prompt, param="prompt")
         choices = await self._complete(session, base, req)
         if not session.closed:
             prompt = req.prompt if isinstance(req.prompt, str) else base.text
@@ -208,10 +208,16 @@ class Proxy:
         return web.json_response({"object": "list", "data": [{"id": "loongsage", "object": "model", "created": 0,
                                                               "owned_by": "loongsage"}]})
 
-    async def _prompt(self, session: Session, req, text: str | None = None, ids: list[int] | None = None,
+    async def _prompt(self, request: web.Request, req, text: str | None = None, ids: list[int] | None = None,
                       param: str = "messages"):
         """The call's prompt stream, checked against the context before anything long is tokenized
-        (req.max_tokens becomes the budget that fits), then admitted as one of the trajectory's calls."""
+        (req.max_tokens becomes the budget that fits), then admitted as one of the trajectory's calls
+        (of the kind its request-kind header names: session.request_kind)."""
+        session: Session = request[SESSION]
+        try:
+            kind, agent = request_kind(request.headers)
+        except KindError as e:
+            raise APIError(400, str(e), "headers") from None
         try:
             if ids is not None:
                 if max(ids) >= self.vocab:
@@ -230,7 +236,7 @@ class Proxy:
         except RequestRejected as e:
             raise APIError(400, str(e), e.param, e.code) from None
         try:
-            session.admit(base)
+            session.admit(base, kind, agent)
         except TurnLimitReached as e:
             raise APIError(400, str(e), code="turn_limit_reached") from None
         return base

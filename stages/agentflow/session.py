@@ -21,6 +21,21 @@ from stages.agentflow.limits import raise_if_failed
 from stages.agentflow.stream import TokenStream
 
 MAX_TIPS = 64   # recent streams kept as extension candidates; older ones are dropped
+KIND_HEADER = "x-loongsage-request-kind"   # main | compaction | subagent: what a call is part of
+AGENT_HEADER = "x-loongsage-agent-id"      # names one subagent among several (optional)
+KINDS = ("main", "compaction", "subagent")
+
+
+class KindError(ValueError):
+    """A request-kind header with a value this proxy does not know."""
+
+
+def request_kind(headers) -> tuple[str, str]:
+    """(kind, agent id) of a call, from its headers; no header means the main agent."""
+    kind = (headers.get(KIND_HEADER) or "main").strip().lower()
+    if kind not in KINDS:
+        raise KindError(f"header {KIND_HEADER}: {kind!r} is not one of {', '.join(KINDS)}")
+    return kind, (headers.get(AGENT_HEADER) or "").strip()
 
 
 class TurnLimitReached(RuntimeError):
@@ -78,7 +93,7 @@ class Session:
         return base
 
     # ---- generation ----------------------------------------------------------------
-    def admit(self, base: TokenStream) -> None:
+    def admit(self, base: TokenStream, kind: str = "main", agent: str = "") -> None:
         """Count a call whose prompt is `base` (and a segment if it extends no recorded stream),
         or refuse it past the turn limit."""
         if self.closed:
