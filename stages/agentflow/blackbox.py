@@ -1,14 +1,22 @@
-"""Black-box agents: programs that only speak the OpenAI API, run per trajectory.
+"""Black-box agents: programs that only speak a model API (OpenAI or Anthropic), run per trajectory.
 
 Subprocess (`rollout.agent: "cmd:python examples/agents/addition.py"`): the command runs
 once per trajectory with
 
-    OPENAI_BASE_URL, OPENAI_API_KEY   this trajectory's proxy endpoint and key
-    LOONGSAGE_SAMPLE                  the row as JSON (prompt, answer, data_source, ids)
+    OPENAI_BASE_URL, OPENAI_API_KEY        this trajectory's proxy endpoint (.../v1) and key
+    ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY  the same endpoint for the anthropic SDK: the base URL
+                                           without the trailing /v1 (the SDK appends /v1/messages),
+                                           the same key (sent as x-api-key)
+    LOONGSAGE_SAMPLE                       the row as JSON (prompt, answer, data_source, ids)
 
-and ends by exiting. If its last stdout line is a JSON object with a numeric `reward`
-(and optionally `info`), that reward is the trajectory's, used instead of reward.fn; a
-reward that is not a finite number (NaN, Infinity) fails the row.
+and ends by exiting. An agent written with either official SDK finds the proxy with no
+configuration (`openai.OpenAI()`, `anthropic.Anthropic()`), and so does a harness that reads
+only one of the two pairs (Codex, Claude Code). ANTHROPIC_AUTH_TOKEN is removed from the
+agent's environment (the SDK would send it as a bearer token next to the run's key).
+
+If its last stdout line is a JSON object with a numeric `reward` (and optionally `info`),
+that reward is the trajectory's, used instead of reward.fn; a reward that is not a finite
+number (NaN, Infinity) fails the row.
 A non-zero exit, a crash or a hang past rollout.timeout_s fails the row with the stderr
 tail; the agent runs in its own process group, which is killed when the trajectory ends,
 so no agent process outlives its trajectory.
@@ -20,7 +28,9 @@ project root, so the shipped examples run from anywhere.
 In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent`
 and set `rollout.agent: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop
 (use openai.AsyncOpenAI); a plain def runs in a thread. Returning {"reward": ...} works
-like the subprocess's last line.
+like the subprocess's last line. `base_url` is the OpenAI form (.../v1); an in-process agent
+on the anthropic SDK passes `anthropic_base_url(base_url)`:
+`anthropic.AsyncAnthropic(base_url=anthropic_base_url(base_url), api_key=api_key)`.
 """
 from __future__ import annotations
 
@@ -35,6 +45,9 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TAIL_BYTES = 4096
+# the anthropic SDK would send a token found here as `Authorization: Bearer` next to the run's
+# x-api-key: a real credential of the user's must not reach the agent (or the proxy)
+SHADOWED = ("ANTHROPIC_AUTH_TOKEN",)
 
 
 class AgentExit(RuntimeError):
@@ -63,6 +76,19 @@ def _which(name: str) -> str | None:
     import shutil
 
     return shutil.which(name)
+
+
+def anthropic_base_url(base_url: str) -> str:
+    """The proxy endpoint as the anthropic SDK wants it: without the trailing /v1 it appends itself."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def agent_env(base_url: str, api_key: str, sample: dict) -> dict[str, str]:
+    """The environment variables a subprocess agent gets (on top of the rollout worker's own)."""
+    return {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+            "ANTHROPIC_BASE_URL": anthropic_base_url(base_url), "ANTHROPIC_API_KEY": api_key,
+            "LOONGSAGE_SAMPLE": sample_json(sample)}
 
 
 def sample_json(sample: dict) -> str:
@@ -108,8 +134,8 @@ class SubprocessAgent:
 
     async def run(self, ctx, sample: dict) -> None:
         async with ctx.openai_endpoint() as ep:
-            env = os.environ | {"OPENAI_BASE_URL": ep.base_url, "OPENAI_API_KEY": ep.api_key,
-                                "LOONGSAGE_SAMPLE": sample_json(sample)}
+            env = {k: v for k, v in os.environ.items() if k not in SHADOWED}
+            env |= agent_env(ep.base_url, ep.api_key, sample)
             proc = await asyncio.create_subprocess_exec(
                 *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own process group: killable as one
