@@ -1,0 +1,243 @@
+"""LoRA adapters (`trainer.lora`): the config, and what the trainer, the engines and export share.
+
+Built on peft: the trainer wraps its HF policy in peft's LoRA layers and trains only the
+adapters (lora_A [r, in], lora_B [out, r] of each targeted linear layer; output = W x +
+(alpha / r) B A x). A weight version is then the adapter alone, published under peft's
+saved-adapter names (`base_model.model.<module path>.lora_A.weight`), so what travels is
+also a valid peft adapter file, and a checkpoint is one (adapter_model.safetensors +
+adapter_config.json naming the HF base it was trained on).
+
+Engines take a version in one of two ways (LoraConfig.serve):
+  merge  W = W0 + (alpha / r) B A written into the engine's own weights, from a kept copy of
+         the base weights of the targeted layers (W0), so "unmerging" the previous version is
+         exact (a copy, never a subtraction) and decode runs at the base model's speed;
+  peft   the engine's model is wrapped in peft's layers too and the adapter is copied into
+         them: no merge work per version, two extra small matmuls per layer per token.
+benchmarks/lora.py measures both.
+
+Target modules are matched by peft's own matcher (names: a module whose path ends in one
+of them; regex: a full match of the path), on the model built on the meta device, so a
+recipe's targets are checked at start, before any actor loads a model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PREFIX = "base_model.model."         # peft's saved-adapter keys start with this, then the module path
+ADAPTER_DTYPE = torch.float32        # peft keeps adapters in float32 even on a bf16 / fp16 base
+SERVE = ("merge", "peft")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The `trainer.lora:` recipe section."""
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0              # the update is scaled by alpha / rank
+    dropout: float = 0.0             # on the adapter's input, in the trainer's gradient passes only
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS   # module names: every module whose path ends in one
+    target_regex: str = ""           # a regex full-matched against module paths; set, it replaces target_modules
+    serve: str = "merge"             # how the HF engine applies a version: merge | peft (see the module docstring)
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise ValueError(f"trainer.lora.rank must be > 0, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"trainer.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"trainer.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.serve not in SERVE:
+            raise ValueError(f"trainer.lora.serve must be one of {', '.join(SERVE)}, got {self.serve!r}")
+        if self.target_regex:
+            try:
+                re.compile(self.target_regex)
+            except re.error as e:
+                raise ValueError(f"trainer.lora.target_regex={self.target_regex!r} is not a valid regex: {e}") from e
+        elif not self.target_modules:
+            raise ValueError("trainer.lora.target_modules is empty (and no trainer.lora.target_regex is set)")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def targets_key(self) -> str:
+        return "trainer.lora.target_regex" if self.target_regex else "trainer.lora.target_modules"
+
+    @property
+    def targets_spec(self):
+        """What peft's LoraConfig takes as target_modules: a regex string, or a list of names."""
+        return self.target_regex or list(self.target_modules)
+
+
+class LoraTargetError(ValueError):
+    """The targets name no linear layer of the model, or one LoRA cannot adapt here."""
+
+
+def peft_config(cfg: LoraConfig, base_path: str = ""):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                          target_modules=cfg.targets_spec, bias="none", task_type="CAUSAL_LM",
+                          base_model_name_or_path=base_path or None)
+
+
+def find_targets(model, cfg: LoraConfig) -> list[str]:
+    """Paths of the linear modules `cfg` targets in a plain HF model, matched as peft matches
+    them. Raises LoraTargetError naming the key when they match nothing usable."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    pcfg = peft_config(cfg)
+    modules = dict(model.named_modules())
+    matched = [n for n in modules if n and check_target_module_exists(pcfg, n)]
+    linear = [n for n in matched if isinstance(modules[n], torch.nn.Linear)]
+    others = [n for n in matched if n not in linear]      # peft would refuse them (or we could not merge them)
+    if others:
+        raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches modules that are not linear layers "
+                              f"({', '.join(f'{n} ({type(modules[n]).__name__})' for n in others[:3])}); LoRA here "
+                              f"adapts linear layers only; {_linear_names(modules)}")
+    if not linear:
+        raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches no module of the model; "
+                              f"{_linear_names(modules)}")
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    out = model.get_output_embeddings()
+    tied = [n for n in linear if modules[n] is out and getattr(text, "tie_word_embeddings", False)]
+    if tied:
+        raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches {tied[0]}, whose weight is the input "
+                              "embedding's (tie_word_embeddings): merging an adapter into it would change the "
+                              "embedding too; target the other linear layers")
+    return linear
+
+
+def _linear_names(modules: dict) -> str:
+    names = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)))
+    example = next((n for n, m in modules.items() if isinstance(m, torch.nn.Linear)), "")
+    return f"its linear modules are named {', '.join(names[:12])} (e.g. {example})"
+
+
+def meta_model(model_path: str):
+    """The model's modules without its weights (the meta device: no memory, no load time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+
+
+def check_targets(cfg: LoraConfig, model_path: str) -> list[str]:
+    """The start-time check of a recipe's targets against its model; returns the module paths."""
+    return find_targets(meta_model(model_path), cfg)
+
+
+def key(module: str, which: str) -> str:
+    """The saved-adapter name of one adapter matrix (which: A or B) of a module."""
+    return f"{PREFIX}{module}.lora_{which}.weight"
+
+
+def adapter_specs(model, cfg: LoraConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtype of the adapter a version carries, in publishing order."""
+    modules = dict(model.named_modules())
+    out = {}
+    for path in find_targets(model, cfg):
+        lin = modules[path]
+        out[key(path, "A")] = ((cfg.rank, lin.in_features), ADAPTER_DTYPE)
+        out[key(path, "B")] = ((lin.out_features, cfg.rank), ADAPTER_DTYPE)
+    return out
+
+
+# ---- the trainer's side ---------------------------------------------------------------
+
+def wrap(model, cfg: LoraConfig, base_path: str = ""):
+    """The HF model in peft's LoRA layers (only the adapters train); targets checked first so a
+    bad pattern fails with our message, not peft's."""
+    from peft import get_peft_model
+
+    find_targets(model, cfg)
+    peft_model = get_peft_model(model, peft_config(cfg, os.path.abspath(base_path) if base_path else ""))
+    for p in adapter_params(peft_model).values():
+        if p.dtype != ADAPTER_DTYPE:     # peft upcasts adapters by default; keep what engines expect
+            p.data = p.data.to(ADAPTER_DTYPE)
+    return peft_model
+
+
+def adapter_params(peft_model, adapter: str = "default") -> dict[str, torch.nn.Parameter]:
+    """The adapter's parameters under their saved-adapter names (peft's own keys drop the
+    adapter's name: `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`)."""
+    tag = f".{adapter}."
+    return {n.replace(tag, ".", 1): p for n, p in peft_model.named_parameters()
+            if ".lora_A." in n or ".lora_B." in n}
+
+
+def base_of(adapter_dir: str | Path) -> str:
+    """The HF base model a peft adapter directory names (adapter_config.json)."""
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return cfg.get("base_model_name_or_path") or ""
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def write_adapter(named: dict[str, torch.Tensor], cfg: LoraConfig, base_path: str, out: str | Path) -> Path:
+    """A peft adapter directory from a published version (what SGLang's load_lora_adapter reads)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().to("cpu", ADAPTER_DTYPE).contiguous() for n, t in named.items()},
+              str(out / "adapter_model.safetensors"))
+    pcfg = peft_config(cfg, base_path)
+    pcfg.save_pretrained(str(out))
+    return out
+
+
+# ---- the engine's side ----------------------------------------------------------------
+
+class MergedAdapter:
+    """serve=merge: the engine's weights hold W0 + (alpha / r) B A for the current version.
+
+    `buffers` are the adapter matrices a version lands in (the Receiver copies buckets into
+    them); `apply()` then rewrites every targeted weight from its kept base copy, so each
+    version replaces the last exactly. Memory: one copy of the targeted layers' weights."""
+
+    def __init__(self, model, cfg: LoraConfig):
+        self.model, self.scaling = model, cfg.scaling
+        modules = dict(model.named_modules())
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._layers = []
+        for path in find_targets(model, cfg):
+            w = modules[path].weight
+            a = torch.zeros(cfg.rank, w.shape[1], dtype=ADAPTER_DTYPE, device=w.device)
+            b = torch.zeros(w.shape[0], cfg.rank, dtype=ADAPTER_DTYPE, device=w.device)
+            self.buffers[key(path, "A")], self.buffers[key(path, "B")] = a, b
+            self._layers.append((w, w.detach().clone(), a, b))
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for w, base, a, b in self._layers:
+                if w.dtype == ADAPTER_DTYPE:
+                    torch.addmm(base, b, a, alpha=self.scaling, out=w.data)
+                else:       # a bf16 / fp16 engine: merged in float32, rounded once
+                    w.copy_(torch.addmm(base.to(ADAPTER_DTYPE), b, a, alpha=self.scaling))
+
+
+class PeftAdapter:
+    """serve=peft: the engine's model wrapped in peft's LoRA layers (eval mode: no dropout);
+    a version lands straight in their adapter parameters and nothing is merged."""
+
+    def __init__(self, model, cfg: LoraConfig):
+        self.model = wrap(model, cfg)
+        self.model.eval()
+        self.buffers = {n: p.data for n, p in adapter_params(self.model).items()}
+
+    def apply(self) -> None:
+        pass
+
+
+SERVERS = {"merge": MergedAdapter, "peft": PeftAdapter}
