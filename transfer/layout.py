@@ -67,6 +67,11 @@ class Layout:
         return (slot.name, *self._alias_names.get(slot.name, ()))
 
     @property
+    def payload_bytes(self) -> int:
+        """The tensors' own bytes (total_bytes adds the alignment padding between them)."""
+        return sum(s.nbytes for s in self.slots)
+
+    @property
     def num_buckets(self) -> int:
         return -(-self.total_bytes // self.bucket_bytes)
 

@@ -150,7 +150,7 @@ class TransferMesh:
             if n not in failures:
                 self.versions[n] = version
                 self.served[n] = int(answers[n].get("serves", version))
-        metrics = _metrics(version, p.layout.total_bytes, time.perf_counter() - p.t0,
+        metrics = _metrics(version, p.layout, time.perf_counter() - p.t0,
                            {n: a for n, a in answers.items() if n not in failures},
                            routes, sent if isinstance(sent, dict) else {})
         if failures:
@@ -256,11 +256,13 @@ def _aggregate(failures: dict[str, TransferError], version: int, metrics: dict) 
                          metrics=metrics)
 
 
-def _metrics(version, state_bytes, seconds, ok: dict[str, dict], routes, sent: dict) -> dict:
+def _metrics(version, layout, seconds, ok: dict[str, dict], routes, sent: dict) -> dict:
+    state_bytes = layout.total_bytes       # what one receiver is sent (tensors + alignment padding)
     m: dict[str, float | str] = {
         "transfer/version": version,
         "transfer/receivers": float(len(ok)),
         "transfer/state_bytes": float(state_bytes),
+        "transfer/payload_bytes": float(layout.payload_bytes),    # the tensors' bytes alone
         "transfer/bytes": float(state_bytes * len(ok)),
         "transfer/seconds": seconds,
         "transfer/gb_per_s": state_bytes / seconds / 1e9,
