@@ -5,6 +5,10 @@ its log-probability under exactly the distribution sampled from (logits / temper
 and the weight version that produced it. Weight updates take the same lock as a decode
 step, so a step never sees half-loaded weights, and a sequence that spans an update
 records both versions (partial rollout) unless the request asks to hold the lock.
+
+With trainer.lora on, a version is the adapter alone: it lands in the engine's adapter
+buffers under the same lock, then is merged into the weights from a kept base copy
+(serve=merge) or served by peft's layers (serve=peft); see stages/lora.py.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from stages.agentflow.limits import failed_row, row_error
+from stages.lora import SERVERS, LoraConfig
 from stages.model import load_model, load_tokenizer
 from stages.priority import lower_priority
 
@@ -42,11 +47,18 @@ class HFEngine:
     """Batched sampling with a KV cache. Runs as a threaded Ray actor (max_concurrency > 1)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
-                 engine_id: str = "engine0", nice: int = 0):
+                 engine_id: str = "engine0", nice: int = 0, lora: LoraConfig | None = None):
         lower_priority(nice)
         torch.set_num_threads(num_threads)
         self.engine_id = engine_id
         self.model = load_model(model_path, dtype)
+        # transformers 5.x renamed past_key_values -> cache; support both spellings (asked of the HF model:
+        # a peft wrapper's forward takes **kwargs)
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        # LoRA: versions are adapters, applied to this base (which never changes)
+        self.adapter = SERVERS[lora.serve](self.model, lora) if lora is not None and lora.enabled else None
+        if self.adapter is not None:
+            self.model = self.adapter.model
         self.tok = load_tokenizer(model_path)
         self.eos_id = self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id
@@ -59,8 +71,6 @@ class HFEngine:
         self._gen = torch.Generator().manual_seed(seed)
         self._abort_before = -1.0           # requests dispatched before this time are aborted
         self.mesh_endpoint = None
-        # transformers 5.x renamed past_key_values -> cache; support both spellings
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.stats = {"requests": 0, "tokens": 0, "busy_s": 0.0}
         self._synced = threading.Event()
         self._synced.set()
@@ -109,13 +119,23 @@ class HFEngine:
         that one is also clear while an ordinary version lands in place (weights_in_place)."""
         return self._awaiting_resend
 
+    def _landing(self) -> dict:
+        """The tensors a version is written into: the model's, or the adapter's buffers."""
+        return self.model.state_dict() if self.adapter is None else self.adapter.buffers
+
     def weight_specs(self) -> dict:
-        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+        return {n: (tuple(t.shape), t.dtype) for n, t in self._landing().items()}
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version atomically (between decode steps)."""
         with self._lock:
-            self.model.load_state_dict(named_tensors, strict=False)
+            if self.adapter is None:
+                self.model.load_state_dict(named_tensors, strict=False)
+            elif named_tensors:     # empty: only the clock (a resumed run)
+                with torch.no_grad():
+                    for n, t in self.adapter.buffers.items():
+                        t.copy_(named_tensors[n])
+                self.adapter.apply()
             self.version = int(version)
             self._awaiting_resend = False
         self._synced.set()
@@ -127,7 +147,9 @@ class HFEngine:
         fails part-way the engine serves nothing until a complete version arrives."""
         with self._lock, torch.no_grad():
             self._synced.clear()
-            yield self.model.state_dict()
+            yield self._landing()
+            if self.adapter is not None:
+                self.adapter.apply()        # the landed adapter into the weights (merge) or nothing (peft)
             self.version = int(version)
             self._awaiting_resend = False
             self._synced.set()
