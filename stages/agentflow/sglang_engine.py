@@ -22,12 +22,24 @@ that produced it: partial rollout) or, while a `hold` request is in flight, the 
 waits for it to finish. SGLang's logprobs are those of logits / temperature, the
 distribution sampled from, as the trainer computes them.
 
+LoRA (trainer.lora on): the server runs the base with SGLang's LoRA support (--enable-lora,
+--max-lora-rank, --lora-target-modules) and a version is the adapter alone. The landed
+adapter is written as a peft adapter directory (tmpfs) and loaded with
+/load_lora_adapter under the name v<version>; from then on new requests name it
+(`lora_path`), and the previous adapter is unloaded (/unload_lora_adapter) once the last
+request bound to it returns. A request is bound to one adapter for its whole life, so its
+tokens carry that adapter's version; updates never pause generation. The file route, not
+/load_lora_adapter_from_tensors: the file API is the same across SGLang releases, the
+tensor one changed its fields (serialized_tensors -> serialized_named_tensors); an
+adapter is small, so the round trip through tmpfs costs little.
+
 GPU only: SGLang's kernels need CUDA. Tests and benchmarks/gpu/sglang_check.py run it
 where a GPU is lent.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,6 +54,7 @@ from datetime import timedelta
 import torch
 
 from stages.agentflow.limits import failed_row, model_limits, room, row_error
+from stages.lora import LoraConfig, adapter_specs, meta_model, write_adapter
 from stages.model import load_tokenizer
 
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -70,16 +83,46 @@ def versions_of(meta: dict, n: int) -> list[int]:
     return out + [out[-1] if out else int(meta["weight_version"])] * (n - len(out))
 
 
-def parse_output(out: dict, prefix: dict) -> dict:
-    """One /generate result -> the engine contract (prefix of a resumed partial rollout first)."""
+def parse_output(out: dict, prefix: dict, version: int | None = None) -> dict:
+    """One /generate result -> the engine contract (prefix of a resumed partial rollout first).
+    `version`: every new token's version (a LoRA request, bound to one adapter); else the server's."""
     meta = out["meta_info"]
     pairs = meta.get("output_token_logprobs") or []         # [logprob, token_id, text] per token
     ids = [int(p[1]) for p in pairs]
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
+    versions = versions_of(meta, len(ids)) if version is None else [int(version)] * len(ids)
     return {"response_ids": list(prefix.get("prefix_ids", [])) + ids,
             "logprobs": list(prefix.get("prefix_logprobs", [])) + [float(p[0]) for p in pairs],
-            "versions": list(prefix.get("prefix_versions", [])) + versions_of(meta, len(ids)),
+            "versions": list(prefix.get("prefix_versions", [])) + versions,
             "status": STATUS.get(finish, "aborted")}
+
+
+# the module names SGLang's --lora-target-modules takes (it adapts every layer's module of a name)
+SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_lora_targets(lora: LoraConfig, model_path: str, targets: list[str]) -> list[str]:
+    """The module names SGLang is launched with for these targets; ValueError naming the key when
+    SGLang cannot serve them as the trainer trains them."""
+    names = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    unknown = [n for n in names if n not in SGLANG_LORA_MODULES]
+    if unknown:
+        raise ValueError(f"{lora.targets_key}: rollout.engine=sglang serves LoRA on {', '.join(SGLANG_LORA_MODULES)} "
+                         f"only, not {', '.join(unknown)}")
+    every = [n for n, _ in meta_model(model_path).named_modules() if n.rsplit(".", 1)[-1] in names]
+    if sorted(every) != sorted(targets):
+        missing = sorted(set(every) - set(targets))
+        raise ValueError(f"{lora.targets_key}: rollout.engine=sglang adapts every layer's {', '.join(names)}; the "
+                         f"targets leave out {len(missing)} of them (e.g. {missing[0]}): use trainer.lora."
+                         "target_modules names")
+    return names
+
+
+def lora_server_args(lora: LoraConfig, names: list[str]) -> dict:
+    """launch_server flags for serving adapters of this shape (two at once: the current version and
+    the previous one, while requests bound to it finish)."""
+    return {"enable-lora": True, "max-lora-rank": lora.rank, "lora-target-modules": list(names),
+            "max-loras-per-batch": 2}
 
 
 @dataclass(frozen=True)
@@ -108,7 +151,7 @@ class SGLangEngine:
     arguments are HFEngine's, so the controller builds either the same way."""
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, num_threads: int = 1,
-                 engine_id: str = "engine0", cfg: SGLangConfig | None = None):
+                 engine_id: str = "engine0", cfg: SGLangConfig | None = None, lora: LoraConfig | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("SGLangEngine needs a CUDA GPU (SGLang has no CPU path for this model); "
                                "use rollout.engine=hf on CPU")
@@ -121,7 +164,15 @@ class SGLangEngine:
         self.incarnation = uuid.uuid4().hex      # new in every process: a changed one means restarted
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh_endpoint = None
-        self._specs = weight_specs_of(model_path, dtype)
+        self.lora = lora if lora is not None and lora.enabled else None
+        self._specs = weight_specs_of(model_path, dtype) if self.lora is None else \
+            adapter_specs(meta_model(model_path), self.lora)
+        self._adapter: str | None = None          # the adapter new requests are sent with (None: the base)
+        self._bound: dict[str, int] = {}          # adapter -> requests in flight bound to it
+        self._adapters = threading.Lock()
+        if self.lora is not None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._lora_dir = tempfile.mkdtemp(prefix=f"loongsage-lora-{engine_id}-", dir=shm)
         # SGLang refuses a whole /generate batch if one row's input + max_new_tokens reaches its
         # context: rows are checked and clipped here instead, so one bad row fails alone
         self.context, self.vocab = model_limits(model_path)
@@ -143,11 +194,18 @@ class SGLangEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         args = {"model-path": self.model_path, "host": "127.0.0.1", "port": self.port, "tp-size": c.tp,
                 "dtype": self.dtype, "random-seed": seed, "mem-fraction-static": c.mem_fraction,
-                "weight-version": "0", "skip-tokenizer-init": True} | dict(c.server_args)
+                "weight-version": "0", "skip-tokenizer-init": True}
+        if self.lora is not None:
+            names = sorted({n.removeprefix("base_model.model.").split(".lora_")[0].rsplit(".", 1)[-1]
+                            for n in self._specs})
+            args |= lora_server_args(self.lora, names)
+        args |= dict(c.server_args)
         cmd = [sys.executable, "-m", "sglang.launch_server"]
         for k, v in args.items():
             if v is True:
                 cmd.append(f"--{k}")
+            elif isinstance(v, (list, tuple)):
+                cmd += [f"--{k}", *map(str, v)]
             elif v is not False and v is not None:
                 cmd += [f"--{k}", str(v)]
         self.log_path = os.path.join(tempfile.gettempdir(), f"loongsage-sglang-{self.engine_id}-{self.port}.log")
@@ -189,6 +247,8 @@ class SGLangEngine:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
+        if getattr(self, "_lora_dir", None):
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
@@ -213,6 +273,8 @@ class SGLangEngine:
         bucket is first copied into memory this process owns on its GPU (the landed
         tensors may be views of another process's IPC buffer, or in host memory), then
         shared with the server's TP workers as CUDA IPC handles."""
+        if self.lora is not None:
+            return self._load_adapter(named_tensors, version)
         from sglang.srt.utils import MultiprocessingSerializer
 
         buckets = list(self._buckets(named_tensors))
@@ -229,6 +291,43 @@ class SGLangEngine:
                     "flush_cache": last, "weight_version": str(version) if last else None})
                 del owned
             self.version = int(version)
+
+    def _load_adapter(self, named: dict, version: int) -> None:
+        """A LoRA version: load it as adapter v<version>; new requests use it from the moment it is
+        loaded (requests in flight finish on theirs), and the previous one goes when it is free."""
+        if not named:       # only the clock (a resumed run): the adapter itself follows in a publish
+            self.version = int(version)
+            return
+        name = f"v{int(version)}"
+        path = write_adapter(named, self.lora, self.model_path, os.path.join(self._lora_dir, name))
+        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        with self._adapters:
+            previous, self._adapter, self.version = self._adapter, name, int(version)
+        self._release(previous)
+
+    @contextmanager
+    def _bind_adapter(self):
+        """(adapter name or None, its version) for one /generate call, held until the call returns."""
+        with self._adapters:
+            name, version = self._adapter, self.version
+            if name is not None:
+                self._bound[name] = self._bound.get(name, 0) + 1
+        try:
+            yield name, version
+        finally:
+            if name is not None:
+                with self._adapters:
+                    self._bound[name] -= 1
+                self._release(name)
+
+    def _release(self, name: str | None) -> None:
+        """Unload an adapter that is neither current nor bound to a request in flight."""
+        with self._adapters:
+            if name is None or name == self._adapter or self._bound.get(name, 0) > 0:
+                return
+            self._bound.pop(name, None)
+        self._post("/unload_lora_adapter", {"lora_name": name})
+        shutil.rmtree(os.path.join(self._lora_dir, name), ignore_errors=True)
 
     def _buckets(self, named: dict):
         bucket, size = [], 0
@@ -305,14 +404,16 @@ class SGLangEngine:
         hold = any(isinstance(r, dict) and r.get("hold") for r in requests)
         out, todo = plan_rows(requests, self.context, self.vocab, self.eos_id, self.version)
         if todo:
-            with self._holding_version(hold):
-                results = self._post("/generate", {
-                    "input_ids": [list(r["prompt_ids"]) + list(r.get("prefix_ids", [])) for _, r, _ in todo],
-                    "sampling_params": [self._sampling(r, b) for _, r, b in todo],
-                    "return_logprob": True, "logprob_start_len": -1})
+            payload = {"input_ids": [list(r["prompt_ids"]) + list(r.get("prefix_ids", [])) for _, r, _ in todo],
+                       "sampling_params": [self._sampling(r, b) for _, r, b in todo],
+                       "return_logprob": True, "logprob_start_len": -1}
+            with self._holding_version(hold), self._bind_adapter() as (adapter, version):
+                if adapter is not None:
+                    payload["lora_path"] = [adapter] * len(todo)
+                results = self._post("/generate", payload)
             results = results if isinstance(results, list) else [results]
             for (i, r, _), res in zip(todo, results):
-                out[i] = parse_output(res, r)
+                out[i] = parse_output(res, r, version if self.lora is not None else None)
         self.stats["requests"] += len(requests)
         self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
         self.stats["busy_s"] += time.time() - t0
