@@ -8,15 +8,18 @@ token has ratio 1 up to numerics (reported as the mismatch metrics).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from stages import lora as lora_lib
+from stages.lora import LoraConfig
 from stages.model import load_model
 from stages.update.advantages import compute_advantages
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
@@ -44,6 +47,7 @@ class TrainerConfig:
     lr_decay_steps: int = 0          # the step the decay ends at (0 = run.steps, the run's last step)
     on_nonfinite: str = "skip"       # a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer
                                      # step is not taken; counted as train/nonfinite_skipped) | stop (raise)
+    lora: LoraConfig = field(default_factory=LoraConfig)   # train LoRA adapters only (stages/lora.py)
 
     def __post_init__(self):
         if self.backend not in ("torch", "megatron"):
@@ -63,6 +67,9 @@ class TrainerConfig:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
                              f"got {self.on_nonfinite!r}")
+        if self.lora.enabled and self.backend != "torch":
+            raise ValueError(f"trainer.lora.enabled needs trainer.backend=torch: the {self.backend} trainer has no "
+                             "LoRA (peft adapts HF modules; Megatron's are its own, sharded)")
 
 
 ON_NONFINITE = ("skip", "stop")
@@ -199,45 +206,70 @@ class TorchTrainer:
         self.cfg, self.algo = cfg, algo.resolved()
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
+        self.lora = cfg.lora if cfg.lora.enabled else None
         self.model = load_model(model_path, dtype)
-        self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
-        self.ref = load_model(model_path, dtype) if self.algo.kl_coef > 0 else None
-        self.params = list(self.model.parameters())     # walked once: clipping uses it every mini-batch
+        if self.lora:   # peft's layers around the base; the reference policy is the base itself (adapter off)
+            self.model = lora_lib.wrap(self.model, self.lora, model_path)
+            self.adapter = lora_lib.adapter_params(self.model)
+        self.model.train()
+        self.ref = load_model(model_path, dtype) if self.algo.kl_coef > 0 and not self.lora else None
+        # walked once: clipping uses it every mini-batch; with LoRA only the adapters (and their Adam state)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, cfg)
         self.version = 0
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
 
     # ---- weights --------------------------------------------------------------------
+    def published(self) -> dict:
+        """What a version is: the HF state dict, or with LoRA the adapter alone (saved-adapter names)."""
+        if self.lora:
+            return {n: p.detach() for n, p in self.adapter.items()}
+        return {n: t.detach() for n, t in self.model.state_dict().items()}
+
     def state_dict(self) -> dict:
-        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        return {n: t.clone() for n, t in self.published().items()}
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "version": self.version}
+
+    def memory(self) -> dict:
+        """Bytes of the trained parameters and of their optimizer state, and this process's peak RSS."""
+        import resource
+
+        state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values()
+                    if torch.is_tensor(t))
+        return {"trainable_bytes": sum(p.numel() * p.element_size() for p in self.params),
+                "model_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                "optimizer_state_bytes": state,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def mesh(self, method: str, *args, **kwargs):
         if self.mesh_endpoint is None:
             import transfer
 
-            self.mesh_endpoint = transfer.Sender(
-                state_fn=lambda: {n: t.detach() for n, t in self.model.state_dict().items()},
-                adopt_fn=self._adopt_shared)
+            self.mesh_endpoint = transfer.Sender(state_fn=self.published, adopt_fn=self._adopt_shared)
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
     def _adopt_shared(self, views: dict) -> None:
         """Keep the weights in the TransferMesh's shared segment (views hold their current
         values): local engines then read each version in place and publishing copies
         nothing here. Parameters stay the same objects, so the optimizer is unaffected."""
-        tensors = dict(self.model.named_parameters(remove_duplicate=False))
-        tensors |= dict(self.model.named_buffers(remove_duplicate=False))
+        if self.lora:
+            tensors = dict(self.adapter)
+        else:
+            tensors = dict(self.model.named_parameters(remove_duplicate=False))
+            tensors |= dict(self.model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name, view in views.items():
                 if name in tensors:
                     tensors[name].data = view
 
     def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True) -> str:
-        """HF-format weights (+ tokenizer); with_state adds what resuming needs: optimizer, RNGs, version."""
+        """HF-format weights (+ tokenizer); with_state adds what resuming needs: optimizer, RNGs, version.
+        With LoRA: the adapter in peft's format (adapter_model.safetensors, adapter_config.json whose
+        base_model_name_or_path is the HF base it was trained on)."""
         self.model.save_pretrained(path)
         if tokenizer_dir:
             from stages.model import load_tokenizer
@@ -252,11 +284,41 @@ class TorchTrainer:
     def load_state(self, path: str) -> int:
         """Resume: the weights were loaded from `path` at start; restore optimizer, RNGs and version."""
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        if self.lora:   # the base was loaded at start; the adapter is the checkpoint's
+            self._load_adapter(path)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
         self.version = int(state["version"])
         return self.version
+
+    def _load_adapter(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(path, "adapter_model.safetensors"))
+        wrong = sorted(set(saved) ^ set(self.adapter))
+        if wrong:
+            raise ValueError(f"{path}: the adapter does not fit trainer.lora's targets ({len(wrong)} tensors "
+                             f"differ, e.g. {wrong[0]})")
+        with torch.no_grad():
+            for n, p in self.adapter.items():
+                if saved[n].shape != p.shape:
+                    raise ValueError(f"{path}: {n} is {tuple(saved[n].shape)}, trainer.lora makes it "
+                                     f"{tuple(p.shape)} (a different trainer.lora.rank?)")
+                p.copy_(saved[n])
+
+    def _ref_logprobs(self, b: Batch):
+        """The reference policy's log-probs (KL term): the frozen copy, or with LoRA the base (adapter off)."""
+        if self.lora:
+            with self.model.disable_adapter(), self._no_dropout():
+                return self.logprobs(self.model, b)[0]
+        return self.logprobs(self.ref, b)[0]
+
+    def _no_dropout(self):
+        """No-grad passes (recompute, reference) see the policy the engine samples: LoRA's dropout off."""
+        if not (self.lora and self.lora.dropout):
+            return contextlib.nullcontext()
+        return _eval_mode(self.model)
 
     # ---- the update -----------------------------------------------------------------
     def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False,
@@ -282,8 +344,9 @@ class TorchTrainer:
         algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
         with torch.no_grad():
-            recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
-            ref_lp = self.logprobs(self.ref, b)[0] if self.ref is not None else None
+            with self._no_dropout():
+                recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
+            ref_lp = self._ref_logprobs(b) if algo.kl_coef > 0 else None
         old = old_policy_logprobs(algo, recomputed, b.engine_lp)
         stale = (b.versions >= 0) & (b.versions < self.version)
         # decoupled: no recompute pass; the gap is measured on the first mini-batch instead,
@@ -337,3 +400,12 @@ class TorchTrainer:
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
                     "train/lr": lr, "version": self.version}
         return finite_metrics(metrics)
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
