@@ -42,6 +42,7 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
 from stages.agentflow.sglang_engine import SGLangEngine
 from stages.batcher import WindowedBatcher, mask_old_versions
+from stages.lora import LoraTargetError, base_of, check_targets, is_adapter_dir
 from stages.model import load_tokenizer, resolve_model_path
 from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
@@ -64,6 +65,7 @@ class Controller:
         self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
         self.validate()
         self.model_path = resolve_model_path(cfg.model, log=log)
+        self._check_lora()
         self.done_seqs: set[int] = set()        # groups trained or dropped: never dispatched again
         self.resume_state = self._load_resume(cfg.run.resume_from) if cfg.run.resume_from else None
         self.tok = load_tokenizer(self.model_path)
@@ -98,15 +100,45 @@ class Controller:
             raise ConfigError("algorithm.distill_coef > 0 needs trainer.backend=torch (the Megatron trainer has no "
                               "distillation term yet)")
 
+    def _check_lora(self) -> None:
+        """trainer.lora's targets against the model itself (built on the meta device), before any actor."""
+        lora = self.cfg.trainer.lora
+        if not lora.enabled:
+            return
+        try:
+            targets = check_targets(lora, self.model_path)
+        except LoraTargetError as e:
+            raise ConfigError(str(e)) from e
+        if self.cfg.rollout.engine == "sglang":
+            from stages.agentflow.sglang_engine import check_lora_targets
+
+            try:
+                check_lora_targets(lora, self.model_path, targets)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+
     def _load_resume(self, path: str) -> dict:
-        """A checkpoint holds HF weights, trainer_state.pt and controller.json (clock + consumed groups)."""
+        """A checkpoint holds HF weights (with LoRA: a peft adapter naming its base), trainer_state.pt and
+        controller.json (clock + consumed groups)."""
         p = Path(path)
-        for f in ("config.json", "trainer_state.pt", "controller.json"):
+        lora = self.cfg.trainer.lora.enabled
+        for f in ("adapter_config.json" if lora else "config.json", "trainer_state.pt", "controller.json"):
             if not (p / f).is_file():
-                raise ConfigError(f"run.resume_from={path}: not a resumable checkpoint (no {f})")
+                hint = ""
+                if not lora and is_adapter_dir(p):
+                    hint = "; it holds a LoRA adapter: resume it with trainer.lora.enabled=true"
+                elif lora and (p / "config.json").is_file():
+                    hint = "; it holds full weights, not a LoRA adapter (trainer.lora.enabled is true)"
+                raise ConfigError(f"run.resume_from={path}: not a resumable checkpoint (no {f}){hint}")
         state = json.loads((p / "controller.json").read_text())
         self.done_seqs = set(state["done_seqs"])
-        self.model_path = str(p)             # engines and the trainer start from the checkpoint's weights
+        if lora:    # engines and the trainer start from the base; the trainer loads the adapter, engines get it sent
+            base = base_of(p)
+            if os.path.realpath(base) != os.path.realpath(self.model_path):
+                raise ConfigError(f"run.resume_from={path}: its adapter was trained on {base}, this run's model is "
+                                  f"{self.model_path} (model.path, or the built-in model's settings)")
+        else:
+            self.model_path = str(p)         # engines and the trainer start from the checkpoint's weights
         return state
 
     def _load_test(self) -> pa.Table | None:
@@ -130,7 +162,8 @@ class Controller:
         self.trainer = _start_trainer(c, self.model_path, res, self.placement)
         if self.resume_state:
             ray.get(self.trainer.load_state.remote(self.cfg.run.resume_from))
-            ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
+            if not c.trainer.lora.enabled:      # LoRA: the adapter is published below, with the clock
+                ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
         self.gate = ray.remote(Gate).options(num_cpus=0).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
         infos = ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
@@ -138,6 +171,8 @@ class Controller:
         self.threads = {"engines": [i.get("threads", res.engine_threads) for i in infos[:-1]],
                         "trainer": res.trainer_threads}     # an HF engine may time 1 thread as faster
         self._start_mesh()
+        if self.resume_state and c.trainer.lora.enabled:
+            self.mesh.publish(self.version)     # the engines hold the base: the resumed adapter reaches them
         self.pipeline = self.build_pipeline()
         self.reward_local = Reward(c.reward, self.model_path)
 
@@ -487,7 +522,8 @@ def _placement(c: Config) -> Placement | None:
 
 
 # rollout.engine -> (engine class, extra constructor arguments from the config)
-ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice,)), "sglang": (SGLangEngine, lambda c: (c.sglang,))}
+ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora)),
+           "sglang": (SGLangEngine, lambda c: (c.sglang, c.trainer.lora))}
 
 
 def _start_engines(c: Config, model_path: str, res, placement: Placement | None) -> list:
