@@ -500,15 +500,29 @@ class _StateView:
 
 
 def _agent_metrics(t: pa.Table) -> dict:
-    """Means of what the agents reported per trajectory: turns, tool calls, token segments, timings."""
+    """Means of what the agents reported per trajectory (a trajectory of several segment rows counts
+    once): turns, tool calls, token segments (by kind), prompt-prefix reuse, history re-sent, timings."""
     if "agent_stats" not in t.column_names:
         return {}
-    stats = [s for s in t.column("agent_stats").to_pylist() if s]
+    keys = zip(t.column("group_id").to_pylist(), t.column("sample_idx").to_pylist())
+    seg = t.column("segment_stats").to_pylist() if "segment_stats" in t.column_names else [None] * t.num_rows
+    first = {}
+    for k, s, g in zip(keys, t.column("agent_stats").to_pylist(), seg):
+        first.setdefault(k, (s, g))
+    stats = [s for s, _ in first.values() if s]
     if not stats:
         return {}
     m = {f"agent/{k}": sum(s[k] or 0 for s in stats) / len(stats) for k in ("turns", "tool_calls", "segments",
                                                                              "wall_s", "gen_s")}
     m["agent/failed"] = sum(bool(s["fail"]) for s in stats)
+    m["agent/rows_per_trajectory"] = t.num_rows / len(first)
+    segs = [g for _, g in first.values() if g]
+    if segs:
+        for kind in ("main", "compaction", "subagent"):
+            m[f"agent/segments_{kind}"] = sum(g[kind] or 0 for g in segs) / len(segs)
+        reused, fresh = sum(g["reused_tokens"] or 0 for g in segs), sum(g["fresh_tokens"] or 0 for g in segs)
+        m["agent/prefix_reuse"] = reused / max(1, reused + fresh)   # prompt tokens taken from recorded streams
+        m["agent/resent_kb"] = sum(g["resent_bytes"] or 0 for g in segs) / len(segs) / 1024
     return m
 
 

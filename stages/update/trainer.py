@@ -125,6 +125,8 @@ class Batch:
     group_ids: torch.Tensor      # [B]
     lengths: torch.Tensor        # [B]
     truncated: torch.Tensor      # [B] bool
+    weights: torch.Tensor | None = None   # [B] a row's share of its sample (1/rows of that sample): a trajectory
+                                          # that made several segment rows counts once in its group's statistics
 
 
 def to_batch(table: pa.Table, pad_id: int) -> Batch:
@@ -156,7 +158,20 @@ def to_batch(table: pa.Table, pad_id: int) -> Batch:
     return Batch(t(ids), t(attn), t(pos), t(rid), t(mask), t(elp), t(ver),
                  torch.tensor(table.column("reward").to_pylist(), dtype=torch.float),
                  torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long), t(r_len.astype(np.int64)),
-                 torch.tensor([s == "truncated" for s in status]))
+                 torch.tensor([s == "truncated" for s in status]), _sample_weights(table))
+
+
+def _sample_weights(table: pa.Table) -> torch.Tensor | None:
+    """1 / (rows of the row's sample) when some sample made several rows (segments), else None."""
+    if "sample_idx" not in table.column_names:
+        return None
+    keys = list(zip(table.column("group_id").to_pylist(), table.column("sample_idx").to_pylist()))
+    counts: dict = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    if len(counts) == len(keys):
+        return None
+    return torch.tensor([1.0 / counts[k] for k in keys], dtype=torch.float)
 
 
 def _lists(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +196,7 @@ def task_advantages(algo: AlgorithmConfig, b: Batch, max_new_tokens: int = 0) ->
     (both trainers start every update here)."""
     rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
                                    max_new_tokens or int(b.lengths.max()))
-    return compute_advantages(algo.advantage, rewards, b.group_ids, mask), mask
+    return compute_advantages(algo.advantage, rewards, b.group_ids, mask, weights=b.weights), mask
 
 
 def adamw(params: list, cfg: TrainerConfig) -> torch.optim.AdamW:
