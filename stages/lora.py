@@ -44,6 +44,8 @@ class LoraConfig:
     dropout: float = 0.0             # on the adapter's input, in the trainer's gradient passes only
     target_modules: tuple[str, ...] = DEFAULT_TARGETS   # module names: every module whose path ends in one
     target_regex: str = ""           # a regex full-matched against module paths; set, it replaces target_modules
+    modules_to_save: tuple[str, ...] = ()   # modules trained in full beside the adapters (peft's modules_to_save:
+    #                                        every module whose path ends in one), e.g. [model.norm]; sent with them
     serve: str = "merge"             # how the HF engine applies a version: merge | peft (see the module docstring)
 
     def __post_init__(self):
@@ -86,6 +88,7 @@ def peft_config(cfg: LoraConfig, base_path: str = ""):
 
     return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                           target_modules=cfg.targets_spec, bias="none", task_type="CAUSAL_LM",
+                          modules_to_save=list(cfg.modules_to_save) or None,
                           base_model_name_or_path=base_path or None)
 
 
@@ -106,14 +109,39 @@ def find_targets(model, cfg: LoraConfig) -> list[str]:
     if not linear:
         raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches no module of the model; "
                               f"{_linear_names(modules)}")
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     out = model.get_output_embeddings()
-    tied = [n for n in linear if modules[n] is out and getattr(text, "tie_word_embeddings", False)]
+    tied = [n for n in linear if modules[n] is out and _tied(model)]
     if tied:
         raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches {tied[0]}, whose weight is the input "
                               "embedding's (tie_word_embeddings): merging an adapter into it would change the "
                               "embedding too; target the other linear layers")
     return linear
+
+
+def find_saved(model, cfg: LoraConfig) -> list[str]:
+    """Paths of the modules trained in full (trainer.lora.modules_to_save), matched as peft matches them
+    (the path ends in the name). Refused: a name that matches nothing, or a module holding a tied weight
+    (an engine writing it would change its twin too)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out = []
+    for name in cfg.modules_to_save:
+        found = [n for n in modules if n and n.endswith(name)]
+        if not found:
+            example = next(n for n, m in modules.items() if n and not any(True for _ in m.children()))
+            raise LoraTargetError(f"trainer.lora.modules_to_save: {name!r} matches no module of the model "
+                                  f"(module paths look like {example})")
+        out += [n for n in found if n not in out]
+    tied = {id(model.get_input_embeddings().weight)} if _tied(model) else set()
+    for n in out:
+        if any(id(p) in tied for p in modules[n].parameters()):
+            raise LoraTargetError(f"trainer.lora.modules_to_save: {n} holds the embedding tied to the output layer "
+                                  "(tie_word_embeddings); training it in full is not supported here")
+    return out
+
+
+def _tied(model) -> bool:
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(text, "tie_word_embeddings", False))
 
 
 def _linear_names(modules: dict) -> str:
@@ -131,8 +159,11 @@ def meta_model(model_path: str):
 
 
 def check_targets(cfg: LoraConfig, model_path: str) -> list[str]:
-    """The start-time check of a recipe's targets against its model; returns the module paths."""
-    return find_targets(meta_model(model_path), cfg)
+    """The start-time check of a recipe's targets (and modules_to_save) against its model; returns the
+    targeted module paths."""
+    model = meta_model(model_path)
+    find_saved(model, cfg)
+    return find_targets(model, cfg)
 
 
 def key(module: str, which: str) -> str:
@@ -140,14 +171,22 @@ def key(module: str, which: str) -> str:
     return f"{PREFIX}{module}.lora_{which}.weight"
 
 
+def saved_params(model, cfg: LoraConfig) -> dict[str, torch.nn.Parameter]:
+    """The parameters of the modules trained in full, in a plain HF model, under their saved-adapter names."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    return {f"{PREFIX}{path}.{n}": p for path in find_saved(model, cfg)
+            for n, p in modules[path].named_parameters()}
+
+
 def adapter_specs(model, cfg: LoraConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtype of the adapter a version carries, in publishing order."""
+    """Names, shapes and dtypes of what a version carries: the adapter (and the modules trained in full)."""
     modules = dict(model.named_modules())
     out = {}
     for path in find_targets(model, cfg):
         lin = modules[path]
         out[key(path, "A")] = ((cfg.rank, lin.in_features), ADAPTER_DTYPE)
         out[key(path, "B")] = ((lin.out_features, cfg.rank), ADAPTER_DTYPE)
+    out |= {n: (tuple(p.shape), p.dtype) for n, p in saved_params(model, cfg).items()}
     return out
 
 
@@ -159,19 +198,26 @@ def wrap(model, cfg: LoraConfig, base_path: str = ""):
     from peft import get_peft_model
 
     find_targets(model, cfg)
+    find_saved(model, cfg)
     peft_model = get_peft_model(model, peft_config(cfg, os.path.abspath(base_path) if base_path else ""))
-    for p in adapter_params(peft_model).values():
-        if p.dtype != ADAPTER_DTYPE:     # peft upcasts adapters by default; keep what engines expect
+    for n, p in adapter_params(peft_model).items():
+        if ".lora_" in n and p.dtype != ADAPTER_DTYPE:     # peft upcasts adapters by default; keep what engines expect
             p.data = p.data.to(ADAPTER_DTYPE)
     return peft_model
 
 
 def adapter_params(peft_model, adapter: str = "default") -> dict[str, torch.nn.Parameter]:
-    """The adapter's parameters under their saved-adapter names (peft's own keys drop the
-    adapter's name: `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`)."""
-    tag = f".{adapter}."
-    return {n.replace(tag, ".", 1): p for n, p in peft_model.named_parameters()
-            if ".lora_A." in n or ".lora_B." in n}
+    """The trained parameters under their saved-adapter names, as peft saves them: the adapter's name
+    dropped (`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`), and a module trained in
+    full under its own path (`...norm.modules_to_save.default.weight` -> `...norm.weight`)."""
+    tag, saved = f".{adapter}.", f".modules_to_save.{adapter}."
+    out = {}
+    for n, p in peft_model.named_parameters():
+        if ".lora_A." in n or ".lora_B." in n:
+            out[n.replace(tag, ".", 1)] = p
+        elif saved in n:
+            out[n.replace(saved, ".", 1)] = p
+    return out
 
 
 def base_of(adapter_dir: str | Path) -> str:
@@ -204,7 +250,8 @@ class MergedAdapter:
 
     `buffers` are the adapter matrices a version lands in (the Receiver copies buckets into
     them); `apply()` then rewrites every targeted weight from its kept base copy, so each
-    version replaces the last exactly. Memory: one copy of the targeted layers' weights."""
+    version replaces the last exactly. Memory: one copy of the targeted layers' weights.
+    Modules trained in full (modules_to_save) land straight in the model's own parameters."""
 
     def __init__(self, model, cfg: LoraConfig):
         self.model, self.scaling = model, cfg.scaling
@@ -217,6 +264,7 @@ class MergedAdapter:
             b = torch.zeros(w.shape[0], cfg.rank, dtype=ADAPTER_DTYPE, device=w.device)
             self.buffers[key(path, "A")], self.buffers[key(path, "B")] = a, b
             self._layers.append((w, w.detach().clone(), a, b))
+        self.buffers |= {n: p.data for n, p in saved_params(model, cfg).items()}
 
     def apply(self) -> None:
         with torch.no_grad():

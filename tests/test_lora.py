@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,6 +33,7 @@ from stages.update.trainer import TorchTrainer, TrainerConfig
 from transfer import TransferConfig, TransferMesh
 
 LORA = LoraConfig(enabled=True, rank=8, alpha=16.0)
+LORA_NORM = dataclasses.replace(LORA, modules_to_save=("model.norm",))   # + the final norm trained in full
 PROMPTS = ["12+7=", "3+45=", "99+9=", "8+8=", "40+2=", "7+70="] * 2
 
 
@@ -66,6 +68,8 @@ def test_bad_lora_settings_fail_when_the_config_is_read(override, match):
     ("trainer.lora.target_modules=[qproj]", r"target_modules=\['qproj'\] matches no module .* q_proj, k_proj"),
     ("trainer.lora.target_regex=.*mlp", r"target_regex='\.\*mlp' matches modules that are not linear .*Qwen2MLP"),
     ("trainer.lora.target_modules=[lm_head]", "tie_word_embeddings"),
+    ("trainer.lora.modules_to_save=[nrm]", "trainer.lora.modules_to_save: 'nrm' matches no module"),
+    ("trainer.lora.modules_to_save=[embed_tokens]", "modules_to_save: model.embed_tokens holds the embedding tied"),
 ])
 def test_targets_that_match_no_linear_layer_fail_before_any_actor(tiny_model_dir, tmp_path, override, match):
     cfg = load_config("configs/quickstart_lora.yaml", [f"model.path={tiny_model_dir}", override])
@@ -93,10 +97,10 @@ def synced(ray_session, tiny_model_dir):
 
     reqs = _requests(load_tokenizer(tiny_model_dir))
     opts = {"num_cpus": 0.1}
-    cfg = TrainerConfig(num_threads=1, lr=1e-2, mini_batch_size=0, lora=LORA)
+    cfg = TrainerConfig(num_threads=1, lr=1e-2, mini_batch_size=0, lora=LORA_NORM)
     trainer = ray.remote(TorchTrainer).options(**opts).remote(tiny_model_dir, cfg, AlgorithmConfig())
     engines = {serve: ray.remote(HFEngine).options(**opts, max_concurrency=4).remote(
-        tiny_model_dir, "float32", 1, 1, serve, 0, dataclasses.replace(LORA, serve=serve))
+        tiny_model_dir, "float32", 1, 1, serve, 0, dataclasses.replace(LORA_NORM, serve=serve))
         for serve in ("merge", "peft")}
     mesh = TransferMesh(trainer, engines, TransferConfig())
     mesh.discover()
@@ -187,7 +191,7 @@ def test_a_lora_trainer_restored_from_its_checkpoint_steps_as_if_never_stopped(t
     eng = HFEngine(tiny_model_dir, seed=5)
     tables = [_rows(reqs, eng.generate(reqs)) for reqs in (_requests(eng.tok, 100 * k) for k in range(4))]
     cfg = TrainerConfig(num_threads=1, lr=1e-2, mini_batch_size=4, lr_schedule="cosine", lr_decay_steps=4,
-                        lora=LORA)
+                        lora=LORA_NORM)
     make = lambda: TorchTrainer(tiny_model_dir, cfg, AlgorithmConfig())  # noqa: E731
     never = make()
     want = [never.train_step(t) for t in tables]
@@ -258,7 +262,9 @@ def test_a_resumed_lora_run_continues_exactly(ray_session, tiny_model_dir, tmp_p
         assert a["train/lr"] == b["train/lr"]
         # the resumed engine was sent the checkpoint's adapter: it samples what the trainer computes
         assert a["mismatch/abs_diff_max"] < 1e-4
-    adapter_bytes = sum(s[0][0] * s[0][1] * 4 for s in adapter_specs(load_model(tiny_model_dir), LORA).values())
+    lora = load_config("configs/quickstart_lora.yaml").trainer.lora
+    adapter_bytes = sum(math.prod(shape) * dtype.itemsize
+                        for shape, dtype in adapter_specs(load_model(tiny_model_dir), lora).values())
     assert {m["transfer/payload_bytes"] for m in uninterrupted + resumed} == {adapter_bytes}
 
 
@@ -267,7 +273,7 @@ def test_export_merged_equals_base_plus_adapter(tiny_model_dir, tmp_path, capsys
 
     from pipeline.cli import main
 
-    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, lr=1e-2, lora=LORA), AlgorithmConfig())
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, lr=1e-2, lora=LORA_NORM), AlgorithmConfig())
     eng = HFEngine(tiny_model_dir, seed=3)
     reqs = _requests(eng.tok)
     for _ in range(2):
@@ -316,6 +322,8 @@ def test_sglang_launch_flags_and_targets(tiny_model_dir):
     some = dataclasses.replace(LORA, target_regex=r"model\.layers\.0\.self_attn\.q_proj")
     with pytest.raises(ValueError, match="adapts every layer's q_proj"):
         check_lora_targets(some, tiny_model_dir, check_targets(some, tiny_model_dir))
+    with pytest.raises(ValueError, match="trainer.lora.modules_to_save: rollout.engine=sglang serves LoRA adapters"):
+        check_lora_targets(LORA_NORM, tiny_model_dir, targets)
     # a request bound to adapter v3 reports version 3 for every new token, whatever the server's clock
     out = {"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-0.1, 1, None]],
                          "finish_reason": {"type": "stop"}, "weight_version": "0"}}

@@ -104,6 +104,9 @@ SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 def check_lora_targets(lora: LoraConfig, model_path: str, targets: list[str]) -> list[str]:
     """The module names SGLang is launched with for these targets; ValueError naming the key when
     SGLang cannot serve them as the trainer trains them."""
+    if lora.modules_to_save:
+        raise ValueError("trainer.lora.modules_to_save: rollout.engine=sglang serves LoRA adapters only (no module "
+                         "trained in full beside them); leave it empty")
     names = sorted({t.rsplit(".", 1)[-1] for t in targets})
     unknown = [n for n in names if n not in SGLANG_LORA_MODULES]
     if unknown:
