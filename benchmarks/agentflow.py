@@ -1,20 +1,35 @@
-"""Black-box proxy overhead per call: proxy round trip minus the time the call spent on the engine.
+"""Black-box proxy overhead per call, for each of the proxy's four endpoints: the client's round
+trip minus the time the call spent on the engine.
 
-    python benchmarks/agentflow.py [--concurrency 1 8 32] [--calls 8] [--max-tokens 4]
+    python benchmarks/agentflow.py [--endpoints chat completions responses messages]
+                                   [--concurrency 1 8 32] [--calls 5] [--max-tokens 4] [--stream]
 
-A real HFEngine actor (the built-in tiny model) serves a real Proxy on its own event-loop
-thread, as on a rollout worker. The agents are aiohttp clients in a separate process (as
-subprocess agents are), each with its own endpoint, making `--calls` sequential chat calls
-whose history grows turn by turn. Per call: round trip at the client, engine time from the
-proxy's `x-loongsage-engine-ms` header (what a direct EngineClient call of the same request
-costs, batching window included), and their difference: the proxy's overhead (HTTP, JSON,
-chat template, prompt assembly, recording). Also printed: the median direct call with no
-proxy, at the same concurrency, for scale.
+Workload. A real HFEngine actor (the built-in tiny model, one torch thread) serves a real
+Proxy on its own event-loop thread, as on a rollout worker. The agents are aiohttp clients
+in a separate process (as subprocess agents are), one coroutine per agent, each with its own
+trajectory endpoint, all started at once: `--concurrency` agents in flight. Each agent makes
+`--calls` sequential calls whose history grows turn by turn, the way a harness sends it (the
+whole history every call, the question "37+48=" again after each answer), `--max-tokens`
+tokens per completion, sampled at T=1 (5 calls: the last prompt, ~50 tokens, still fits the tiny
+model's 64-token context):
+
+    chat          POST /v1/chat/completions   messages + the assistant message returned
+    completions   POST /v1/completions        prompt text + the completion text
+    responses     POST /v1/responses          input items + the output items returned (store=false)
+    messages      POST /v1/messages           Anthropic messages + the content blocks returned (x-api-key)
+
+Per call: round trip at the client, engine time from the proxy's `x-loongsage-engine-ms`
+header (what the engine call cost, the EngineClient's batching window included), and their
+difference: the proxy's overhead (HTTP, JSON, protocol translation, chat template, prompt
+assembly against the recorded segments, recording). Printed per endpoint and concurrency:
+median round trip and engine time, median and p90 overhead (target: median <= 5 ms), and
+the median direct EngineClient call with no proxy at the same concurrency, for scale.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -26,34 +41,121 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)     # the repository first; not this folder (its transfer.py names the package)
 
 
-def agents(endpoints: list[tuple[str, str]], calls: int, max_tokens: int, out) -> None:
-    """Client process: one coroutine per endpoint; sends [(rtt_ms, engine_ms), ...] back."""
+QUESTION = "37+48="
+
+
+class Chat:
+    path = "/chat/completions"
+
+    def __init__(self, max_tokens: int, stream: bool):
+        self.history, self.extra = [{"role": "user", "content": QUESTION}], {"max_tokens": max_tokens, "stream": stream}
+
+    def body(self) -> dict:
+        return {"model": "m", "messages": self.history} | self.extra
+
+    def answer(self, reply: dict) -> None:
+        self.history += [reply["choices"][0]["message"], {"role": "user", "content": QUESTION}]
+
+
+class Completions(Chat):
+    path = "/completions"
+
+    def __init__(self, max_tokens: int, stream: bool):
+        super().__init__(max_tokens, stream)
+        self.prompt = QUESTION
+
+    def body(self) -> dict:
+        return {"model": "m", "prompt": self.prompt} | self.extra
+
+    def answer(self, reply: dict) -> None:
+        self.prompt += reply["choices"][0]["text"] + QUESTION
+
+
+class Responses(Chat):
+    path = "/responses"
+
+    def __init__(self, max_tokens: int, stream: bool):
+        self.history = [{"type": "message", "role": "user", "content": QUESTION}]
+        self.extra = {"max_output_tokens": max_tokens, "stream": stream, "store": False}
+
+    def body(self) -> dict:
+        return {"model": "m", "input": self.history} | self.extra
+
+    def answer(self, reply: dict) -> None:
+        self.history += reply["output"] + [{"type": "message", "role": "user", "content": QUESTION}]
+
+
+class Messages(Chat):
+    path = "/messages"
+
+    def body(self) -> dict:
+        return {"model": "m", "messages": self.history} | self.extra
+
+    def answer(self, reply: dict) -> None:
+        content = reply["content"] or [{"type": "text", "text": ""}]
+        self.history += [{"role": "assistant", "content": content}, {"role": "user", "content": QUESTION}]
+
+
+ENDPOINTS = {"chat": Chat, "completions": Completions, "responses": Responses, "messages": Messages}
+
+
+def headers(endpoint: str, key: str) -> dict:
+    if endpoint == "messages":      # the anthropic SDK's auth and version headers
+        return {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    return {"Authorization": f"Bearer {key}"}
+
+
+def final_body(endpoint: str, raw: bytes) -> dict:
+    """A streamed reply's final object: the last chunk's event for responses/messages, rebuilt for chat."""
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    if endpoint == "responses":
+        return next(e["response"] for e in reversed(events) if e.get("type") == "response.completed")
+    if endpoint == "messages":
+        start = next(e["message"] for e in events if e.get("type") == "message_start")
+        text = "".join(e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta")
+        return start | {"content": [{"type": "text", "text": text}] if text else []}
+    text = "".join((c["choices"][0]["delta"].get("content") or "") if endpoint == "chat" else c["choices"][0]["text"]
+                   for c in events if c.get("choices"))
+    if endpoint == "chat":
+        return {"choices": [{"message": {"role": "assistant", "content": text}}]}
+    return {"choices": [{"text": text}]}
+
+
+def agents(endpoint: str, targets: list[tuple[str, str]], calls: int, max_tokens: int, stream: bool, out) -> None:
+    """Client process: one coroutine per trajectory endpoint; sends [(rtt_ms, engine_ms), ...] back."""
     import aiohttp
 
     async def one(session, base_url, key):
-        messages, res = [{"role": "user", "content": "37+48="}], []
+        conv, res = ENDPOINTS[endpoint](max_tokens, stream), []
         for _ in range(calls):
             t0 = time.perf_counter()
-            async with session.post(f"{base_url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                    json={"model": "m", "messages": messages, "max_tokens": max_tokens}) as r:
-                body = await r.json()
+            async with session.post(base_url + conv.path, headers=headers(endpoint, key), json=conv.body()) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{endpoint}: HTTP {r.status}: {raw[:500].decode(errors='replace')}")
                 engine_ms = float(r.headers["x-loongsage-engine-ms"])
             res.append(((time.perf_counter() - t0) * 1e3, engine_ms))
-            messages += [body["choices"][0]["message"], {"role": "user", "content": "37+48="}]
+            conv.answer(final_body(endpoint, raw) if stream else json.loads(raw))
         return res
 
     async def main():
-        async with aiohttp.ClientSession() as s:
-            return await asyncio.gather(*(one(s, u, k) for u, k in endpoints))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            return await asyncio.gather(*(one(s, u, k) for u, k in targets))
 
-    out.send([x for per in asyncio.run(main()) for x in per])
+    try:
+        out.send([x for per in asyncio.run(main()) for x in per])
+    except Exception as e:  # noqa: BLE001 - the parent prints what went wrong
+        out.send(f"{type(e).__name__}: {e}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=list(ENDPOINTS))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--calls", type=int, default=5)   # the 5th prompt, ~50 tokens, still fits the context (64)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--stream", action="store_true", help="streamed calls (SSE) instead of plain JSON")
     a = p.parse_args()
 
     import ray
@@ -76,23 +178,28 @@ def main() -> None:
     sampling = {"max_new_tokens": a.max_tokens, "temperature": 1.0, "top_p": 1.0}
     client = EngineClient(engine)
     ctx = mp.get_context("spawn")
+    direct = {c: statistics.median(run(_direct(client, c, a.calls, sampling))) for c in a.concurrency}
 
-    print(f"{'agents':>6} {'calls':>6} {'round trip ms':>14} {'engine ms':>10} {'overhead ms':>12} "
-          f"{'p90 overhead':>13} {'direct call ms':>15}")
-    for c in a.concurrency:
-        eps = [run(proxy.open(client, dict(sampling))) for _ in range(c)]
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=agents, args=([(e.base_url, e.api_key) for e in eps], a.calls, a.max_tokens, send))
-        proc.start()
-        res = recv.recv()
-        proc.join()
-        for e in eps:
-            proxy.close(e)
-        over = sorted(r - e for r, e in res)
-        direct = run(_direct(client, c, a.calls, sampling))
-        print(f"{c:>6} {len(res):>6} {statistics.median(r for r, _ in res):>14.2f} "
-              f"{statistics.median(e for _, e in res):>10.2f} {statistics.median(over):>12.2f} "
-              f"{over[int(0.9 * (len(over) - 1))]:>13.2f} {statistics.median(direct):>15.2f}")
+    print(f"{'endpoint':>11} {'agents':>6} {'calls':>6} {'round trip ms':>14} {'engine ms':>10} "
+          f"{'overhead ms':>12} {'p90 overhead':>13} {'direct call ms':>15}", flush=True)
+    for endpoint in a.endpoints:
+        for c in a.concurrency:
+            eps = [run(proxy.open(client, dict(sampling))) for _ in range(c)]
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=agents, args=(endpoint, [(e.base_url, e.api_key) for e in eps], a.calls,
+                                                    a.max_tokens, a.stream, send))
+            proc.start()
+            res = recv.recv()
+            proc.join()
+            for e in eps:
+                proxy.close(e)
+            if isinstance(res, str):
+                print(f"{endpoint:>11} {c:>6}  failed: {res}", flush=True)
+                continue
+            over = sorted(r - e for r, e in res)
+            print(f"{endpoint:>11} {c:>6} {len(res):>6} {statistics.median(r for r, _ in res):>14.2f} "
+                  f"{statistics.median(e for _, e in res):>10.2f} {statistics.median(over):>12.2f} "
+                  f"{over[int(0.9 * (len(over) - 1))]:>13.2f} {direct[c]:>15.2f}", flush=True)
     run(proxy.stop())
     ray.shutdown()
 
