@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,7 +27,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.controller import Controller
 from pipeline.metrics import read_metrics
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.sglang_engine import check_lora_targets, lora_server_args, parse_output
+from stages.agentflow.sglang_engine import check_lora_targets, lora_module_names, lora_server_args, parse_output
 from stages.lora import LoraConfig, MergedAdapter, adapter_specs, check_targets, write_adapter
 from stages.model import load_model
 from stages.update.losses import AlgorithmConfig
@@ -316,7 +318,7 @@ def test_the_adapter_sglang_loads_is_a_peft_adapter_of_the_trainers_tensors(tiny
 def test_sglang_launch_flags_and_targets(tiny_model_dir):
     targets = check_targets(LORA, tiny_model_dir)
     names = check_lora_targets(LORA, tiny_model_dir, targets)
-    assert names == sorted(LORA.target_modules)
+    assert names == sorted(LORA.target_modules) == lora_module_names(adapter_specs(load_model(tiny_model_dir), LORA))
     flags = lora_server_args(LORA, names)
     assert flags["enable-lora"] is True and flags["max-lora-rank"] == 8 and flags["lora-target-modules"] == names
     some = dataclasses.replace(LORA, target_regex=r"model\.layers\.0\.self_attn\.q_proj")
@@ -329,3 +331,14 @@ def test_sglang_launch_flags_and_targets(tiny_model_dir):
                          "finish_reason": {"type": "stop"}, "weight_version": "0"}}
     got = parse_output(out, {"prefix_ids": [5], "prefix_logprobs": [-0.2], "prefix_versions": [2]}, version=3)
     assert got["versions"] == [2, 3, 3] and got["response_ids"] == [5, 7, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs a CUDA GPU")
+def test_sglang_serves_the_synced_adapters():
+    """benchmarks/gpu/sglang_lora_check.py where a GPU is lent: base at v0, adapters loaded and
+    served per version (log-probs = the peft model's), only the adapter's bytes sent."""
+    pytest.importorskip("sglang")
+    r = subprocess.run([sys.executable, "benchmarks/gpu/sglang_lora_check.py"], capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -38,6 +38,7 @@ where a GPU is lent.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -121,6 +122,11 @@ def check_lora_targets(lora: LoraConfig, model_path: str, targets: list[str]) ->
     return names
 
 
+def lora_module_names(specs: dict) -> list[str]:
+    """The module names (q_proj, ...) an adapter's saved-adapter keys cover."""
+    return sorted({n.removeprefix("base_model.model.").split(".lora_")[0].rsplit(".", 1)[-1] for n in specs})
+
+
 def lora_server_args(lora: LoraConfig, names: list[str]) -> dict:
     """launch_server flags for serving adapters of this shape (two at once: the current version and
     the previous one, while requests bound to it finish)."""
@@ -176,6 +182,10 @@ class SGLangEngine:
         if self.lora is not None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._lora_dir = tempfile.mkdtemp(prefix=f"loongsage-lora-{engine_id}-", dir=shm)
+            # the module names SGLang adapts (every layer's; the controller checked the targets are those)
+            self._lora_names = lora_module_names(self._specs)
+            # the adapter files name their targets as SGLang reads them: a list of names, never a regex
+            self._lora_files = dataclasses.replace(self.lora, target_regex="", target_modules=tuple(self._lora_names))
         # SGLang refuses a whole /generate batch if one row's input + max_new_tokens reaches its
         # context: rows are checked and clipped here instead, so one bad row fails alone
         self.context, self.vocab = model_limits(model_path)
@@ -199,9 +209,7 @@ class SGLangEngine:
                 "dtype": self.dtype, "random-seed": seed, "mem-fraction-static": c.mem_fraction,
                 "weight-version": "0", "skip-tokenizer-init": True}
         if self.lora is not None:
-            names = sorted({n.removeprefix("base_model.model.").split(".lora_")[0].rsplit(".", 1)[-1]
-                            for n in self._specs})
-            args |= lora_server_args(self.lora, names)
+            args |= lora_server_args(self.lora, self._lora_names)
         args |= dict(c.server_args)
         cmd = [sys.executable, "-m", "sglang.launch_server"]
         for k, v in args.items():
@@ -302,7 +310,7 @@ class SGLangEngine:
             self.version = int(version)
             return
         name = f"v{int(version)}"
-        path = write_adapter(named, self.lora, self.model_path, os.path.join(self._lora_dir, name))
+        path = write_adapter(named, self._lora_files, self.model_path, os.path.join(self._lora_dir, name))
         self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         with self._adapters:
             previous, self._adapter, self.version = self._adapter, name, int(version)
