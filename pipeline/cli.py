@@ -4,6 +4,7 @@
     loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
     loongsage profile RUN [--out DIR]
     loongsage make-teacher --task addition --out DIR
+    loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
 """
 from __future__ import annotations
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     from stages.tasks.make_teacher import add_subcommand
 
     add_subcommand(sub)       # loongsage make-teacher: tiny specialist teachers and mixed prompts (OPD recipe)
+    from pipeline.make_model import add_subcommand as add_make_model
+
+    add_make_model(sub)       # loongsage make-model --vocab qwen OUT_DIR: a tiny model on Qwen's vocabulary
     from pipeline.export import register as add_export
 
     add_export(sub)           # loongsage export [--merge] CKPT OUT: a checkpoint as an HF model directory

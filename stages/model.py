@@ -19,7 +19,7 @@ import torch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = ""                    # local HF directory; "" = built-in tiny model below
+    path: str = ""                    # local HF dir; "" = built-in tiny model below; builtin:NAME (builtin_model_dir)
     dtype: str = "float32"
     # built-in tiny model (used only when path is "")
     builtin_task: str = "addition"
@@ -98,6 +98,8 @@ def validate_model_dir(path: str) -> None:
 
 def resolve_model_path(cfg: ModelConfig, log=print) -> str:
     """The directory engines and the trainer load: cfg.path, or the cached built-in model."""
+    if cfg.path.startswith("builtin:"):
+        return builtin_model_dir(cfg.path.split(":", 1)[1], cfg.cache_dir, log=log)
     if cfg.path:
         validate_model_dir(cfg.path)
         return cfg.path
@@ -109,6 +111,18 @@ def resolve_model_path(cfg: ModelConfig, log=print) -> str:
     log(f"building the built-in tiny model for task {cfg.builtin_task!r} (cached at {out}) ...")
     build_tiny_model(cfg, out, log=log)
     return str(out)
+
+
+def builtin_model_dir(name: str, cache_dir: str, log=print) -> str:
+    """`model.path: builtin:NAME`: a named built-in model, built once into cache_dir.
+    qwen-vocab-tiny: a random tiny Qwen2 on Qwen's real vocabulary and a think-dropping chat
+    template (stages/qwen_vocab.py), for token-exactness checks; it does not learn."""
+    from stages import qwen_vocab
+
+    builders = {qwen_vocab.NAME: qwen_vocab.qwen_tiny_model_dir}
+    if name not in builders:
+        raise ValueError(f"model.path 'builtin:{name}': no such built-in model (known: {', '.join(sorted(builders))})")
+    return builders[name](cache_dir, log=log)
 
 
 def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:

