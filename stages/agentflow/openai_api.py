@@ -18,7 +18,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from stages.agentflow.chat import normalise_messages, parse_tool_calls
+from stages.agentflow.chat import normalise_messages, parse_tool_calls, render
 
 IGNORED = {"model", "user", "metadata", "store", "parallel_tool_calls", "service_tier"}
 CHAT_PARAMS = IGNORED | {"messages", "n", "seed", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
@@ -32,9 +32,10 @@ MAX_N = 16
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", tokens: tuple[int, int] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.tokens = tokens    # context_length_exceeded: (prompt tokens, or a lower bound; completion budget)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -246,3 +247,101 @@ def completion_chunks(req: Request, choices, pieces, prompt_tokens: int):
 
 def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_event(payload: dict) -> bytes:
+    """An SSE event named by its payload's `type` (the Responses and Messages streams)."""
+    return b"event: " + payload["type"].encode() + b"\n" + sse(payload)
+
+
+# ---- shared by the Responses and Messages adapters -------------------------------------------------
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class Generation:
+    """A completion's text as the Responses / Messages APIs present it: reasoning, text, tool calls,
+    with the spans they came from (offsets into the raw text) for streaming them piece by piece."""
+    raw: str
+    reasoning: str | None                 # inside <think>...</think>, None if the model wrote none
+    reasoning_span: tuple[int, int]
+    text: str                             # the visible text (before the first tool call)
+    text_span: tuple[int, int]
+    calls: list[dict]                     # chat-form tool calls (parse_tool_calls)
+    think_end: int                        # offset just past </think> (0 without reasoning)
+
+
+def _strip_span(raw: str, a: int, b: int) -> tuple[int, int]:
+    while a < b and raw[a].isspace():
+        a += 1
+    while b > a and raw[b - 1].isspace():
+        b -= 1
+    return a, b
+
+
+def read_generation(raw: str, parse_calls: bool, reasoning: bool = True) -> Generation:
+    """Split generated text into reasoning, text and tool calls. Reasoning is `<think>...</think>` at the
+    start, or text up to a `</think>` with no opening tag (a template that opens the block in the
+    generation prompt, as Qwen3's does when thinking)."""
+    r, r_span, start = None, (0, 0), 0
+    close = raw.find(THINK_CLOSE) if reasoning else -1
+    if close >= 0:
+        opened = raw.find(THINK_OPEN, 0, close)
+        if opened < 0 or not raw[:opened].strip():
+            a = opened + len(THINK_OPEN) if opened >= 0 else 0
+            r_span = _strip_span(raw, a, close)
+            r = raw[r_span[0]:r_span[1]]
+            start = close + len(THINK_CLOSE)
+    rest = raw[start:]
+    content, calls = parse_tool_calls(rest) if parse_calls else (rest, [])
+    if calls:
+        t_span = _strip_span(raw, start, start + rest.index("<tool_call>"))
+    else:
+        t_span = (_strip_span(raw, start, len(raw))[0] if r is not None else start, len(raw))
+    return Generation(raw, r, r_span, raw[t_span[0]:t_span[1]], t_span, calls, start if r is not None else 0)
+
+
+def with_reasoning(reasoning: str | None, content: str) -> str:
+    """An assistant turn's content with its reasoning written back inline, the way read_generation
+    reads it and Qwen-style templates render it (a template that drops old reasoning drops it)."""
+    return content if reasoning is None else f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
+
+
+def span_pieces(pieces: list[str], span: tuple[int, int], offset: int = 0) -> list[tuple[str, int]]:
+    """The parts of per-token `pieces` (starting at `offset` of the raw text) inside `span`, each with
+    its token's index: a part's stream deltas."""
+    out, pos = [], offset
+    a, b = span
+    for i, p in enumerate(pieces):
+        lo, hi = max(a, pos), min(b, pos + len(p))
+        if lo < hi:
+            out.append((p[lo - pos:hi - pos], i))
+        pos += len(p)
+    return out
+
+
+def tokens_before(pieces: list[str], end: int) -> int:
+    """How many tokens it takes to reach character `end` of their text (reasoning token counts)."""
+    pos = 0
+    for i, p in enumerate(pieces):
+        if pos >= end:
+            return i
+        pos += len(p)
+    return len(pieces)
+
+
+def tool_call_opening(tok) -> str | None:
+    """How the chat template opens a tool call, up to the function name (e.g. '<tool_call>\\n{"name": '),
+    found by rendering one; None if it writes no <tool_call> block. A forced tool choice is honoured by
+    ending the prompt with it: the model must continue a call (its tokens are context, not trained)."""
+    probe = "loongsage_probe_fn"
+    call = {"id": "c0", "type": "function", "function": {"name": probe, "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        head = render(tok, msgs[:1], generation_prompt=True)
+        turn = render(tok, msgs, generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render a tool call cannot be forced to write one
+        return None
+    turn = turn[len(head):] if turn.startswith(head) else turn
+    i, j = turn.find("<tool_call>"), turn.find(json.dumps(probe))
+    return turn[i:j] if 0 <= i < j else None

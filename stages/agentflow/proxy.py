@@ -1,4 +1,4 @@
-"""The black-box agent proxy: an OpenAI-compatible HTTP server in front of the engines.
+"""The black-box agent proxy: OpenAI- and Anthropic-compatible HTTP in front of the engines.
 
 One server (aiohttp) per rollout worker, on the worker's event loop, bound to 127.0.0.1
 by default. Each trajectory gets its own endpoint and key:
@@ -6,18 +6,40 @@ by default. Each trajectory gets its own endpoint and key:
     base_url = http://127.0.0.1:PORT/t/<route>/v1      (route: 24 random url-safe chars)
     api_key  = sk-loongsage-<random>                    (checked on every request)
 
-    POST {base_url}/chat/completions   POST {base_url}/completions   GET {base_url}/models
+    POST {base_url}/chat/completions        OpenAI chat (stages/agentflow/openai_api.py)
+    POST {base_url}/completions             OpenAI completions
+    POST {base_url}/responses               OpenAI Responses (stages/agentflow/responses_api.py)
+    POST {base_url}/messages                Anthropic Messages (stages/agentflow/anthropic_api.py)
+    POST {base_url}/messages/count_tokens   Anthropic token count (no model call)
+    GET  {base_url}/models
+
+The anthropic SDK's base_url is the endpoint without /v1 (it appends /v1/messages itself).
+The key is read from `Authorization: Bearer <key>` or `x-api-key: <key>` (what the anthropic
+SDK sends), on every endpoint. A call may say what it is part of with the request-kind header
+`x-loongsage-request-kind: main | compaction | subagent` (and `x-loongsage-agent-id` for one
+subagent among several): see stages/agentflow/session.py.
 
 Every call is forwarded token-in/token-out to the trajectory's engine (the rollout's
 session affinity) and recorded by its Session (stages/agentflow/session.py), which builds
-the trajectory in token space. Errors use the OpenAI error body: 401 missing or wrong key,
-404 unknown path or route (a trajectory that ended), 413 body over the limit, 400
-malformed JSON / unsupported parameter / invalid message or token id (`param` names the
-field) / turn limit reached, 400 `context_length_exceeded` for a prompt over the model's
-context or rollout.max_prompt_tokens (checked before the prompt is tokenized, see
-stages/agentflow/limits.py), 503 request aborted by the engine (the run is stopping) or the
-engine restarting. Anything else is a generic 500 carrying a request id (also in the
-`x-request-id` header); its detail goes to the `loongsage.proxy` logger, never to the client.
+the trajectory in token space. Responses and Messages calls are converted to chat messages
+and rendered with the chat template, so they are checked, admitted and recorded exactly like
+chat calls (`_prompt`, then `Session.complete`). The proxy keeps a trajectory's stored
+Responses (for previous_response_id) until its endpoint closes.
+
+Errors use the protocol's own body: OpenAI's {"error": {message, type, param, code}} on the
+OpenAI paths, Anthropic's {"type": "error", "error": {type, message}} on /messages (the message
+prefixed with the field at fault). 401 missing or wrong key, 404 unknown path or route (a
+trajectory that ended), 413 body over the limit, 400 malformed JSON / a body that is not
+`Content-Type: application/json` (Responses, Messages) / unsupported parameter / invalid message,
+item, content block or token id (`param` names the field) / a tool result without its call /
+unknown previous_response_id (400 previous_response_not_found, as OpenAI answers) / turn limit
+reached, 400 `context_length_exceeded` (Anthropic: invalid_request_error, "prompt is too long"
+or "input length and `max_tokens` exceed context limit") for a prompt over the model's context or
+rollout.max_prompt_tokens (checked before the prompt is tokenized, see stages/agentflow/limits.py)
+or an explicit max_tokens / max_output_tokens that does not fit after it, 503 (Anthropic: 529
+overloaded_error) request aborted by the engine (the run is stopping) or the engine restarting.
+Anything else is a generic 500 carrying a request id (also in the `x-request-id` header); its
+detail goes to the `loongsage.proxy` logger, never to the client.
 
 Each response carries `x-loongsage-engine-ms`: the time the call waited on the engine,
 so a client can measure the proxy's own overhead (benchmarks/agentflow.py does).
@@ -25,19 +47,24 @@ so a client can measure the proxy's own overhead (benchmarks/agentflow.py does).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
+import math
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from stages.agentflow.chat import ensure_chat_template, render
+from stages.agentflow import anthropic_api, responses_api
+from stages.agentflow.chat import decode_continuation, encode, ensure_chat_template, render
 from stages.agentflow.client import ENGINE_LOST
 from stages.agentflow.limits import PromptLimit, RequestRejected, longest_token_chars
 from stages.agentflow.openai_api import (
     APIError,
+    Request,
     assistant_message,
     chat_body,
     chat_chunks,
@@ -45,8 +72,12 @@ from stages.agentflow.openai_api import (
     completion_chunks,
     parse_chat,
     parse_completion,
+    read_generation,
     sse,
+    sse_event,
     token_pieces,
+    tool_call_opening,
+    with_reasoning,
 )
 from stages.agentflow.session import KindError, Session, TurnLimitReached, request_kind
 
@@ -54,6 +85,29 @@ SESSION = web.RequestKey("session", Session)
 log = logging.getLogger("loongsage.proxy")
 THREAD_CHARS = 1 << 16  # a longer prompt text is tokenized on a thread (the tokenizer releases the GIL):
                         # the proxy's loop serves other trajectories meanwhile
+MAX_STORED = 256        # Responses kept per trajectory for previous_response_id (the oldest are dropped)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+ENDPOINTS = "chat/completions, completions, responses, messages, messages/count_tokens (POST) and models (GET)"
+_RAW: contextvars.ContextVar[list | None] = contextvars.ContextVar("loongsage_raw_rows", default=None)
+
+
+class _Tap:
+    """The engine client as a Session sees it; also hands the engine's rows of a call back to the
+    handler that made it (through a context variable, so concurrent calls never mix): Anthropic's
+    `stop_sequence` names the stop string the model wrote, which the recorded cut leaves out."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    async def generate(self, requests: list[dict]) -> list[dict]:
+        out = await self._client.generate(requests)
+        sink = _RAW.get()
+        if sink is not None:
+            sink.extend(out)
+        return out
 
 
 @dataclass
@@ -75,6 +129,8 @@ class Proxy:
         self.limit = limit or PromptLimit(longest=longest_token_chars(self.tok))
         self.vocab = len(self.tok)
         self.sessions: dict[str, tuple[str, Session]] = {}
+        self.stored: dict[str, OrderedDict[str, list[dict]]] = {}   # route -> response id -> its items
+        self._opening: str | None = None
         self._runner: web.AppRunner | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -84,6 +140,9 @@ class Proxy:
         app = web.Application(client_max_size=self.max_body, middlewares=[self._guard])
         app.router.add_post("/t/{route}/v1/chat/completions", self._chat)
         app.router.add_post("/t/{route}/v1/completions", self._completions)
+        app.router.add_post("/t/{route}/v1/responses", self._responses)
+        app.router.add_post("/t/{route}/v1/messages", self._messages)
+        app.router.add_post("/t/{route}/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/t/{route}/v1/models", self._models)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -100,14 +159,16 @@ class Proxy:
         """A fresh endpoint for one trajectory; its calls go to `client` (one engine)."""
         await self.start()
         route, key = secrets.token_urlsafe(18), "sk-loongsage-" + secrets.token_urlsafe(24)
-        session = Session(client, self.tok, sampling, max_turns)
+        session = Session(_Tap(client), self.tok, sampling, max_turns)
         self.sessions[route] = (key, session)
+        self.stored[route] = OrderedDict()
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return Endpoint(f"http://{host}:{self.port}/t/{route}/v1", key, route, session)
 
     def close(self, ep: Endpoint) -> None:
         """End a trajectory's endpoint: later calls get 404 and in-flight results are not recorded."""
         self.sessions.pop(ep.route, None)
+        self.stored.pop(ep.route, None)
         ep.session.close()
 
     # ---- request guard: path, key, route, error format ----------------------------------------
@@ -117,27 +178,27 @@ class Proxy:
             if request.match_info.http_exception is not None:
                 raise APIError(request.match_info.http_exception.status,
                                f"no such endpoint {request.method} {request.path}; this proxy serves "
-                               f"POST <base_url>/chat/completions and POST <base_url>/completions")
-            auth = request.headers.get("Authorization", "")
-            if not auth.startswith("Bearer ") or not auth[7:].strip():
-                raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", kind="authentication_error")
+                               f"<base_url>/ {ENDPOINTS}", kind="not_found_error")
+            key = _api_key(request)
+            if not key:
+                how = "'x-api-key: <key>'" if _anthropic(request) else "'Authorization: Bearer <key>'"
+                raise APIError(401, f"missing API key: send {how}", code="invalid_api_key",
+                               kind="authentication_error")
             entry = self.sessions.get(request.match_info["route"])
             if entry is None:
                 raise APIError(404, "unknown trajectory endpoint (it has ended, or never existed)",
                                code="unknown_route", kind="not_found_error")
-            if not hmac.compare_digest(auth[7:].strip().encode(), entry[0].encode()):
+            if not hmac.compare_digest(key.encode(), entry[0].encode()):
                 raise APIError(401, "invalid API key for this endpoint", code="invalid_api_key",
                                kind="authentication_error")
             request[SESSION] = entry[1]
             return await handler(request)
         except APIError as e:
-            return web.json_response(e.body(), status=e.status)
+            return _error(request, e)
         except RequestRejected as e:    # the engine refused the row: what the proxy's own checks would say
-            return web.json_response(APIError(400, str(e), e.param, e.code).body(), status=400)
+            return _error(request, APIError(400, str(e), e.param, e.code))
         except web.HTTPRequestEntityTooLarge:
-            return web.json_response(APIError(413, f"request body over the {self.max_body} byte limit").body(),
-                                     status=413)
+            return _error(request, APIError(413, f"request body over the {self.max_body} byte limit"))
         except Exception as e:  # noqa: BLE001 - the proxy lives on; the client learns nothing of its insides
             return self._internal_error(request, e)
 
@@ -151,9 +212,13 @@ class Proxy:
         else:
             status, msg = 500, "the server had an error while processing this request"
         err = APIError(status, f"{msg} (request id {rid}; the detail is in the run's log)", kind="server_error")
-        return web.json_response(err.body(), status=status, headers={"x-request-id": rid})
+        return _error(request, err, {"x-request-id": rid})
 
-    async def _json(self, request: web.Request) -> dict:
+    async def _json(self, request: web.Request, strict: bool = False) -> dict:
+        """The body as JSON; `strict`: it must also say so (Content-Type: application/json)."""
+        if strict and request.content_type != "application/json":
+            raise APIError(400, f"the request body must be JSON sent with 'Content-Type: application/json', "
+                                f"got {request.content_type!r}", "content-type")
         raw = await request.read()
         try:
             return json.loads(raw)
@@ -167,18 +232,16 @@ class Proxy:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session: Session = request[SESSION]
         req = parse_chat(await self._json(request), self._defaults(session), session.sampling["max_new_tokens"])
-        try:
-            text = render(self.tok, req.messages, req.tools)
-        except Exception as e:  # noqa: BLE001 - jinja raises template-specific errors for unsupported histories
-            raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
-        base = await self._prompt(request, req, text=text, param="messages")
+        base = await self._prompt(request, req, text=self._render(req.messages, req.tools, "messages"),
+                                  param="messages")
         choices = await self._complete(session, base, req)
         msgs = [assistant_message(req, c) for c in choices]
         if not session.closed:
             session.transcript = req.messages + [msgs[0][0]]
         pieces = self._pieces(req, base, choices)
         if req.stream:
-            return await self._sse(request, choices, chat_chunks(req, choices, msgs, pieces, len(base.ids)))
+            chunks = chat_chunks(req, choices, msgs, pieces, len(base.ids))
+            return await self._sse(request, choices, _openai_sse(chunks))
         return self._reply(choices, chat_body(req, choices, msgs, pieces, len(base.ids)))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -195,7 +258,8 @@ class Proxy:
                                   {"role": "assistant", "content": choices[0].text}]
         pieces = self._pieces(req, base, choices)
         if req.stream:
-            return await self._sse(request, choices, completion_chunks(req, choices, pieces, len(base.ids)))
+            chunks = completion_chunks(req, choices, pieces, len(base.ids))
+            return await self._sse(request, choices, _openai_sse(chunks))
         return self._reply(choices, completion_body(req, choices, pieces, len(base.ids)))
 
     def _pieces(self, req, base, choices) -> list[list[str]]:
@@ -209,32 +273,38 @@ class Proxy:
                                                               "owned_by": "loongsage"}]})
 
     async def _prompt(self, request: web.Request, req, text: str | None = None, ids: list[int] | None = None,
-                      param: str = "messages"):
+                      param: str = "messages", budget_param: str | None = None):
         """The call's prompt stream, checked against the context before anything long is tokenized
-        (req.max_tokens becomes the budget that fits), then admitted as one of the trajectory's calls
-        (of the kind its request-kind header names: session.request_kind)."""
+        (req.max_tokens becomes the budget that fits; one set explicitly must fit, else a 400 naming
+        `budget_param`), then admitted as one of the trajectory's calls (of the kind its request-kind
+        header names: session.request_kind)."""
         session: Session = request[SESSION]
         try:
             kind, agent = request_kind(request.headers)
         except KindError as e:
             raise APIError(400, str(e), "headers") from None
+        count = 0       # the prompt's tokens (a lower bound until it is tokenized): for Anthropic's wording
         try:
             if ids is not None:
                 if max(ids) >= self.vocab:
                     bad = next(i for i, t in enumerate(ids) if t >= self.vocab)
                     raise APIError(400, f"prompt[{bad}] = {ids[bad]} is not a token id: the vocabulary has "
                                         f"{self.vocab} tokens (ids 0..{self.vocab - 1})", param)
+                count = len(ids)
                 self.limit.budget(len(ids), 0, param=param)     # the length alone, before the ids are decoded
                 base = session.base_for_ids(ids)
             else:
+                count = math.ceil(len(text) / self.limit.longest) if self.limit.longest else 0
                 self.limit.check_text(text, param=param)        # cheap: no tokenizing of a hopeless text
                 if len(text) > THREAD_CHARS:
                     base = await asyncio.to_thread(session.base_for_text, text)
                 else:
                     base = session.base_for_text(text)
-            req.max_tokens = self.limit.budget(len(base.ids), req.max_tokens, req.max_tokens_set, param)
+            count = len(base.ids)
+            self.limit.budget(count, 0, param=param)
+            req.max_tokens = self.limit.budget(count, req.max_tokens, req.max_tokens_set, budget_param or param)
         except RequestRejected as e:
-            raise APIError(400, str(e), e.param, e.code) from None
+            raise APIError(400, str(e), e.param, e.code, tokens=(count, req.max_tokens)) from None
         try:
             session.admit(base, kind, agent)
         except TurnLimitReached as e:
@@ -254,15 +324,140 @@ class Proxy:
     def _reply(self, choices, body: dict) -> web.Response:
         return web.json_response(body, headers=_timing(choices), dumps=_dumps)
 
-    async def _sse(self, request, choices, payloads) -> web.StreamResponse:
+    async def _sse(self, request, choices, data: bytes) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_timing(choices)})
         await resp.prepare(request)
         # the whole completion exists already: one write keeps the per-call cost flat in its length
-        await resp.write(b"".join(sse(p) for p in payloads) + b"data: [DONE]\n\n")
+        await resp.write(data)
         await resp.write_eof()
         return resp
 
+    # ---- Responses and Messages: chat calls underneath -------------------------------------------
+    def _render(self, messages: list[dict], tools: list | None, param: str) -> str:
+        try:
+            return render(self.tok, messages, tools)
+        except Exception as e:  # noqa: BLE001 - jinja raises template-specific errors for unsupported histories
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param) from None
+
+    def _prefill(self, forced: str | None, param: str) -> str:
+        """The prompt's ending that makes the model call a tool ("" = any tool, else the named one)."""
+        if forced is None:
+            return ""
+        if self._opening is None:
+            self._opening = tool_call_opening(self.tok) or ""
+        if not self._opening:
+            raise APIError(400, "this model's chat template writes no <tool_call> block, so a tool call cannot be "
+                                "forced; use auto", param)
+        return self._opening + (json.dumps(forced) if forced else "")
+
+    async def _generate(self, request: web.Request, call: Request, forced: str | None, param: str,
+                        budget_param: str):
+        """One chat-shaped call of a Responses / Messages request: (prompt, choice, prefill, engine rows)."""
+        session: Session = request[SESSION]
+        prefill = self._prefill(forced, "tool_choice")
+        text = self._render(call.messages, call.tools, param) + prefill
+        base = await self._prompt(request, call, text=text, param=param, budget_param=budget_param)
+        call.max_tokens = min(call.max_tokens, session.sampling["max_new_tokens"])   # the rollout's per-call cap
+        rows: list[dict] = []
+        token = _RAW.set(rows)
+        try:
+            (choice,) = await self._complete(session, base, call)
+        finally:
+            _RAW.reset(token)
+        gen = read_generation(prefill + choice.text, call.tools is not None, reasoning=not prefill)
+        if not session.closed:
+            turn = {"role": "assistant", "content": with_reasoning(gen.reasoning, gen.text)}
+            session.transcript = call.messages + [turn | ({"tool_calls": gen.calls} if gen.calls else {})]
+        return base, choice, prefill, gen, rows
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        session: Session = request[SESSION]
+        req = responses_api.parse_responses(await self._json(request, strict=True), self._defaults(session),
+                                            session.sampling["max_new_tokens"])
+        store = self.stored.get(request.match_info["route"], OrderedDict())
+        prior = []
+        if req.previous_response_id is not None:
+            prior = store.get(req.previous_response_id)
+            if prior is None:
+                raise APIError(400, f"Previous response with id '{req.previous_response_id}' not found.",
+                               "previous_response_id", "previous_response_not_found")
+        items = prior + req.items
+        req.call.messages = responses_api.to_messages(req.instructions, items, first_new=len(prior))
+        base, choice, prefill, gen, _ = await self._generate(request, req.call, req.forced, "input",
+                                                             "max_output_tokens")
+        need = req.call.stream or req.logprobs or gen.reasoning is not None
+        pieces = token_pieces(self.tok, base.ids, choice.ids, choice.text) if need else []
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        out = responses_api.output(gen, pieces, len(prefill), choice.logprobs, req, status)
+        use = responses_api.usage(len(base.ids), len(choice.ids),
+                                  responses_api.reasoning_tokens(gen, pieces, len(prefill)))
+        resp_id = responses_api.new_id("resp")
+        body = responses_api.response_body(resp_id, req, out, choice.finish_reason, use)
+        if req.store and not session.closed:
+            store[resp_id] = items + out.items
+            while len(store) > MAX_STORED:
+                store.popitem(last=False)
+        if req.call.stream:
+            events = responses_api.stream_events(body, out, choice.logprobs)
+            return await self._sse(request, [choice], b"".join(map(sse_event, events)))
+        return self._reply([choice], body)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        session: Session = request[SESSION]
+        req = anthropic_api.parse_messages(await self._json(request, strict=True), self._defaults(session))
+        try:
+            base, choice, prefill, gen, rows = await self._generate(request, req.call, req.forced, "messages",
+                                                                    "max_tokens")
+        except APIError as e:
+            if e.code == "context_length_exceeded" and e.tokens:
+                raise anthropic_api.context_error(e, self.limit.prompt_cap, self.limit.context) from None
+            raise
+        pieces = token_pieces(self.tok, base.ids, choice.ids, choice.text) if req.call.stream else []
+        rep = anthropic_api.reply(gen, pieces, len(prefill))
+        stop = self._stop_matched(base.ids, rows, req.call.stop)
+        reason = anthropic_api.stop_reason(gen, choice.finish_reason, stop)
+        body = anthropic_api.message_body(req.call.model, rep, reason, stop, len(base.ids), len(choice.ids))
+        if req.call.stream:
+            events = anthropic_api.stream_events(body, rep)
+            return await self._sse(request, [choice], b"".join(map(sse_event, events)))
+        return self._reply([choice], body)
+
+    def _stop_matched(self, context_ids: list[int], rows: list[dict], stops: list[str]) -> str | None:
+        """The stop string the Session cut the completion at (the earliest in the engine's text, as
+        chat.cut_at_stop finds it), or None."""
+        if not stops or not rows:
+            return None
+        full = decode_continuation(self.tok, context_ids, rows[0]["response_ids"], skip_special=True)
+        hits = [(full.find(s), s) for s in stops if s in full]
+        return min(hits)[1] if hits else None
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        req = anthropic_api.parse_messages(await self._json(request, strict=True), {"temperature": 1, "top_p": 1},
+                                           count_only=True)
+        text = self._render(req.call.messages, req.call.tools, "messages")
+        ids = await asyncio.to_thread(encode, self.tok, text) if len(text) > THREAD_CHARS else encode(self.tok, text)
+        return web.json_response({"input_tokens": len(ids)})
+
+
+def _anthropic(request: web.Request) -> bool:
+    return request.path.endswith(ANTHROPIC_PATHS)
+
+
+def _api_key(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    bearer = auth[7:].strip() if auth.startswith("Bearer ") else ""
+    return request.headers.get("x-api-key", "").strip() or bearer
+
+
+def _error(request: web.Request, e: APIError, headers: dict | None = None) -> web.Response:
+    """An error in the protocol of the path it answers."""
+    status, body = anthropic_api.error_response(e) if _anthropic(request) else (e.status, e.body())
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _openai_sse(payloads) -> bytes:
+    return b"".join(sse(p) for p in payloads) + b"data: [DONE]\n\n"
 
 
 def _timing(choices) -> dict:
