@@ -1,7 +1,9 @@
 """Windowed batcher: streamed trajectory rows -> one training step's groups.
 
 Input columns: group_id, sample_idx, status, reward, token_versions
-Output: a pa.Table of B complete groups (N rows each), ordered by group seq.
+Output: a pa.Table of B complete groups (N samples each), ordered by group seq. A sample
+may be several rows (an agent's trajectory makes a row per segment): a group is complete
+when all N of its sample indices have arrived.
 
 Why it exists: rows arrive in whatever order the rollout workers finish; training needs
 whole groups (advantages are normalised within a group), at most `stale_steps` versions
@@ -48,6 +50,7 @@ class WindowedBatcher:
         self.max_staleness = int(stale_steps)
         self.strategy = strategy        # pipeline.window strategy object; None = collect everything
         self._partial: dict[int, list[pa.Table]] = {}
+        self._samples: dict[int, set] = {}      # sample indices seen per partial group
         self._ready: dict[int, pa.Table] = {}  # complete groups by seq
         self.stats = BatcherStats()
 
@@ -58,8 +61,11 @@ class WindowedBatcher:
         for g in sorted(set(gids)):
             part = batch.filter(pa.compute.equal(batch.column("group_id"), g))
             self._partial.setdefault(g, []).append(part)
-            if sum(t.num_rows for t in self._partial[g]) >= self.n:
+            seen = self._samples.setdefault(g, set())
+            seen.update(part.column("sample_idx").to_pylist())
+            if len(seen) >= self.n:
                 self._ready[g] = pa.concat_tables(self._partial.pop(g))
+                del self._samples[g]
                 self.stats.groups_complete += 1
                 done.append(g)
         return done

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2   # 2: optional agent and teacher top-k columns (a v1 recording reads as v2 with nulls)
+SCHEMA_VERSION = 3   # 2: optional agent and teacher top-k columns (a v1 recording reads as v2 with nulls)
+                     # 3: optional segment columns (a trajectory may make several rows; v1/v2 read with nulls)
 
 STATUSES = ("completed", "truncated", "aborted", "failed")
 
@@ -19,6 +20,14 @@ _f32_list = pa.list_(pa.float32())
 # per trajectory: model turns, tool calls, token segments, wall and generation seconds, failure kind
 AGENT_STATS = pa.struct([("turns", pa.int32()), ("tool_calls", pa.int32()), ("segments", pa.int32()),
                          ("wall_s", pa.float64()), ("gen_s", pa.float64()), ("fail", pa.string())])
+
+# a row's place in its trajectory's segment tree (stages/agentflow/session.py)
+SEGMENT = pa.struct([("id", pa.int32()), ("kind", pa.string()), ("parent", pa.int32()), ("start", pa.int32()),
+                     ("agent", pa.string())])
+# per trajectory (black-box): segments by kind, prompt tokens reused from recorded streams vs tokenized fresh,
+# bytes of prompt text the proxy had recorded already (history re-sent)
+SEGMENT_STATS = pa.struct([("main", pa.int32()), ("compaction", pa.int32()), ("subagent", pa.int32()),
+                           ("reused_tokens", pa.int64()), ("fresh_tokens", pa.int64()), ("resent_bytes", pa.int64())])
 
 FIELDS: list[pa.Field] = [
     # identity: a group is N samples of one prompt; seq orders groups in the data stream
@@ -53,6 +62,8 @@ FIELDS: list[pa.Field] = [
     pa.field("agent_stats", AGENT_STATS),
     pa.field("teacher_topk_ids", pa.list_(_i32_list)),        # [T][K] teacher's most likely ids per position
     pa.field("teacher_topk_logprobs", pa.list_(_f32_list)),   # [T][K] their log-probs
+    pa.field("segment", SEGMENT),             # null: the trajectory's only row (no agent, or before schema 3)
+    pa.field("segment_stats", SEGMENT_STATS),
 ]
 
 TRAJECTORY_SCHEMA = pa.schema(FIELDS, metadata={b"loongsage.schema_version": str(SCHEMA_VERSION).encode()})
@@ -88,7 +99,7 @@ def with_columns(table: pa.Table, columns: dict[str, list]) -> pa.Table:
 
 # Columns only some pipelines produce (no teacher stage -> no teacher columns): null when absent.
 OPTIONAL = ("teacher_id", "teacher_logprobs", "agent_reward", "agent_info", "transcript", "agent_stats",
-            "teacher_topk_ids", "teacher_topk_logprobs")
+            "teacher_topk_ids", "teacher_topk_logprobs", "segment", "segment_stats")
 
 
 def conform(table: pa.Table) -> pa.Table:

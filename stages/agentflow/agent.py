@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
 from stages.agentflow.limits import PromptLimit, raise_if_failed
-from stages.agentflow.session import TurnLimitReached, turn_seed
+from stages.agentflow.session import KINDS, Segment, TurnLimitReached, turn_seed
 from stages.agentflow.stream import TokenStream
 from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
 
@@ -69,7 +69,8 @@ class AgentContext:
         self.proxy = proxy
         self.status = "completed"
         self.turns = self.tool_calls = 0
-        self.segments = 1
+        self.tree: list[Segment] = [Segment(0, "main", "", -1, 0, self.stream)]   # white-box: a chain of main
+        self.segment_stats: dict = {}       # black-box: segments by kind, prefix reuse (from the proxy's Session)
         self.gen_s = 0.0                    # time spent waiting on the engines
         self.reward: float | None = None    # set by environments or black-box agents; overrides reward.fn
         self.info: dict = {}
@@ -139,9 +140,9 @@ class AgentContext:
         self.transcript += new
         text = render(self.tokenizer, self.messages)
         delta = self.stream.extension(text)
-        if delta is None:
+        if delta is None:       # the finished segment keeps its row; the next one starts at the new render
             self.stream = TokenStream(encode(self.tokenizer, text), text)
-            self.segments += 1
+            self.tree.append(Segment(len(self.tree), "main", "", len(self.tree) - 1, 0, self.stream))
         else:
             self.stream.add_context(encode(self.tokenizer, delta), delta)
 
@@ -188,15 +189,35 @@ class AgentContext:
             raise RuntimeError("the agent made no model calls")
 
     def _adopt(self, session) -> None:
-        self.turns, self.segments, self.gen_s = session.calls, session.segments, self.gen_s + session.gen_s
+        self.turns, self.gen_s = session.calls, self.gen_s + session.gen_s
         self.turn_limited = session.truncated
+        self.segment_stats = session.kind_counts() | {"reused_tokens": session.reused_tokens,
+                                                      "fresh_tokens": session.fresh_tokens,
+                                                      "resent_bytes": session.resent_bytes}
         if session.final is not None:
             self.stream = session.final.stream
+            self.tree = session.rows()
             self.transcript = session.transcript
             self.status = session.status
 
+    @property
+    def segments(self) -> int:
+        return len(self.tree)
+
     def result(self) -> dict:
+        """The trajectory's last stream as one row (its latest segment)."""
         return self.stream.columns() | {"status": self.status}
+
+    def results(self, kinds: tuple[str, ...] = KINDS) -> list[dict]:
+        """One row per segment of the given kinds, in the order they started, each with its place in
+        the tree (`segment`: id, kind, parent, start, agent)."""
+        rows = []
+        for s in self.tree:
+            stream = s.stream if s.stream is not None else self.stream
+            if s.kind in kinds:
+                rows.append(stream.columns() | {"status": self.status, "segment": {
+                    "id": s.id, "kind": s.kind, "parent": s.parent, "start": s.start, "agent": s.agent}})
+        return rows
 
 
 class SingleTurnAgent:

@@ -5,7 +5,16 @@ Output columns: prompt_ids, response_ids, response_logprobs, loss_mask, token_ve
                 version_start, version_end, status, error, t_dispatch, t_done,
                 agent_reward (float, null = none: reward.fn decides), agent_info (JSON),
                 transcript (JSON list of {role, content}), agent_stats (struct: turns,
-                tool_calls, segments, wall_s, gen_s, fail = ""|timeout|exit|error)
+                tool_calls, segments, wall_s, gen_s, fail = ""|timeout|exit|error),
+                segment (struct: id, kind, parent, start, agent: the row's place in the
+                trajectory's segment tree), segment_stats (struct: segments by kind, prompt
+                tokens reused / fresh, bytes of history re-sent; black-box agents)
+
+A trajectory makes one row per segment of a kind in `rollout.train_segments` (default all
+three kinds): an append-only conversation is one segment, hence one row; compaction,
+subagents and templates that rewrite history make more. The rows share the sample's
+group_id, sample_idx and reward; the trainer counts a sample once in its group's
+statistics (stages/update/trainer.py: row weights).
 
 Why it exists: every agent, white-box or black-box, reaches the engines through here, so
 the window gate, engine affinity, timeouts, turn limits and per-token versions live in
@@ -36,6 +45,7 @@ from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
 from stages.agentflow.client import Affinity
 from stages.agentflow.limits import PromptLimit
+from stages.agentflow.session import KINDS
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent
 from stages.priority import lower_priority
 from stages.schema import with_columns
@@ -71,6 +81,8 @@ class RolloutConfig:
     proxy_max_body_mb: float = 8.0     # larger request bodies get 413
     proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p override an agent's request
     seed: int = 0                      # sampling seed (per sample: seed, group, index; per turn within it)
+    train_segments: tuple = ("main", "compaction", "subagent")   # segment kinds that become training rows
+                                       # (stages/agentflow/session.py): each segment of these kinds is its own row
     nice: int = 0                      # niceness of engine and rollout/reward worker processes (0-19; 0 = as started):
                                        # > 0 lets the trainer, an async run's bottleneck, keep its core
 
@@ -93,6 +105,12 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
         if not 0 <= self.nice <= 19:
             raise ValueError(f"rollout.nice must be in 0..19, got {self.nice}")
+        kinds = (self.train_segments,) if isinstance(self.train_segments, str) else tuple(self.train_segments)
+        bad = [k for k in kinds if k not in KINDS]
+        if bad or not kinds:
+            raise ValueError(f"rollout.train_segments must name some of {', '.join(KINDS)}, "
+                             f"got {self.train_segments!r}")
+        object.__setattr__(self, "train_segments", kinds)
         if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
             raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
 
@@ -116,7 +134,7 @@ def load_agent(name: str):
 
 
 ENCODE_CACHE_ROWS = 4096    # prompts kept tokenized per rollout worker
-EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats")   # optional schema columns
+EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats", "segment", "segment_stats")  # optional
 
 
 class AgentFlowRollout:
@@ -149,13 +167,13 @@ class AgentFlowRollout:
         if self.gate is not None:
             seqs = sorted({r["group_id"] for r in rows})
             if ray.get(self.gate.acquire.remote(seqs)) < 0:   # window closed: the run is stopping
-                return _table(batch, [_aborted() for _ in rows])
+                return _table(batch, [[_aborted()] for _ in rows])
         return _table(batch, self.loop.run_until_complete(self._all(rows)))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.proxy.stop())
 
-    async def _all(self, rows: list[dict]) -> list[dict]:
+    async def _all(self, rows: list[dict]) -> list[list[dict]]:
         limit = asyncio.Semaphore(self.cfg.max_agents or len(rows) or 1)
         return await asyncio.gather(*(self._one(r, limit) for r in rows))
 
@@ -179,39 +197,44 @@ class AgentFlowRollout:
             ids = self._encoded[text] = encode(self.tok, text)
         return ids      # AgentContext copies it
 
-    async def _one(self, row: dict, limit: asyncio.Semaphore) -> dict:
-        """One trajectory. If its engine dies meanwhile, it is run again from the start (same
-        seed) once the engine is back: nothing half-made by a dead engine reaches training."""
+    async def _one(self, row: dict, limit: asyncio.Semaphore) -> list[dict]:
+        """One trajectory (a row per trained segment). If its engine dies meanwhile, it is run again from the
+        start (same seed) once the engine is back: nothing half-made by a dead engine reaches training."""
         client = self.affinity.for_group(row["group_id"])
         for attempt in range(self.cfg.engine_retries + 1):
             lost = client.lost
             out = await self._attempt(row, limit)
-            if client.lost == lost or out["status"] != "failed" or attempt == self.cfg.engine_retries:
+            if client.lost == lost or out[0]["status"] != "failed" or attempt == self.cfg.engine_retries:
                 break
             await asyncio.sleep(min(2.0 ** attempt, 10.0))   # the engine is restarting
         return out
 
-    async def _attempt(self, row: dict, limit: asyncio.Semaphore) -> dict:
+    async def _attempt(self, row: dict, limit: asyncio.Semaphore) -> list[dict]:
         t_dispatch = time.time()
         async with limit:
             t0, ctx, fail = time.time(), None, ""
             try:
                 ctx = self._context(row)
                 await asyncio.wait_for(self.agent.run(ctx, row), timeout=self.cfg.timeout_s)
-                out = ctx.result() | {"error": ""}
+                outs = [r | {"error": ""} for r in ctx.results(self.cfg.train_segments)]
             except asyncio.TimeoutError:
-                fail, out = "timeout", _failed(f"agent timed out after {self.cfg.timeout_s}s{_tail(ctx)}")
+                fail, outs = "timeout", [_failed(f"agent timed out after {self.cfg.timeout_s}s{_tail(ctx)}")]
             except Exception as e:  # noqa: BLE001 - one row fails, never the batch
                 if ctx is not None and ctx.turn_limited:
                     # the turn limit ended the agent, however it then ended: keep what it made, as truncated
-                    out = ctx.result() | {"status": "truncated",
-                                          "error": f"stopped by the turn limit: {type(e).__name__}: {e}"}
+                    outs = [r | {"status": "truncated", "error": f"stopped by the turn limit: {type(e).__name__}: {e}"}
+                            for r in ctx.results(self.cfg.train_segments)]
                 elif isinstance(e, AgentExit):
-                    fail, out = "exit", _failed(f"{e}{_tail(ctx)}")
+                    fail, outs = "exit", [_failed(f"{e}{_tail(ctx)}")]
                 else:
-                    fail, out = "error", _failed(f"{type(e).__name__}: {e}{_tail(ctx)}\n"
-                                                 f"{traceback.format_exc(limit=3)}")
-        return out | _agent_columns(ctx, fail, time.time() - t0) | {"t_dispatch": t_dispatch, "t_done": time.time()}
+                    fail, outs = "error", [_failed(f"{type(e).__name__}: {e}{_tail(ctx)}\n"
+                                                   f"{traceback.format_exc(limit=3)}")]
+            if not outs:        # every segment is of a kind this recipe does not train
+                fail, outs = "error", [_failed(f"the trajectory has no segment of a trained kind "
+                                               f"(rollout.train_segments={list(self.cfg.train_segments)}; it made "
+                                               f"{', '.join(s.kind for s in ctx.tree)})")]
+        common = _agent_columns(ctx, fail, time.time() - t0) | {"t_dispatch": t_dispatch, "t_done": time.time()}
+        return [out | common for out in outs]
 
 
 def _chat_prompt(prompt: str) -> list[dict] | None:
@@ -236,12 +259,13 @@ def _agent_columns(ctx, fail: str, wall_s: float) -> dict:
             "transcript": json.dumps(ctx.transcript if ok else []),
             "agent_stats": {"turns": ctx.turns if ctx else 0, "tool_calls": ctx.tool_calls if ctx else 0,
                             "segments": ctx.segments if ctx else 0, "wall_s": wall_s,
-                            "gen_s": ctx.gen_s if ctx else 0.0, "fail": fail}}
+                            "gen_s": ctx.gen_s if ctx else 0.0, "fail": fail},
+            "segment_stats": (ctx.segment_stats or None) if ok else None}
 
 
 def _failed(error: str, status: str = "failed") -> dict:
     return {"prompt_ids": [], "response_ids": [], "response_logprobs": [], "loss_mask": [], "token_versions": [],
-            "version_start": -1, "version_end": -1, "status": status, "error": error}
+            "version_start": -1, "version_end": -1, "status": status, "error": error, "segment": None}
 
 
 def _aborted() -> dict:
@@ -250,6 +274,10 @@ def _aborted() -> dict:
         "t_dispatch": now, "t_done": now}
 
 
-def _table(batch: pa.Table, results: list[dict]) -> pa.Table:
-    """The batch with the stage's columns set, typed by the trajectory schema."""
-    return with_columns(batch, {k: [r[k] for r in results] for k in AgentFlowRollout.outputs})
+def _table(batch: pa.Table, results: list[list[dict]]) -> pa.Table:
+    """The batch with the stage's columns set, typed by the trajectory schema: an input row is repeated
+    once per segment row its trajectory made."""
+    if any(len(r) != 1 for r in results):
+        batch = batch.take([i for i, r in enumerate(results) for _ in r])
+    flat = [row for r in results for row in r]
+    return with_columns(batch, {k: [r[k] for r in flat] for k in AgentFlowRollout.outputs})

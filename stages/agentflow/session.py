@@ -1,15 +1,31 @@
-"""A black-box trajectory as the proxy records it: calls in, one token stream out.
+"""A black-box trajectory as the proxy records it: calls in, a tree of token segments out.
 
 Every model call of one trajectory lands here. A call's prompt (chat-template text, or
 completion text / ids) is matched against the streams recorded so far (the "tips": one
 per choice of every recent call). If it extends a tip, the new prompt is that tip's ids
 plus the tokens of the new text only, so the model's earlier tokens are reused, never
-re-tokenised. If it extends none (the agent edited or summarised its history, or the
-chat template is not append-only), the call starts a new segment from scratch; segments
-are counted. The trajectory a row trains on is the stream of the last call (choice 0).
+re-tokenised. If it extends none (the agent edited or summarised its history, or a chat
+template that rewrites earlier turns, e.g. dropping their <think> reasoning), the longest
+run of a tip's recorded tokens whose text starts the prompt is kept as it was recorded and
+only the rest is tokenized: the call starts a new segment from there.
+
+Segments form a tree (`Session.tree`). A call says what it is with the request-kind header
+`x-loongsage-request-kind: main | compaction | subagent` (KIND_HEADER; absent = main) and,
+for one subagent among several, `x-loongsage-agent-id: NAME`. A call continues the segment
+whose tip it extends if it is of the same kind and agent; otherwise it starts one:
+
+    compaction   the agent asks for a summary of its history: a child of the segment it extends
+    main after a compaction   follows the compaction segment (its prompt holds the summary)
+    subagent     its first call hangs off the latest main segment; later calls extend it
+    a branch     (history not an extension) a child of the segment it branched from
+
+Each segment records its parent, kind, agent and token span (`start`: tokens shared with
+the stream it branched from); its row is its last call's stream (choice 0), whose prompt is
+the segment's first prompt, so tokens another segment trains are never trained twice. The
+rollout turns every segment of a trained kind (rollout.train_segments) into its own row.
 
 Assembling a prompt has no side effect: the proxy checks its length first, and only a call
-it admits (`admit`) counts as a turn and, if it extends no recorded stream, as a segment.
+it admits (`admit`) counts as a turn and takes its place in the tree.
 """
 from __future__ import annotations
 
@@ -60,51 +76,146 @@ class Choice:
     engine_s: float           # time this call waited on the engine
 
 
+@dataclass
+class Prompt(TokenStream):
+    """A call's prompt stream, with where it came from: the recorded tip it reuses tokens of."""
+    origin: int = -1          # index in Session.tips of that tip (-1: none, every token is fresh)
+    shared: int = 0           # tokens taken from it as recorded (the model's own, never re-tokenised)
+    extends: bool = False     # the prompt extends the whole tip (else it branches off at `shared`)
+    resent_bytes: int = 0     # bytes of the prompt text the proxy had recorded already
+    segment: int = -1         # the segment the call joined (set by Session.admit)
+
+
+@dataclass
+class Segment:
+    """One node of a trajectory's segment tree: consecutive calls that extend each other's streams."""
+    id: int
+    kind: str                 # main | compaction | subagent
+    agent: str                # a subagent's id ("" when its calls sent none)
+    parent: int               # the segment it branched from or follows (-1: the root)
+    start: int                # tokens it shares with the stream it branched from; its own tokens start here
+    stream: TokenStream | None = None   # its last call's stream (choice 0): the segment's training row
+    calls: int = 0
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.start, len(self.stream.ids) if self.stream is not None else self.start
+
+
 class Session:
     def __init__(self, client, tok, sampling: dict, max_turns: int = 0):
         self.client, self.tok, self.sampling, self.max_turns = client, tok, sampling, max_turns
         self.tips: list[TokenStream] = []
+        self.tip_segs: list[int] = []         # the segment each tip belongs to
+        self.tree: list[Segment] = []
         self.final: Choice | None = None
         self.transcript: list[dict] = []
-        self.calls = self.segments = 0
+        self.calls = 0
         self.gen_s = 0.0
+        self.reused_tokens = self.fresh_tokens = self.resent_bytes = 0
         self.truncated = False      # the turn limit cut the agent off
         self.closed = False
 
+    @property
+    def segments(self) -> int:
+        return len(self.tree)
+
     # ---- prompt assembly -----------------------------------------------------------
-    def base_for_text(self, text: str) -> TokenStream:
-        """The stream a prompt text continues: a recorded tip plus the new text's tokens, or a new segment."""
-        best = max((t for t in self.tips if text.startswith(t.text)), key=lambda t: len(t.text), default=None)
-        if best is None:
-            return TokenStream(encode(self.tok, text), text)
-        base = best.copy()
-        delta = text[len(best.text):]
-        base.add_context(encode(self.tok, delta), delta)
+    def base_for_text(self, text: str) -> Prompt:
+        """The stream a prompt text continues: a recorded tip plus the new text's tokens; or, when no tip's
+        text is a prefix of it (edited history, a template that rewrites earlier turns), the longest run of
+        some tip's tokens whose text starts it, plus the rest tokenized: a new segment from there."""
+        full = [i for i, t in enumerate(self.tips) if text.startswith(t.text)]
+        if full:
+            best = max(full, key=lambda i: len(self.tips[i].text))
+            k, head = len(self.tips[best].ids), self.tips[best].text
+        else:
+            best = max(range(len(self.tips)), key=lambda i: _common_chars(self.tips[i].text, text), default=-1)
+            k, head = self._tokens_within(self.tips[best], text) if best >= 0 else (0, "")
+        if k == 0:
+            return Prompt(encode(self.tok, text), text)
+        tip = self.tips[best]
+        rest = text[len(head):]
+        if k == len(tip.ids):       # extends the whole tip: its records carry over (model tokens stay trained)
+            base = Prompt(list(tip.prompt_ids), tip.text, list(tip.response_ids), list(tip.logprobs),
+                          list(tip.versions), list(tip.loss_mask), origin=best, shared=k, extends=True)
+            base.add_context(encode(self.tok, rest), rest)
+        else:                       # branches off: the shared tokens as recorded, then the rest fresh
+            base = Prompt(tip.ids[:k] + encode(self.tok, rest), text, origin=best, shared=k)
+        base.resent_bytes = len(head.encode())
         return base
 
-    def base_for_ids(self, ids: list[int]) -> TokenStream:
-        """Token-in prompts (completions with a list of ids) match tips id for id."""
-        best = max((t for t in self.tips if ids[: len(t.ids)] == t.ids), key=lambda t: len(t.ids), default=None)
-        if best is None:
-            return TokenStream(list(ids), self.tok.decode(ids, skip_special_tokens=False))
-        base = best.copy()
-        delta = list(ids[len(best.ids):])
-        base.add_context(delta, decode_continuation(self.tok, best.ids, delta))
+    def _tokens_within(self, tip: TokenStream, text: str) -> tuple[int, str]:
+        """The most leading tokens of `tip` whose decoded text starts `text` (binary search on the count;
+        a cut inside a multi-byte character decodes to U+FFFD and does not match)."""
+        lo, hi, head = 0, len(tip.ids), ""
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            piece = self.tok.decode(tip.ids[:mid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if text.startswith(piece):
+                lo, head = mid, piece
+            else:
+                hi = mid - 1
+        return lo, head
+
+    def base_for_ids(self, ids: list[int]) -> Prompt:
+        """Token-in prompts (completions with a list of ids) match tips id for id: the longest common prefix."""
+        best, k = -1, 0
+        for i, t in enumerate(self.tips):
+            n = _common_ids(t.ids, ids)
+            if n > k:
+                best, k = i, n
+        if best < 0:
+            return Prompt(list(ids), self.tok.decode(ids, skip_special_tokens=False))
+        tip = self.tips[best]
+        if k == len(tip.ids):
+            base = Prompt(list(tip.prompt_ids), tip.text, list(tip.response_ids), list(tip.logprobs),
+                          list(tip.versions), list(tip.loss_mask), origin=best, shared=k, extends=True)
+            delta = list(ids[k:])
+            base.add_context(delta, decode_continuation(self.tok, tip.ids, delta))
+        else:
+            base = Prompt(list(ids), self.tok.decode(ids, skip_special_tokens=False), origin=best, shared=k)
         return base
 
     # ---- generation ----------------------------------------------------------------
-    def admit(self, base: TokenStream, kind: str = "main", agent: str = "") -> None:
-        """Count a call whose prompt is `base` (and a segment if it extends no recorded stream),
-        or refuse it past the turn limit."""
+    def admit(self, base: TokenStream, kind: str = "main", agent: str = "") -> int:
+        """Count a call whose prompt is `base` and place it in the segment tree (its segment's id), or
+        refuse it past the turn limit. A call continues the segment of the tip it extends when it is of the
+        same kind (and subagent id); otherwise it starts a segment: after a compaction call, a main call
+        follows the compaction segment (its prompt holds the summary); a branch's parent is the segment it
+        branched from; a subagent's first call hangs off the latest main segment."""
         if self.closed:
             raise RuntimeError("the trajectory has ended")
         if self.max_turns and self.calls >= self.max_turns:
             self.truncated = True
             raise TurnLimitReached(f"turn limit reached: this trajectory may make {self.max_turns} model calls")
         self.calls += 1
-        ids = base.ids
-        if not any(len(t.ids) <= len(ids) and ids[: len(t.ids)] == t.ids for t in self.tips):
-            self.segments += 1
+        origin = getattr(base, "origin", -1)
+        shared = getattr(base, "shared", 0) if origin >= 0 else 0
+        self.reused_tokens += shared
+        self.fresh_tokens += len(base.ids) - shared
+        self.resent_bytes += getattr(base, "resent_bytes", 0)
+        seg = self.tree[self.tip_segs[origin]] if origin >= 0 else None
+        if seg is not None and getattr(base, "extends", False) and (seg.kind, seg.agent) == (kind, agent):
+            seg.calls += 1
+            base.segment = seg.id
+            return seg.id
+        if base.response_ids:   # a new segment's row starts at its first prompt: what it inherits is not
+            base.prompt_ids, base.response_ids = base.ids, []   # trained again (its own segment trains it)
+            base.logprobs, base.versions, base.loss_mask = [], [], []
+        last = self.tree[-1] if self.tree else None
+        if kind == "main" and last is not None and last.kind == "compaction":
+            parent = last.id
+        elif seg is not None:
+            parent = seg.id
+        elif kind == "subagent":
+            parent = next((s.id for s in reversed(self.tree) if s.kind == "main"), -1)
+        else:
+            parent = last.id if last is not None else -1
+        new = Segment(len(self.tree), kind, agent, parent, shared, calls=1)
+        self.tree.append(new)
+        base.segment = new.id
+        return new.id
 
     async def complete(self, base: TokenStream, n: int, max_tokens: int, temperature: float, top_p: float,
                        stop: list[str], seed: int | None = None) -> list[Choice]:
@@ -124,9 +235,14 @@ class Session:
         engine_s = time.perf_counter() - t0
         self.gen_s += engine_s
         choices = [self._choice(base, out, stop, engine_s) for out in outs]
+        sid = getattr(base, "segment", -1)
+        if sid < 0:         # a caller that skipped admit(): the call continues the latest segment
+            sid = self.tree[-1].id if self.tree else self.admit(base)
         self.tips = (self.tips + [c.stream for c in choices])[-MAX_TIPS:]
+        self.tip_segs = (self.tip_segs + [sid] * len(choices))[-MAX_TIPS:]
         if not self.closed:
             self.final = choices[0]
+            self.tree[sid].stream = choices[0].stream
         return choices
 
     def _choice(self, base: TokenStream, out: dict, stop: list[str], engine_s: float) -> Choice:
@@ -146,5 +262,38 @@ class Session:
             return "truncated"
         return self.final.status if self.final else "failed"
 
+    def rows(self) -> list[Segment]:
+        """The segments that have a recorded stream, in the order they started."""
+        return [s for s in self.tree if s.stream is not None]
+
+    def kind_counts(self) -> dict[str, int]:
+        return {k: sum(s.kind == k for s in self.tree) for k in KINDS}
+
     def close(self) -> None:
         self.closed = True
+
+
+def _common_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (binary search on C-level startswith)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if b.startswith(a[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_ids(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

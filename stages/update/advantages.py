@@ -16,17 +16,19 @@ from typing import Callable
 import torch
 
 
-def _group_moments(rewards: torch.Tensor, group_ids: torch.Tensor):
-    """Per-row group size, group mean and unbiased group std (0 for a group of one)."""
+def _group_moments(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor | None = None):
+    """Per-row group size, group mean and unbiased group std (0 for a group of one). With `weights`
+    (a row's share of its sample) a sample that made several rows counts once: sizes count samples."""
     _, row_group = torch.unique(group_ids, return_inverse=True)
     n_groups = int(row_group.max()) + 1 if row_group.numel() else 0
 
     def group_sum(x):
         return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, row_group, x)[row_group]
 
-    size = group_sum(torch.ones_like(rewards))
-    mean = group_sum(rewards) / size
-    var = group_sum((rewards - mean) ** 2) / (size - 1).clamp(min=1)
+    w = torch.ones_like(rewards) if weights is None else weights.to(rewards.dtype)
+    size = group_sum(w)
+    mean = group_sum(w * rewards) / size
+    var = group_sum(w * (rewards - mean) ** 2) / (size - 1).clamp(min=1)
     return size, mean, var.sqrt()
 
 
@@ -39,26 +41,26 @@ def _as_float(rewards: torch.Tensor, mask: torch.Tensor):
     return rewards.to(dtype), mask.to(dtype)
 
 
-def grpo(rewards, group_ids, mask, eps: float = 1e-6) -> torch.Tensor:
+def grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """GRPO (Shao et al. 2024, 2402.03300), outcome supervision: (r - mean_g) / (std_g + eps)."""
     rewards, mask = _as_float(rewards, mask)
-    _, mean, std = _group_moments(rewards, group_ids)
+    _, mean, std = _group_moments(rewards, group_ids, weights)
     return _per_token((rewards - mean) / (std + eps), mask)
 
 
-def dr_grpo(rewards, group_ids, mask, eps: float = 1e-6) -> torch.Tensor:
+def dr_grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, 2503.20783): r - mean_g. Dividing by the std up-weights
     prompts that are too easy or too hard, so Dr.GRPO drops it (and the length norm, in the loss)."""
     rewards, mask = _as_float(rewards, mask)
-    _, mean, _ = _group_moments(rewards, group_ids)
+    _, mean, _ = _group_moments(rewards, group_ids, weights)
     return _per_token(rewards - mean, mask)
 
 
-def rloo(rewards, group_ids, mask, eps: float = 1e-6) -> torch.Tensor:
+def rloo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, 2402.14740): r_i minus the mean of the *other* samples'
     rewards, an unbiased baseline since it does not depend on sample i."""
     rewards, mask = _as_float(rewards, mask)
-    size, mean, _ = _group_moments(rewards, group_ids)
+    size, mean, _ = _group_moments(rewards, group_ids, weights)
     others_mean = (mean * size - rewards) / (size - 1).clamp(min=1)
     return _per_token(torch.where(size > 1, rewards - others_mean, 0.0), mask)
 
@@ -80,7 +82,7 @@ def _returns(seq_reward: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Ten
     return returns
 
 
-def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None):
+def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None, weights=None):
     """REINFORCE++ (Hu et al. 2025, 2501.03262): token returns (reward at the end, optional
     per-token KL penalty `kl_penalty` [B,T] = beta * KL_t along the way), normalised over
     the whole batch's tokens instead of per group, which keeps the estimate unbiased
@@ -89,11 +91,12 @@ def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.
     return _whiten_over_tokens(_returns(rewards, mask, kl_penalty), mask, eps)
 
 
-def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None):
+def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None,
+                          weights=None):
     """REINFORCE++-baseline (same paper): subtract the group mean reward first, then
     normalise over the batch's tokens as REINFORCE++ does."""
     rewards, mask = _as_float(rewards, mask)
-    _, mean, _ = _group_moments(rewards, group_ids)
+    _, mean, _ = _group_moments(rewards, group_ids, weights)
     return _whiten_over_tokens(_returns(rewards - mean, mask, kl_penalty), mask, eps)
 
 
@@ -107,9 +110,10 @@ ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
-                       eps: float = 1e-6, **kw) -> torch.Tensor:
-    """Advantages [B,T] from rewards [B], group ids [B] and loss mask [B,T] with estimator `name`."""
+                       eps: float = 1e-6, weights: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    """Advantages [B,T] from rewards [B], group ids [B] and loss mask [B,T] with estimator `name`.
+    `weights` [B]: a row's share of its sample, when a sample made several rows (agent segments)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
     with torch.no_grad():
-        return ESTIMATORS[name](rewards, group_ids, mask, eps=eps, **kw)
+        return ESTIMATORS[name](rewards, group_ids, mask, eps=eps, weights=weights, **kw)
