@@ -529,3 +529,20 @@ def test_responses_wrong_content_type(ep):
     with pytest.raises(openai.BadRequestError):
         oai(ep).responses.create(model="m", input=[{"type": "function_call_output", "call_id": "c", "output": "5"}])
     _still_serving(ep)
+
+
+def test_an_engine_failure_is_a_generic_error_in_each_protocol(server):
+    from tests.test_hardening_proxy import CrashingEngine
+
+    loop, proxy = server
+    e = loop.run(proxy.open(RecordingClient(CrashingEngine.remote()), dict(GREEDY)))
+    try:
+        with pytest.raises(anthropic.InternalServerError) as err:
+            ant(e).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hmm"}])
+        with pytest.raises(openai.InternalServerError) as oerr:
+            oai(e).responses.create(model="m", input="hmm")
+    finally:
+        proxy.close(e)
+    assert err.value.status_code == 500 and err.value.body["error"]["type"] == "api_error"
+    assert "request id req_" in err.value.body["error"]["message"] and "boom" not in err.value.response.text
+    assert oerr.value.body["type"] == "server_error" and "boom" not in oerr.value.response.text
