@@ -85,7 +85,7 @@ class Controller:
     def validate(self) -> None:
         c = self.cfg
         load_reward_fn(c.reward.fn)
-        load_agent(c.rollout.agent)
+        load_agent(c.rollout.agent, c.rollout.agent_preload)
         make_strategy(c.rollout.window)
         capacity(c.batcher.groups_per_step, c.rollout.stale_steps)
         step_samples = c.batcher.groups_per_step * c.rollout.n_samples

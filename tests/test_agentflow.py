@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -146,8 +147,9 @@ def test_chat_prompt_rows_use_the_chat_template(run_stage):
 
 
 # ---- black-box --------------------------------------------------------------------------------------
-def test_subprocess_example_agent_through_the_stage_and_reward(run_stage, tiny_model_dir):
-    stage, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py --tries 2")
+@pytest.mark.parametrize("preload", [(), ("json", "urllib.request")], ids=["spawned", "forked"])
+def test_subprocess_example_agent_through_the_stage_and_reward(run_stage, tiny_model_dir, preload):
+    stage, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py --tries 2", agent_preload=preload)
     rows = out.to_pylist()
     for row in rows:
         assert row["status"] in ("completed", "truncated"), row["error"]
@@ -185,7 +187,8 @@ def test_without_a_reported_reward_reward_fn_reads_the_final_turn(run_stage, tmp
     assert info["response"] == json.loads(row["transcript"])[-1]["content"]
 
 
-def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_path):
+@pytest.mark.parametrize("preload", [(), ("json", "urllib.request")], ids=["spawned", "forked"])
+def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_path, preload):
     agent = script(tmp_path, """
         import json, os, sys
         if json.loads(os.environ["LOONGSAGE_SAMPLE"])["prompt"] == "12+30=":
@@ -194,7 +197,7 @@ def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_p
         sys.argv[1:] = ["--tries", "2"]
         import runpy; runpy.run_path(%r, run_name="__main__")
     """ % os.path.abspath("examples/agents/addition.py"))
-    _, out = run_stage(ROWS, agent=agent)
+    _, out = run_stage(ROWS, agent=agent, agent_preload=preload)
     ok, bad = out.to_pylist()
     assert ok["status"] in ("completed", "truncated") and ok["agent_reward"] is not None
     assert bad["status"] == "failed" and "exited with code 3" in bad["error"]
@@ -217,7 +220,8 @@ def _alive(pid: int, grace_s: float = 5.0) -> bool:
         time.sleep(0.05)
 
 
-def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp_path):
+@pytest.mark.parametrize("preload", [(), ("json", "urllib.request")], ids=["spawned", "forked"])
+def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp_path, preload):
     pids = tmp_path / "pids"
     agent = script(tmp_path, f"""
         import subprocess, sys, time
@@ -226,7 +230,7 @@ def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp
         print("thinking very hard", file=sys.stderr, flush=True)
         time.sleep(600)
     """)
-    _, out = run_stage(ROWS[:1], agent=agent, timeout_s=3.0)
+    _, out = run_stage(ROWS[:1], agent=agent, timeout_s=3.0, agent_preload=preload)
     (row,) = out.to_pylist()
     assert row["status"] == "failed" and "timed out after 3.0s" in row["error"]
     assert "thinking very hard" in row["error"] and row["agent_stats"]["fail"] == "timeout"
@@ -271,6 +275,49 @@ def test_in_process_openai_agent(run_stage):
 def test_bad_agent_settings_fail_at_start(name, fragment):
     with pytest.raises(ValueError, match=fragment):
         load_agent(name)
+
+
+@pytest.mark.parametrize("agent, preload, fragment", [
+    ("single_turn", ("json",), "is for 'cmd:python SCRIPT.py' agents"),
+    ("cmd:/bin/echo hi", ("json",), "needs a 'cmd:python SCRIPT.py ...' agent"),
+    ("cmd:python examples/agents/addition.py", ("no_such_module_xyz",), "module 'no_such_module_xyz' is not installed"),
+    ("cmd:python examples/agents/addition.py", ("json; rm",), "is not a module name"),
+])
+def test_bad_agent_preload_fails_at_start(agent, preload, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        load_agent(agent, RolloutConfig(agent=agent, agent_preload=preload).agent_preload)
+
+
+def test_a_preload_that_fails_to_import_fails_the_rows_with_its_error(run_stage, tmp_path, monkeypatch):
+    (tmp_path / "broken_sdk.py").write_text("raise RuntimeError('this SDK is broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    _, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py", agent_preload=("broken_sdk",))
+    for row in out.to_pylist():
+        assert row["status"] == "failed", row
+        assert "module 'broken_sdk' does not import: RuntimeError: this SDK is broken" in row["error"]
+
+
+def test_forked_agents_are_separate_processes_with_their_own_env_and_seed(run_stage, tmp_path):
+    """Each trajectory forked from the zygote is its own process (pid, session), sees its own
+    LOONGSAGE_SAMPLE and endpoint, and draws its own random numbers (the zygote reseeds them)."""
+    agent = script(tmp_path, """
+        import json, os, random, sys, urllib.request
+        sample = json.loads(os.environ["LOONGSAGE_SAMPLE"])
+        req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/completions",
+            data=json.dumps({"prompt": sample["prompt"]}).encode(),
+            headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+        urllib.request.urlopen(req).read()
+        info = {"pid": os.getpid(), "sid": os.getsid(0), "prompt": sample["prompt"], "r": random.random(),
+                "url": os.environ["OPENAI_BASE_URL"], "argv": sys.argv[1:], "json_loaded": "json" in sys.modules}
+        print(json.dumps({"reward": 0.0, "info": info}))
+    """)
+    _, out = run_stage(ROWS * 2, agent=agent + " --flag x", agent_preload=("json",))
+    infos = [json.loads(r["agent_info"]) for r in out.to_pylist()]
+    assert [i["prompt"] for i in infos] == [r["prompt"] for r in ROWS * 2]
+    assert len({i["pid"] for i in infos}) == 4 and all(i["pid"] == i["sid"] for i in infos)
+    assert len({i["r"] for i in infos}) == 4 and len({i["url"] for i in infos}) == 4
+    assert all(i["argv"] == ["--flag", "x"] and i["json_loaded"] for i in infos)
 
 
 def test_agent_commands_run_from_any_directory(tmp_path, monkeypatch):

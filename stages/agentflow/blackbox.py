@@ -25,6 +25,11 @@ A leading `python`/`python3` in the command means this interpreter (sys.executab
 relative script path that does not exist in the working directory is looked up in the
 project root, so the shipped examples run from anywhere.
 
+`rollout.agent_preload: [anthropic]` (a `python SCRIPT.py ...` command only): the worker starts
+one zygote process that imports those modules once and forks each trajectory's process from
+it (stages/agentflow/zygote.py), so an agent does not pay its SDK import per trajectory
+(`import anthropic` is ~2.5 s of CPU here). Everything above holds for a forked agent too.
+
 In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent`
 and set `rollout.agent: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop
 (use openai.AsyncOpenAI); a plain def runs in a thread. Returning {"reward": ...} works
@@ -127,18 +132,145 @@ class _Tail:
         return self.data.decode(errors="replace")
 
 
+class Zygote:
+    """The worker's side of stages/agentflow/zygote.py: start it once, fork agent processes from it."""
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.modules = tuple(modules)
+        self.proc = None
+        self.dir = None
+        self._lock = None
+
+    async def _start(self) -> str:
+        import tempfile
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.proc is not None and self.proc.returncode is None:
+                return os.path.join(self.dir, "z.sock")
+            self.dir = tempfile.mkdtemp(prefix="loongsage-zygote-")
+            path = os.path.join(self.dir, "z.sock")
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(Path(__file__).with_name("zygote.py")), path, *self.modules,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            line = await self.proc.stdout.readline()
+            if line.strip() != b"ready":
+                err = (await self.proc.stderr.read()).decode(errors="replace").strip()
+                await self.proc.wait()
+                self.proc = None
+                raise ValueError(err or f"the agent zygote exited ({self.modules}) before it was ready")
+            return path
+
+    async def spawn(self, argv: list[str], env: dict[str, str]) -> "ForkedProcess":
+        import socket
+
+        path = await self._start()
+        loop = asyncio.get_running_loop()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, path)
+            req = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+            socket.send_fds(sock, [req], [null, out_w, err_w])
+            reply = json.loads(await loop.sock_recv(sock, 65536) or b"{}")
+        except BaseException:
+            sock.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        if "pid" not in reply:
+            sock.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise RuntimeError(f"the agent zygote refused to fork: {reply.get('error', reply)}")
+        return ForkedProcess(reply["pid"], sock, await _reader(out_r), await _reader(err_r))
+
+    async def aclose(self) -> None:
+        """Stop the zygote (agents it forked are their own sessions: their trajectories end them)."""
+        import shutil
+
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.returncode is None:
+                try:
+                    proc.kill()
+                except ProcessLookupError:
+                    pass
+            await proc.wait()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    return reader
+
+
+class ForkedProcess:
+    """An agent process forked by the zygote, with asyncio.subprocess.Process's pid/stdout/stderr/wait."""
+
+    def __init__(self, pid: int, sock, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader):
+        self.pid, self.stdout, self.stderr = pid, stdout, stderr
+        self.returncode: int | None = None
+        self._sock = sock
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            try:
+                reply = await asyncio.get_running_loop().sock_recv(self._sock, 65536)
+                self.returncode = int(json.loads(reply)["rc"]) if reply else -signal.SIGKILL
+            except (OSError, ValueError, KeyError):
+                self.returncode = -signal.SIGKILL   # the zygote went away with it
+            finally:
+                self._sock.close()
+        return self.returncode
+
+
 class SubprocessAgent:
-    def __init__(self, cmd: str):
+    def __init__(self, cmd: str, preload: tuple[str, ...] = ()):
         self.cmd = cmd
         self.argv = resolve_command(cmd)
+        self.zygote = None
+        if preload:
+            if self.argv[0] != sys.executable or len(self.argv) < 2 or not self.argv[1].endswith(".py"):
+                raise ValueError(f"rollout.agent_preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
+            bad = [m for m in preload if not isinstance(m, str) or not all(p.isidentifier() for p in m.split("."))]
+            if bad:
+                raise ValueError(f"rollout.agent_preload: {bad[0]!r} is not a module name")
+            import importlib.util
+
+            for m in preload:
+                try:
+                    found = importlib.util.find_spec(m) is not None
+                except (ImportError, ValueError):
+                    found = False
+                if not found:
+                    raise ValueError(f"rollout.agent_preload: module {m!r} is not installed")
+            self.zygote = Zygote(tuple(preload))
+
+    async def aclose(self) -> None:
+        if self.zygote is not None:
+            await self.zygote.aclose()
 
     async def run(self, ctx, sample: dict) -> None:
         async with ctx.openai_endpoint() as ep:
             env = {k: v for k, v in os.environ.items() if k not in SHADOWED}
             env |= agent_env(ep.base_url, ep.api_key, sample)
-            proc = await asyncio.create_subprocess_exec(
-                *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own process group: killable as one
+            if self.zygote is not None:
+                proc = await self.zygote.spawn(self.argv, env)
+            else:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own process group: killable as one
             out, err = _Tail(), _Tail()
             readers = [asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
             try:

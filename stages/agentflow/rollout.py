@@ -62,6 +62,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     agent: str = "single_turn"         # built-in name | dotted path | "cmd:<command>" (subprocess black-box)
+    agent_preload: tuple = ()          # modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a
+                                       # zygote that forks each trajectory's process (stages/agentflow/zygote.py)
     max_turns: int = 8                 # model turns (proxy calls) per trajectory; 0 = unlimited
     max_agents: int = 0                # agents running at once per worker; 0 = all of a batch
     num_engines: int = 1
@@ -111,16 +113,20 @@ class RolloutConfig:
             raise ValueError(f"rollout.train_segments must name some of {', '.join(KINDS)}, "
                              f"got {self.train_segments!r}")
         object.__setattr__(self, "train_segments", kinds)
+        preload = (self.agent_preload,) if isinstance(self.agent_preload, str) else tuple(self.agent_preload)
+        if preload and not self.agent.startswith("cmd:"):
+            raise ValueError(f"rollout.agent_preload is for 'cmd:python SCRIPT.py' agents, not {self.agent!r}")
+        object.__setattr__(self, "agent_preload", preload)
         if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
             raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
 
 
-def load_agent(name: str):
+def load_agent(name: str, preload: tuple = ()):
     """An Agent from `rollout.agent`; every way it can be wrong is a ValueError naming it."""
     if name in BUILTIN_AGENTS:
         return BUILTIN_AGENTS[name]()
     if name.startswith("cmd:"):
-        return SubprocessAgent(name[4:].strip())
+        return SubprocessAgent(name[4:].strip(), preload)
     mod, _, attr = name.replace(":", ".").rpartition(".")
     try:
         obj = getattr(importlib.import_module(mod), attr)
@@ -152,7 +158,7 @@ class AgentFlowRollout:
         self.gate = gate
         self.tok = ensure_chat_template(load_tokenizer(model_path))
         self.limit = PromptLimit.for_model(model_path, self.tok, cfg.max_prompt_tokens)
-        self.agent = load_agent(cfg.agent)
+        self.agent = load_agent(cfg.agent, cfg.agent_preload)
         self.affinity = Affinity(engines)
         self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "hold": cfg.partial == "wait"}
@@ -172,6 +178,8 @@ class AgentFlowRollout:
 
     def close(self) -> None:
         self.loop.run_until_complete(self.proxy.stop())
+        if hasattr(self.agent, "aclose"):
+            self.loop.run_until_complete(self.agent.aclose())
 
     async def _all(self, rows: list[dict]) -> list[list[dict]]:
         limit = asyncio.Semaphore(self.cfg.max_agents or len(rows) or 1)
