@@ -110,7 +110,9 @@ def final_body(endpoint: str, raw: bytes) -> dict:
     events = [json.loads(line[6:]) for line in raw.decode().splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     if endpoint == "responses":
-        return next(e["response"] for e in reversed(events) if e.get("type") == "response.completed")
+        # a reply cut at max_output_tokens ends with response.incomplete (status "incomplete"), not .completed
+        return next(e["response"] for e in reversed(events)
+                    if e.get("type") in ("response.completed", "response.incomplete"))
     if endpoint == "messages":
         start = next(e["message"] for e in events if e.get("type") == "message_start")
         text = "".join(e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta")
