@@ -1,0 +1,239 @@
+"""The code sandbox (stages/agentflow/sandbox.py): real worker processes, real limits.
+
+Each bad snippet -- a loop that never ends, a 10 GB allocation, a fork bomb, a write outside
+its directory, a stdout flood -- must come back as an error observation within its limit, the
+worker must be replaced by a fresh process, the next call must work, and no process may be
+left behind (counted over this test's descendants and the sandbox uids). The isolation this
+machine allows (network, PID and mount namespaces, own uid) is checked where the probe says
+it holds; the trajectory-level test runs the `sandbox` agent on a real engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from stages.agentflow.sandbox import UID_BASE, SandboxConfig, SandboxPool, probe_isolation
+from stages.agentflow.tools import ToolRegistry
+
+ISO = probe_isolation()
+FAST = dict(workers=1, cpu_s=1.0, timeout_s=1.5, memory_mb=256, output_bytes=2048)
+
+
+def _procs() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, uid) of every process on the machine."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/status") as f:
+                    st = dict(line.split(":", 1) for line in f if ":" in line)
+                out[int(d)] = (int(st["PPid"]), int(st["Uid"].split()[0]))
+            except (OSError, KeyError, ValueError):
+                pass
+    return out
+
+
+def sandbox_processes() -> list[int]:
+    """Our descendants, and any process running under a sandbox uid (a child that escaped its parent)."""
+    procs, me = _procs(), os.getpid()
+    mine = {me}
+    changed = True
+    while changed:
+        changed = False
+        for pid, (ppid, _) in procs.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                changed = True
+    mine.discard(me)
+    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_BASE + 4096 * 16})
+
+
+def describe(pids) -> list[str]:
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/cmdline") as f:
+                out.append(f"{p}: {f.read().replace(chr(0), ' ')[:120]}")
+        except OSError:
+            out.append(f"{p}: gone")
+    return out
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _settle(pool: SandboxPool) -> None:
+    """Wait for replacements started in the background."""
+    for _ in range(200):
+        if not pool._spawning:
+            return
+        await asyncio.sleep(0.05)
+
+
+BAD = {
+    "loop": ("while True:\n    pass", ("timeout", "cpu")),
+    "sleep": ("import time\ntime.sleep(60)", ("timeout",)),
+    "memory_10gb": ("x = bytearray(10 * 2**30)", ("memory",)),
+    "fork_bomb": ("import os\nwhile True:\n    os.fork()", ("fork",)),
+    "write_outside": ("open('/etc/loongsage-sandbox-test', 'w').write('x')", ("filesystem",)),
+    "stdout_flood": ("import sys\nwhile True:\n    sys.stdout.write('A' * 4096)", ("output",)),
+    "raw_fd_flood": ("import os\nwhile True:\n    os.write(1, b'B' * 4096)", ("output",)),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_snippet_is_killed_replaced_and_leaves_nothing(name):
+    code, kinds = BAD[name]
+    before = sandbox_processes()
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            assert (await pool.run("6*7")).output.strip() == "42"
+            first = pool.pids()
+            res = await pool.run(code)
+            await _settle(pool)
+            after = await pool.run("6*7")       # the pool still serves, from a fresh worker
+            return res, first, pool.pids(), after, dict(pool.stats)
+        finally:
+            await pool.close()
+
+    res, first, second, after, stats = run(go())
+    assert res.kind in kinds, res
+    assert res.text().startswith(f"error: sandbox {res.kind} limit"), res.text()
+    assert res.replaced and stats["replaced"] == 1 and stats[res.kind] == 1
+    assert first != second, "the breaching worker must be replaced by a new process"
+    assert after.ok and after.output.strip() == "42"
+    limit = FAST["timeout_s"] + 1.0 if res.kind in ("timeout", "cpu") else 1.0
+    assert res.wall_s < limit, f"{name}: {res.kind} took {res.wall_s:.2f}s"
+    assert len(res.output) <= FAST["output_bytes"]
+    assert not os.path.exists("/etc/loongsage-sandbox-test")
+    time.sleep(0.2)
+    left = sandbox_processes()
+    assert left == before, f"a sandbox process outlived its pool: {describe(left)} (before: {describe(before)})"
+
+
+def test_cpu_limit_stops_a_busy_snippet_before_the_wall_clock():
+    async def go():
+        pool = SandboxPool(SandboxConfig(workers=1, cpu_s=1.0, timeout_s=60))
+        try:
+            return await pool.run("while True:\n    pass")
+        finally:
+            await pool.close()
+
+    res = run(go())
+    assert res.kind == "cpu" and res.replaced, res
+    assert res.wall_s < 30      # 1-2 CPU seconds; the wall time only stretches when the machine is busy
+
+
+def test_snippet_results_and_ordinary_errors_keep_the_worker():
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            a = await pool.run("37*48*29")
+            pid = pool.pids()
+            b = await pool.run("print('partial')\n1/0")
+            c = await pool.run("x = 3\nprint(x + 1)")
+            d = await pool.run("x")                      # fresh globals per call
+            e = await pool.run("def f(:\n")
+            return a, b, c, d, e, pid, pool.pids()
+        finally:
+            await pool.close()
+
+    a, b, c, d, e, pid, pid_after = run(go())
+    assert a.ok and a.output == "51504\n"
+    assert b.kind == "error" and "ZeroDivisionError" in b.error and b.output == "partial\n"
+    assert b.text().startswith("error: ZeroDivisionError") and not b.replaced
+    assert c.output == "4\n"
+    assert d.kind == "error" and "NameError" in d.error
+    assert e.kind == "error" and "SyntaxError" in e.error
+    assert pid == pid_after, "an ordinary exception must not cost a worker"
+
+
+def test_tool_registry_timeout_kills_the_worker_too():
+    """The registry's own timeout cancels the call: the worker it was using is killed, not reused."""
+    before = sandbox_processes()
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(workers=1, timeout_s=30))
+        reg = ToolRegistry([pool.tool()], timeout_s=0.5)
+        try:
+            t0 = time.perf_counter()
+            res = await reg.call("python", {"code": "import time\ntime.sleep(30)"})
+            dt = time.perf_counter() - t0
+            await _settle(pool)
+            return res, dt, await reg.call("python", {"code": "1+1"}), pool.stats["replaced"]
+        finally:
+            await pool.close()
+
+    res, dt, after, replaced = run(go())
+    assert res.startswith("error: tool python timed out") and dt < 3
+    assert after == "2\n" and replaced == 1
+    time.sleep(0.2)
+    assert sandbox_processes() == before
+
+
+def test_concurrent_calls_share_the_pool():
+    async def go():
+        pool = SandboxPool(SandboxConfig(workers=2, timeout_s=5))
+        try:
+            return await asyncio.gather(*(pool.run(f"{i}*{i}") for i in range(12)))
+        finally:
+            await pool.close()
+
+    assert [r.output.strip() for r in run(go())] == [str(i * i) for i in range(12)]
+
+
+@pytest.mark.skipif(not ISO.network, reason=f"no network namespace here: {ISO.describe()}")
+def test_no_network():
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            return await pool.run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
+        finally:
+            await pool.close()
+
+    res = run(go())
+    assert res.kind == "error" and "unreachable" in res.error.lower(), res
+
+
+@pytest.mark.skipif(not (ISO.pid and ISO.private_tmp and ISO.uid), reason=f"not isolated here: {ISO.describe()}")
+def test_private_tmp_own_pid_namespace_and_uid():
+    marker = f"/tmp/loongsage-host-{os.getpid()}"
+    open(marker, "w").close()
+    try:
+        async def go():
+            pool = SandboxPool(SandboxConfig(**FAST))
+            try:
+                a = await pool.run(f"import os\n(os.path.exists({marker!r}), os.getpid(), os.getuid(), os.getcwd())")
+                b = await pool.run("open('left.txt', 'w').write('x')\nimport os\nos.listdir('.')")
+                c = await pool.run("import os\nos.listdir('.')")     # emptied between calls
+                return a, b, c
+            finally:
+                await pool.close()
+
+        a, b, c = run(go())
+    finally:
+        os.unlink(marker)
+    exists, pid, uid, cwd = eval(a.output)
+    assert not exists and pid == 1 and uid >= UID_BASE and cwd == "/tmp"
+    assert b.output.strip() == "['left.txt']" and c.output.strip() == "[]"
+
+
+def test_bad_config_names_the_key():
+    for kw, key in [({"workers": 0}, "sandbox.workers"), ({"timeout_s": 0}, "sandbox.timeout_s"),
+                    ({"isolation": "maybe"}, "sandbox.isolation"), ({"nproc": -1}, "sandbox.nproc")]:
+        with pytest.raises(ValueError, match=key):
+            SandboxConfig(**kw)
+
+
+def test_strict_isolation_refuses_what_the_machine_lacks():
+    if all((ISO.network, ISO.pid, ISO.private_tmp, ISO.uid)):
+        run(SandboxPool(SandboxConfig(isolation="strict")).close())     # holds here: starts
+    else:
+        with pytest.raises(RuntimeError, match="isolation=strict"):
+            SandboxPool(SandboxConfig(isolation="strict"))
