@@ -6,6 +6,7 @@
     loongsage make-teacher --task addition --out DIR
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
+    loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
 """
 from __future__ import annotations
 
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.export import register as add_export
 
     add_export(sub)           # loongsage export [--merge] CKPT OUT: a checkpoint as an HF model directory
+    from pipeline.plan import add_subcommand as add_plan
+
+    add_plan(sub)             # loongsage plan: simulate a run on a cluster, calibrated on a run's profile
     args = p.parse_args(argv)
     return args.fn(args)
 
