@@ -1,0 +1,263 @@
+"""The scale planner (pipeline/plan.py, pipeline/planner/): its simulation obeys the real window's
+properties, reduces to closed forms where one exists, and names what is wrong with bad input."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from pipeline.plan import PlanInput, simulate, sweep
+from pipeline.planner.calibrate import calibrate
+from pipeline.planner.cluster import build_costs, load_cluster
+from pipeline.planner.model import Costs, EngineModel, Layout, PlanError, StageCosts, SyncModel, TrainerModel
+from pipeline.planner.report import simulated_summary
+from pipeline.planner.sim import Recipe, Simulation
+from pipeline.planner.workload import ParametricLengths, SampleSpec, turns_of
+from pipeline.window import capacity
+
+ROOT = Path(__file__).resolve().parent.parent
+H100 = ROOT / "configs" / "clusters" / "h100_64.yaml"
+
+
+class FixedLengths:
+    """A workload whose every sample is the same: the closed forms below need one."""
+
+    def __init__(self, tokens: int, prompt: int = 0, turns: int = 1, tool_s: float = 0.0):
+        per = [(tokens, 0, tool_s)] * (turns - 1) + [(tokens, 0, 0.0)]
+        self.spec = SampleSpec(prompt, tuple(per))
+
+    def group(self, rng, n):
+        return [self.spec] * n
+
+    def describe(self):
+        return "fixed"
+
+
+class RandomLengths:
+    """Uniform random lengths: samples finish out of order, which is what the window must survive."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+
+    def group(self, rng, n):
+        return [SampleSpec(4, ((int(rng.integers(self.lo, self.hi + 1)), 0, 0.0),)) for _ in range(n)]
+
+    def describe(self):
+        return "random"
+
+
+def _costs(engines=1, base_s=0.01, per_seq_s=0.0, train=(0.5, 0.001), sync=0.1, stages=None, **kw):
+    return Costs(EngineModel(base_s, per_seq_s, **kw), TrainerModel(*train), SyncModel(sync), stages or StageCosts(),
+                 Layout(engines=engines))
+
+
+# ---- the window -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window,B,stale,gpb,workers", [
+    ("no-window", 2, 0, 1, 4), ("no-window", 3, 1, 1, 8), ("window-gated", 2, 1, 1, 8),
+    ("window-gated", 4, 2, 2, 6), ("windowed-fifo", 3, 1, 1, 8), ("windowed-fifo", 2, 2, 1, 8)])
+def test_simulated_window_bounds_staleness_like_the_real_gate(window, B, stale, gpb, workers):
+    """The properties tests/test_window.py checks on the real gate hold for every simulated step:
+    R + Q <= C, a window-gated spread < C, every trained token at most stale_steps versions old,
+    each group trained once."""
+    recipe = Recipe(B, 3, steps=12, stale_steps=stale, window=window, groups_per_batch=gpb, num_workers=workers)
+    costs = _costs(engines=2, base_s=0.002, per_seq_s=0.0005, train=(0.05, 0.0005), sync=0.01)
+    res = Simulation(recipe, costs, RandomLengths(1, 120), seed=B * 10 + stale).run()
+    C = capacity(B, stale)
+    assert res.max_in_window <= C
+    if window == "window-gated":
+        assert res.max_spread < C
+    keys, weights = res.staleness()
+    assert keys.min() >= 0 and keys.max() <= stale
+    assert weights.sum() > 0
+    trained = [g for step in res.trained for g in step]
+    assert len(trained) == len(set(trained)) == 12 * B
+    assert not set(trained) & set(res.dropped)
+    if stale > 0:       # the window did let rollout run ahead: some tokens are one version old
+        assert keys.max() >= 1
+
+
+def test_synchronous_window_trains_fresh_tokens_in_order():
+    res = Simulation(Recipe(2, 4, steps=6), _costs(), RandomLengths(1, 50)).run()
+    keys, _ = res.staleness()
+    assert list(keys) == [0]
+    assert [g for step in res.trained for g in step] == list(range(12))
+
+
+# ---- closed forms -----------------------------------------------------------------------------
+
+def test_zero_latency_infinite_engines_reduce_to_trainer_time():
+    B, N, steps = 4, 8, 8
+    fixed, per_token, L = 1.5, 0.002, 100
+    costs = _costs(engines=1000, base_s=0.0, train=(fixed, per_token), sync=0.0)
+    for stale, window in ((0, "no-window"), (1, "window-gated")):
+        res = Simulation(Recipe(B, N, steps, stale_steps=stale, window=window), costs, FixedLengths(L)).run()
+        s = simulated_summary(res)
+        t_train = fixed + per_token * B * N * L
+        assert s["step_s"] == pytest.approx(t_train, rel=1e-9)
+        assert s["samples_per_s"] == pytest.approx(B * N / t_train, rel=1e-9)
+        assert s["trainer_busy"] == pytest.approx(1.0, abs=1e-9)
+        assert s["bubble_frac"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_one_engine_one_trainer_sync_matches_the_sum_of_phase_times():
+    B, N, L, P = 3, 4, 300, 20          # L > the simulation's decode chunk: re-planned intervals add up
+    e = dict(base_s=0.004, per_seq_s=0.0003, prefill_per_token_s=1e-5, call_s=0.02)
+    st = StageCosts(reward_fixed_s=0.03, reward_per_row_s=0.002, handoff_s=0.05, dispatch_s=0.01)
+    train, sync = (0.7, 1e-4), 0.25
+    costs = _costs(engines=1, train=train, sync=sync, stages=st, **{k: v for k, v in e.items()})
+    res = Simulation(Recipe(B, N, steps=5), costs, FixedLengths(L, prompt=P)).run()
+    rows = B * N
+    phases = {"dispatch": st.dispatch_s, "call": e["call_s"], "prefill": rows * P * e["prefill_per_token_s"],
+              "decode": L * (e["base_s"] + e["per_seq_s"] * rows),
+              "reward": st.reward_fixed_s + st.reward_per_row_s * rows, "handoff": st.handoff_s,
+              "update": train[0] + train[1] * rows * L, "sync": sync}
+    s = simulated_summary(res)
+    assert s["step_s"] == pytest.approx(sum(phases.values()), rel=1e-9)
+    gen = phases["call"] + phases["prefill"] + phases["decode"]
+    assert s["rollout_busy"] == pytest.approx(gen / sum(phases.values()), rel=1e-9)
+
+
+def test_async_overlaps_rollout_with_training():
+    """Same costs, stale_steps 1: the step takes max(rollout, update) + sync rather than their sum."""
+    costs = _costs(engines=1, base_s=0.01, train=(1.0, 0.0), sync=0.05)
+    sync_ = simulated_summary(Simulation(Recipe(4, 2, 10), costs, FixedLengths(50)).run())
+    async_ = simulated_summary(Simulation(Recipe(4, 2, 10, stale_steps=1, window="window-gated"), costs,
+                                          FixedLengths(50)).run())
+    assert sync_["step_s"] == pytest.approx(0.5 + 1.0 + 0.05, rel=1e-6)
+    assert async_["step_s"] == pytest.approx(1.0 + 0.05, rel=1e-6)
+
+
+def test_partial_rollout_tags_tokens_with_the_version_they_were_decoded_under():
+    """A long sample decoding across a sync: tokens after it carry the new version; with partial=wait
+    the sync waits for the engine to drain instead (no sample spans two versions)."""
+    recipe = Recipe(1, 2, steps=6, stale_steps=2, window="no-window")
+    costs = _costs(engines=1, base_s=0.01, train=(0.3, 0.0), sync=0.02)
+    res = Simulation(recipe, costs, RandomLengths(5, 200), seed=3).run()
+    assert any(sum(1 for k in r.by_version.values() if k > 0) > 1 for r in res.samples)
+    res = Simulation(Recipe(1, 2, 6, stale_steps=2, partial="wait"), costs, RandomLengths(5, 200), seed=3).run()
+    assert all(sum(1 for k in r.by_version.values() if k > 0) <= 1 for r in res.samples)
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def test_parametric_lengths_hit_the_clipped_mean():
+    w = ParametricLengths(mean=12700, max=32768, sigma=0.8)
+    rng = np.random.default_rng(0)
+    lens = [s.response_tokens for _ in range(4000) for s in w.group(rng, 1)]
+    assert np.mean(lens) == pytest.approx(12700, rel=0.03)
+    assert max(lens) == 32768                       # the clipped tail: truncated samples
+
+
+def test_turns_from_a_loss_mask():
+    assert turns_of([1, 1, 0, 0, 0, 1, 1, 1, 0, 1], 0.5) == ((2, 3, 0.5), (3, 1, 0.5), (1, 0, 0.0))
+    assert turns_of([1, 1, 1], 0.0) == ((3, 0, 0.0),)
+
+
+# ---- the cluster file --------------------------------------------------------------------------
+
+def test_cluster_preset_builds_costs_from_its_figures():
+    costs = build_costs(load_cluster(H100, {"layout.engines": 16}))
+    assert costs.layout.trainer_gpus == 48 and costs.layout.engines == 16
+    assert costs.trainer.per_token_s == pytest.approx(8 * 7.62e9 / (48 * 989e12 * 0.35))
+    assert costs.sync.seconds == pytest.approx(1.0 + 7.62e9 * 2 / 50e9)
+    big = build_costs(load_cluster(H100, {"layout.model": "qwen2.5-32b", "layout.engines": 8}))
+    assert big.layout.engine_gpus == 32          # the preset's TP4
+
+
+def _write(tmp_path, edit) -> Path:
+    data = yaml.safe_load(H100.read_text())
+    edit(data)
+    p = tmp_path / "cluster.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_bad_cluster_files_name_the_file_and_the_key(tmp_path):
+    p = _write(tmp_path, lambda d: d["interconnect"].update(infiniband_gbps=400))
+    with pytest.raises(PlanError, match=r"cluster\.yaml: unknown key interconnect\.infiniband_gbps \(valid: "):
+        load_cluster(p)
+    p = _write(tmp_path, lambda d: d["interconnect"].update(inter_node_gb_s=-50))
+    with pytest.raises(PlanError, match=r"cluster\.yaml: interconnect\.inter_node_gb_s must be >= 0, got -50"):
+        load_cluster(p)
+    p = _write(tmp_path, lambda d: d["layout"].update(model="llama-405b"))
+    with pytest.raises(PlanError, match=r"layout\.model 'llama-405b' is not a preset .*qwen2\.5-7b"):
+        load_cluster(p)
+    p = _write(tmp_path, lambda d: d["models"]["qwen2.5-7b"]["engine"].update(decode_base_s="fast"))
+    with pytest.raises(PlanError, match=r"models\.qwen2\.5-7b\.engine\.decode_base_s must be a number"):
+        load_cluster(p)
+    with pytest.raises(PlanError, match="no such file"):
+        load_cluster(tmp_path / "missing.yaml")
+    with pytest.raises(PlanError, match=r"layout\.engines=64 x engine_tp=1 takes all 64 GPUs"):
+        build_costs(load_cluster(H100, {"layout.engines": 64}))
+
+
+def test_bad_plan_inputs_are_named(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {steps: 3}\n")
+    with pytest.raises(PlanError, match=rf"--calibrate {run}: no profile directory {run / 'profile'}"):
+        calibrate(run)
+    with pytest.raises(PlanError, match="give --calibrate RUN .* or --cluster FILE"):
+        simulate(PlanInput("configs/quickstart.yaml"))
+    with pytest.raises(PlanError, match=r"layout\.engines is a cluster-file key; give --cluster"):
+        simulate(PlanInput("configs/quickstart.yaml", ("layout.engines=4",), calibrate=str(run)))
+    with pytest.raises(PlanError, match="unknown key 'avg'"):
+        ParametricLengths.parse("lognormal:avg=100,max=200")
+    with pytest.raises(PlanError, match=r"lengths\.mean \(300.0\) must be below lengths\.max \(200\)"):
+        ParametricLengths.parse("lognormal:mean=300,max=200")
+
+
+# ---- the command line --------------------------------------------------------------------------
+
+CLUSTER_SMALL = ("groups_per_step=8", "n_samples=4", "groups_per_batch=1", "num_workers=64",
+                 "window=window-gated", "engines=8")
+LENGTHS = "lognormal:mean=2000,max=4096"
+
+
+def test_plan_cli_prints_the_figures_and_draws_the_gantt(tmp_path, capsys):
+    from pipeline.cli import main
+
+    code = main(["plan", "configs/quickstart.yaml", *CLUSTER_SMALL, "stale_steps=1", "--cluster", str(H100),
+                 "--lengths", LENGTHS, "--steps", "4", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    for what in ("throughput", "busy", "bubble", "staleness", "length bias", "h100_64: 64 x h100_sxm, 8 engines"):
+        assert what in out
+    assert (tmp_path / "gantt.png").stat().st_size > 10_000
+    assert main(["plan", "configs/quickstart.yaml", "--cluster", str(tmp_path / "nope.yaml"),
+                 "--lengths", LENGTHS]) == 2
+    assert "nope.yaml: no such file" in capsys.readouterr().err
+
+
+def test_sweep_recommends_the_fastest_setting_within_the_staleness_bound():
+    inp = PlanInput("configs/quickstart.yaml", CLUSTER_SMALL, cluster=str(H100), lengths=LENGTHS, steps=4)
+    table, best = sweep(inp, [("stale_steps", ["0", "1"]), ("engines", ["4", "8"])], max_staleness=1, log=print)
+    assert len(table) == 4
+    assert (table[table["stale_steps"] == "0"]["stale_max"] == 0).all()
+    assert best["samples/s"] == table[table["stale_max"] <= 1]["samples/s"].max()
+    _, strict = sweep(inp, [("stale_steps", ["0", "1"])], max_staleness=0, log=print)
+    assert strict["stale_steps"] == "0"
+
+
+# ---- validation against real runs (slow: two quickstart runs) -----------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["quickstart", "quickstart_async"])
+def test_calibrated_plan_predicts_the_run_it_was_calibrated_on(recipe, tmp_path):
+    from pipeline.config import load_config
+    from pipeline.controller import run
+    from pipeline.planner.report import measured_summary
+
+    run_dir = tmp_path / recipe
+    run(load_config(f"configs/{recipe}.yaml", ["run.steps=12", "eval.num_prompts=0"]), run_dir, log=print)
+    _, predicted, _ = simulate(PlanInput(calibrate=str(run_dir), steps=12))
+    measured = measured_summary(run_dir)
+    print(recipe, "measured", measured, "predicted", predicted)
+    assert predicted["samples_per_s"] == pytest.approx(measured["samples_per_s"], rel=0.15)
+    assert abs(predicted["trainer_busy"] - measured["trainer_busy"]) <= 0.1
+    assert abs(predicted["rollout_busy"] - measured["rollout_busy"]) <= 0.1
+    shutil.rmtree(run_dir)
