@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+class ToolFatalError(Exception):
+    """Raised by a tool whose failure should fail the trajectory instead of being an observation
+    (e.g. a remote tool service with on_error=fail): the registry lets it through."""
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -53,6 +58,8 @@ class ToolRegistry:
             return str(res)
         except asyncio.TimeoutError:
             return f"error: tool {name} timed out after {self.timeout_s}s"
+        except ToolFatalError:
+            raise
         except Exception as e:  # noqa: BLE001 - the model reads the error instead of the run failing
             return f"error: {type(e).__name__}: {e}"
 

@@ -1,0 +1,242 @@
+"""A remote tool with real latency: an HTTP lookup service in its own process, and its client.
+
+Why: real agent tools are remote services (search, retrieval, databases) whose answers take
+wall time but cost the caller no CPU, with a long tail. An RL pipeline that waits on them idles;
+one that overlaps them with generation does not. This service makes that wait real, on a laptop.
+
+Server (`python -m stages.agentflow.tool_service --port 0 --p50-s 0.2 --p99-s 1.5 --seed 0`):
+    GET  /health                      -> {"ok": true}
+    POST /lookup {"key": "37"}        -> {"key", "value", "latency_s"}   404 for an unknown key
+The built-in corpus is number facts for the keys "0".."9999" (square, cube, digit sum, prime?),
+so answers are exact and checkable. Every request sleeps (asyncio.sleep: wall time, no CPU) for a
+service time drawn from a lognormal with the configured median (p50_s) and 99th percentile (p99_s):
+mu = ln p50, sigma = ln(p99 / p50) / 2.3263 (the standard normal's 99th percentile), from a
+random.Random(seed) in arrival order. `--error-rate` answers that fraction of requests 500
+(seeded too): a flaky service.
+
+Default distribution: p50 0.2 s, p99 1.5 s (sigma 0.866). These are illustrative figures, not
+measured here: they are the example search tool of "Tool Latency Tail: Why p99 Reshapes Agent
+Architecture" (tianpan.co, 2026: "a tool whose median is 200ms and whose p99 is 1.5 seconds"), in
+line with a 2 s p95 budget for retrieval/read tools in "Latency Budgets for Agent Tool Calls"
+(exaclaw). Set your own tool's figures from its logs.
+
+Client: `ToolServiceClient(cfg)`, one aiohttp session per event loop; every call has a timeout.
+A service that is down, answers 5xx, or is too slow is a ToolServiceError; `tool()` turns it
+into an "error: ..." observation (on_error=observe) or lets it fail the trajectory
+(on_error=fail: stages/agentflow/tools.py's ToolFatalError), and the run goes on either way.
+`ToolService(cfg)` starts and stops a local server process (what a recipe with url "" uses).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from stages.agentflow.tools import Tool, ToolFatalError
+
+Z99 = 2.3263478740408408   # the standard normal's 99th percentile
+
+
+@dataclass(frozen=True)
+class ToolServiceConfig:
+    url: str = ""              # "" = start a local service process (ToolService) with the settings below
+    p50_s: float = 0.2         # median service time (see the module docstring for where it comes from)
+    p99_s: float = 1.5         # 99th percentile service time
+    seed: int = 0
+    error_rate: float = 0.0    # fraction of requests the local service answers 500
+    timeout_s: float = 5.0     # per call, on the client
+    on_error: str = "observe"  # observe: an "error: ..." observation | fail: the trajectory fails
+
+    def __post_init__(self):
+        if not self.p50_s > 0:
+            raise ValueError(f"tool_service.p50_s must be > 0, got {self.p50_s}")
+        if not self.p99_s >= self.p50_s:
+            raise ValueError(f"tool_service.p99_s must be >= p50_s ({self.p50_s}), got {self.p99_s}")
+        if not 0 <= self.error_rate <= 1:
+            raise ValueError(f"tool_service.error_rate must be in [0, 1], got {self.error_rate}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"tool_service.timeout_s must be > 0, got {self.timeout_s}")
+        if self.on_error not in ("observe", "fail"):
+            raise ValueError(f"tool_service.on_error must be observe or fail, got {self.on_error!r}")
+
+
+class Lognormal:
+    """Service times by median and 99th percentile, seeded."""
+
+    def __init__(self, p50_s: float, p99_s: float, seed: int):
+        self.mu, self.sigma = math.log(p50_s), math.log(p99_s / p50_s) / Z99
+        self.rng = random.Random(seed)
+
+    def draw(self) -> float:
+        return self.rng.lognormvariate(self.mu, self.sigma)
+
+
+def fact(key: str) -> dict | None:
+    """The built-in corpus: facts about the integers 0..9999."""
+    if not key.isdigit() or len(key) > 4:
+        return None
+    n = int(key)
+    prime = n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
+    return {"square": n * n, "cube": n ** 3, "digit_sum": sum(map(int, key)), "prime": prime}
+
+
+# ---- server -------------------------------------------------------------------------------
+def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0):
+    from aiohttp import web
+
+    latency, errors = Lognormal(p50_s, p99_s, seed), random.Random(seed + 1)
+
+    async def health(_request):
+        return web.json_response({"ok": True})
+
+    async def lookup(request):
+        wait = latency.draw()
+        failing = errors.random() < error_rate
+        await asyncio.sleep(wait)           # the service's time: wall clock, no CPU
+        if failing:
+            return web.json_response({"error": "internal error (injected)"}, status=500)
+        try:
+            key = str((await request.json())["key"])
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'body must be JSON {"key": ...}'}, status=400)
+        value = fact(key)
+        if value is None:
+            return web.json_response({"error": f"no entry for key {key!r}"}, status=404)
+        return web.json_response({"key": key, "value": value, "latency_s": wait})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/lookup", lookup)
+    return app
+
+
+async def serve(host: str, port: int, **kw) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(make_app(**kw), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    print(f"listening on http://{host}:{bound}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m stages.agentflow.tool_service", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--p50-s", type=float, default=ToolServiceConfig.p50_s)
+    p.add_argument("--p99-s", type=float, default=ToolServiceConfig.p99_s)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--error-rate", type=float, default=0.0)
+    a = p.parse_args(argv)
+    ToolServiceConfig(p50_s=a.p50_s, p99_s=a.p99_s, error_rate=a.error_rate)    # same checks as the recipe's
+    asyncio.run(serve(a.host, a.port, p50_s=a.p50_s, p99_s=a.p99_s, seed=a.seed, error_rate=a.error_rate))
+
+
+class ToolService:
+    """A local service process: `url` once started; stop() ends it."""
+
+    def __init__(self, cfg: ToolServiceConfig):
+        self.cfg, self.proc, self.url = cfg, None, ""
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        c = self.cfg
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.agentflow.tool_service", "--p50-s", str(c.p50_s), "--p99-s", str(c.p99_s),
+             "--seed", str(c.seed), "--error-rate", str(c.error_rate)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        line = self.proc.stdout.readline()      # the server prints its address first
+        if not line.startswith("listening on "):
+            rest = line + (self.proc.stdout.read() if self.proc.poll() is not None else "")
+            self.stop()
+            raise RuntimeError(f"tool service did not start: {rest.strip()[-500:]}")
+        self.url = line.split()[-1]
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+# ---- client -------------------------------------------------------------------------------
+class ToolServiceError(RuntimeError):
+    pass
+
+
+class ToolServiceClient:
+    def __init__(self, url: str, cfg: ToolServiceConfig | None = None):
+        self.url, self.cfg = url.rstrip("/"), cfg or ToolServiceConfig()
+        self._session = None
+        self.stats = {"calls": 0, "errors": 0, "wait_s": 0.0}
+
+    async def _http(self):
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
+        return self._session
+
+    async def lookup(self, key: str) -> dict:
+        """The service's answer; ToolServiceError for down / 5xx / 4xx / too slow, naming which."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self.stats["calls"] += 1
+        try:
+            return await self._post(key)
+        except ToolServiceError:
+            self.stats["errors"] += 1
+            raise
+        finally:
+            self.stats["wait_s"] += loop.time() - t0
+
+    async def _post(self, key: str) -> dict:
+        import aiohttp
+
+        try:
+            session = await self._http()
+            async with session.post(f"{self.url}/lookup", json={"key": key}) as r:
+                body = await r.text()
+        except asyncio.TimeoutError as e:
+            raise ToolServiceError(f"tool service {self.url} timed out after {self.cfg.timeout_s}s") from e
+        except aiohttp.ClientError as e:
+            raise ToolServiceError(f"tool service {self.url} unreachable: {type(e).__name__}: {e}") from e
+        if r.status != 200:
+            raise ToolServiceError(f"tool service {self.url} answered {r.status}: {_error_of(body)}")
+        return json.loads(body)
+
+    def tool(self, name: str = "lookup") -> Tool:
+        async def lookup(key: str) -> str:
+            try:
+                return json.dumps((await self.lookup(str(key)))["value"], sort_keys=True)
+            except ToolServiceError as e:
+                if self.cfg.on_error == "fail":
+                    raise ToolFatalError(str(e)) from e
+                return f"error: {e}"
+
+        return Tool(name=name, fn=lookup, description="Look up facts about an integer 0..9999 (remote service).",
+                    parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]})
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_of(body: str) -> str:
+    try:
+        return str(json.loads(body).get("error", body))[:200]
+    except (ValueError, AttributeError):
+        return body[:200]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The remote tool service (stages/agentflow/tool_service.py): a real HTTP server process.
+
+Its service times follow the configured lognormal (seeded), its waiting costs wall time and
+not CPU, and every way it can fail -- down, 500, too slow, unknown key -- reaches the agent as
+an error observation (on_error=observe) or a ToolFatalError that fails the trajectory
+(on_error=fail), never a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import statistics
+import time
+
+import pytest
+
+from stages.agentflow.tool_service import Lognormal, ToolService, ToolServiceClient, ToolServiceConfig, ToolServiceError
+from stages.agentflow.tools import ToolFatalError, ToolRegistry
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = ToolService(ToolServiceConfig(p50_s=0.05, p99_s=0.5, seed=7))
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0     # utime + stime, in clock ticks (100 Hz)
+
+
+def test_lognormal_matches_its_percentiles():
+    d = Lognormal(0.2, 1.5, seed=0)
+    xs = sorted(d.draw() for _ in range(20000))
+    assert xs[len(xs) // 2] == pytest.approx(0.2, rel=0.05)
+    assert xs[int(len(xs) * 0.99)] == pytest.approx(1.5, rel=0.1)
+    assert [Lognormal(0.2, 1.5, 3).draw() for _ in range(5)] == [Lognormal(0.2, 1.5, 3).draw() for _ in range(5)]
+
+
+def test_lookups_wait_in_wall_time_not_cpu(service):
+    async def go():
+        client = ToolServiceClient(service.url, ToolServiceConfig(timeout_s=10))
+        try:
+            t0 = time.perf_counter()
+            cpu0 = _cpu_s(service.proc.pid)
+            out = await asyncio.gather(*(client.lookup(str(k)) for k in range(200)))
+            return out, time.perf_counter() - t0, _cpu_s(service.proc.pid) - cpu0
+        finally:
+            await client.close()
+
+    out, wall, cpu = asyncio.run(go())
+    waits = sorted(o["latency_s"] for o in out)
+    assert out[37]["value"] == {"square": 1369, "cube": 50653, "digit_sum": 10, "prime": True}
+    assert statistics.median(waits) == pytest.approx(0.05, rel=0.35)
+    assert waits[-1] > 5 * statistics.median(waits)           # a real tail
+    assert wall < sum(waits) / 5, "concurrent waits overlap: the service does not compute while it waits"
+    assert cpu < sum(waits) / 2, f"the service burned {cpu:.2f}s CPU for {sum(waits):.2f}s of waiting"
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_service_down_is_an_observation_or_a_fatal_error():
+    url = f"http://127.0.0.1:{_free_port()}"     # nothing listens there
+
+    async def go(on_error):
+        client = ToolServiceClient(url, ToolServiceConfig(timeout_s=2, on_error=on_error))
+        try:
+            return await ToolRegistry([client.tool()]).call("lookup", {"key": "12"})
+        finally:
+            await client.close()
+
+    t0 = time.perf_counter()
+    text = asyncio.run(go("observe"))
+    assert text.startswith("error: tool service") and "unreachable" in text and time.perf_counter() - t0 < 3
+    with pytest.raises(ToolFatalError, match="unreachable"):
+        asyncio.run(go("fail"))
+
+
+def test_500_timeout_and_unknown_key():
+    flaky = ToolService(ToolServiceConfig(p50_s=0.01, p99_s=0.02, error_rate=1.0))
+    slow = ToolService(ToolServiceConfig(p50_s=3.0, p99_s=3.0))
+    try:
+        flaky.start()
+        slow.start()
+
+        async def go():
+            out = []
+            for url, key, timeout in ((flaky.url, "1", 5), (slow.url, "1", 0.3), (slow.url, "x", 5)):
+                client = ToolServiceClient(url, ToolServiceConfig(timeout_s=timeout))
+                t0 = time.perf_counter()
+                try:
+                    await client.lookup(key)
+                    out.append(("ok", time.perf_counter() - t0, client.stats["errors"]))
+                except ToolServiceError as e:
+                    out.append((str(e), time.perf_counter() - t0, client.stats["errors"]))
+                finally:
+                    await client.close()
+            return out
+
+        (e500, _, n500), (etimeout, dt, _), (e404, _, _) = asyncio.run(go())
+    finally:
+        flaky.stop()
+        slow.stop()
+    assert "answered 500" in e500 and n500 == 1
+    assert "timed out after 0.3s" in etimeout and dt < 1.5
+    assert "answered 404" in e404 and "no entry for key 'x'" in e404
+
+
+def test_bad_config_names_the_key():
+    for kw, key in [({"p50_s": 0}, "p50_s"), ({"p50_s": 2, "p99_s": 1}, "p99_s"), ({"error_rate": 2}, "error_rate"),
+                    ({"timeout_s": 0}, "timeout_s"), ({"on_error": "ignore"}, "on_error")]:
+        with pytest.raises(ValueError, match=f"tool_service.{key}"):
+            ToolServiceConfig(**kw)
