@@ -137,10 +137,10 @@ def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
     mcfg = Qwen2Config(
         vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        max_position_embeddings=getattr(task, "context", 64), tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, dtype="float32",
     )
-    model = Qwen2ForCausalLM(mcfg)
+    model = Qwen2ForCausalLM(mcfg)     # context: 64 tokens, or what a multi-turn task asks (its `context`)
     rows = task.make_rows("train", cfg.warmup_rows, seed=cfg.seed)
     if hasattr(task, "demonstration"):   # multi-turn demonstrations (e.g. calculator calls), not bare answers
         rows = [r | {"demo": task.demonstration(r)} for r in rows]

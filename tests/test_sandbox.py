@@ -15,8 +15,10 @@ import time
 
 import pytest
 
+from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.agentflow.sandbox import UID_BASE, SandboxConfig, SandboxPool, probe_isolation
 from stages.agentflow.tools import ToolRegistry
+from stages.agentflow.workflows import SandboxAgent
 
 ISO = probe_isolation()
 FAST = dict(workers=1, cpu_s=1.0, timeout_s=1.5, memory_mb=256, output_bytes=2048)
@@ -37,7 +39,8 @@ def _procs() -> dict[int, tuple[int, int]]:
 
 
 def sandbox_processes() -> list[int]:
-    """Our descendants, and any process running under a sandbox uid (a child that escaped its parent)."""
+    """Our descendant sandbox processes (unshare, workers), and any process running under a sandbox uid
+    (a snippet's child, wherever it went)."""
     procs, me = _procs(), os.getpid()
     mine = {me}
     changed = True
@@ -48,7 +51,17 @@ def sandbox_processes() -> list[int]:
                 mine.add(pid)
                 changed = True
     mine.discard(me)
+    mine = {p for p in mine if _is_sandbox(p)}      # not Ray's workers, which come and go on their own
     return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_BASE + 4096 * 16})
+
+
+def _is_sandbox(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return argv[0].endswith(b"unshare") or any(a.endswith(b"sandbox_worker.py") for a in argv)
 
 
 def describe(pids) -> list[str]:
@@ -237,3 +250,49 @@ def test_strict_isolation_refuses_what_the_machine_lacks():
     else:
         with pytest.raises(RuntimeError, match="isolation=strict"):
             SandboxPool(SandboxConfig(isolation="strict"))
+
+
+class BreachThenAnswer(SandboxAgent):
+    """The `sandbox` agent's own tool path, with snippets the test picks: each bad one, then a good one,
+    then a model turn -- the trajectory must go on past every breach."""
+    async def run(self, ctx, sample):
+        self.attach(ctx)
+        for code, _ in BAD.values():
+            await self.run_snippet(ctx, code)
+        await self.run_snippet(ctx, "2+3")
+        await ctx.generate()
+
+
+@pytest.mark.slow      # an engine actor on Ray: 25-45 s on 2 busy cores
+def test_trajectory_goes_on_past_every_breach(ray_session, tiny_model_dir):
+    import json
+
+    import ray
+
+    from stages.agentflow.engine import HFEngine
+    from stages.schema import table_from_columns
+
+    before = sandbox_processes()
+    engine = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir)
+    cfg = RolloutConfig(agent="sandbox", max_new_tokens=4, temperature=0.0, max_turns=4,
+                        sandbox=SandboxConfig(**FAST))
+    stage = AgentFlowRollout(cfg, [engine], None, tiny_model_dir)
+    stage.agent = BreachThenAnswer()
+    stage.agent.configure(cfg)
+    try:
+        out = stage(table_from_columns({"prompt_id": ["p0"], "group_id": [0], "sample_idx": [0],
+                                        "data_source": ["addition"], "prompt": ["12+34="], "answer": ["46"]}))
+        stats = dict(stage.agent.pool.stats)
+    finally:
+        stage.close()
+        ray.kill(engine)
+    row = out.to_pylist()[0]
+    assert row["status"] == "completed", row["error"]
+    errors = json.loads(row["agent_info"])["tool_errors"]
+    assert len(errors) == len(BAD) and all(e.startswith("error: sandbox ") for e in errors), errors
+    tools = [t["content"] for t in json.loads(row["transcript"]) if t["role"] == "tool"]
+    assert tools[-1] == "5=" and all(t in ("?=", "=") for t in tools[:-1]), tools   # a failure reads "?="
+    assert row["agent_stats"]["tool_calls"] == len(BAD) + 1 and row["agent_stats"]["turns"] == 1
+    assert stats["replaced"] == len(BAD)
+    time.sleep(0.2)
+    assert sandbox_processes() == before

@@ -23,7 +23,7 @@ of the staleness bound. Agents run concurrently on one asyncio loop per worker; 
 agents reach the engines through this worker's proxy (stages/agentflow/proxy.py), which
 lives on the same loop. A failing agent marks its own row `failed` and the batch goes on.
 
-`rollout.agent` is a built-in name (single_turn, retry, calculator), a dotted path to an
+`rollout.agent` is a built-in name (single_turn, retry, calculator, sandbox), a dotted path to an
 Agent class (or to an agent object, e.g. an `@openai_agent` function), or
 `cmd:<command line>` for a subprocess black-box agent (stages/agentflow/blackbox.py).
 A row's prompt is plain text, or chat messages as a JSON list rendered by the chat template.
@@ -35,7 +35,7 @@ import importlib
 import json
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import ray
@@ -45,12 +45,14 @@ from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
 from stages.agentflow.client import Affinity
 from stages.agentflow.limits import PromptLimit
+from stages.agentflow.sandbox import SandboxConfig
 from stages.agentflow.session import KINDS
-from stages.agentflow.workflows import CalculatorAgent, RetryAgent
+from stages.agentflow.workflows import CalculatorAgent, RetryAgent, SandboxAgent
 from stages.priority import lower_priority
 from stages.schema import with_columns
 
-BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculator": CalculatorAgent}
+BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculator": CalculatorAgent,
+                  "sandbox": SandboxAgent}
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class RolloutConfig:
     seed: int = 0                      # sampling seed (per sample: seed, group, index; per turn within it)
     train_segments: tuple = ("main", "compaction", "subagent")   # segment kinds that become training rows
                                        # (stages/agentflow/session.py): each segment of these kinds is its own row
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # code sandbox of the `sandbox` agent
     nice: int = 0                      # niceness of engine and rollout/reward worker processes (0-19; 0 = as started):
                                        # > 0 lets the trainer, an async run's bottleneck, keep its core
 
@@ -159,6 +162,8 @@ class AgentFlowRollout:
         self.tok = ensure_chat_template(load_tokenizer(model_path))
         self.limit = PromptLimit.for_model(model_path, self.tok, cfg.max_prompt_tokens)
         self.agent = load_agent(cfg.agent, cfg.agent_preload)
+        if hasattr(self.agent, "configure"):    # an agent with settings in this config (rollout.sandbox)
+            self.agent.configure(cfg)
         self.affinity = Affinity(engines)
         self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "hold": cfg.partial == "wait"}

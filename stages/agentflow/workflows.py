@@ -43,3 +43,73 @@ class CalculatorAgent:
             result = await ctx.call_tool("calculator", {"expression": expression})
             if result.startswith("error"):
                 result = ""
+
+
+class SandboxAgent:
+    """Compute by running code (the `product` task, stages/tasks/code.py), retrying until right.
+
+    A model turn ending in ";" is a Python snippet: it runs in this rollout worker's sandbox pool
+    (stages/agentflow/sandbox.py, settings rollout.sandbox) through the `python` tool, and its
+    output and "=" join the stream; the next turn is the answer, checked by RetryEnv. A failed
+    snippet -- an exception or a breached limit -- reads "?=": the tiny model's alphabet cannot
+    spell the error, which is kept whole in agent_info (`tool_errors`). A wrong answer gets the
+    question again, up to rollout.max_turns // 2 attempts (two model turns each).
+        37*48*29= | 37*48*29; | 51504= | 51504<eos>        prompt | model | tool | model
+    """
+    attempts = 12               # when rollout.max_turns is 0
+    max_observation_chars = 16  # a longer output reads "?": it would fill the tiny model's context
+
+    def __init__(self):
+        from stages.agentflow.sandbox import SandboxConfig
+
+        self.sandbox_cfg, self.pool = SandboxConfig(), None
+
+    def configure(self, rollout_cfg) -> None:
+        self.sandbox_cfg = rollout_cfg.sandbox
+        if rollout_cfg.max_turns:
+            self.attempts = max(1, rollout_cfg.max_turns // 2)
+
+    async def run(self, ctx, sample: dict) -> None:
+        self.attach(ctx)
+        env = RetryEnv(sample, max_attempts=self.attempts, decay=0.5)
+        while True:
+            gen = await ctx.generate(stop=[";"])
+            if gen.stopped:
+                await self.run_snippet(ctx, gen.text[:-1])
+                gen = await ctx.generate()
+            if (await ctx.step(env, gen.text)).done:
+                return
+
+    def attach(self, ctx) -> None:
+        """Give the context the `python` tool of this worker's pool (started here, on the rollout's loop)."""
+        from stages.agentflow.sandbox import SandboxPool
+
+        if self.pool is None:
+            self.pool = SandboxPool(self.sandbox_cfg)
+        ctx.tools.register(self.pool.tool())
+
+    async def run_snippet(self, ctx, code: str) -> str:
+        """One sandbox call: its result (whole) back, its observation (in the model's alphabet) in the stream."""
+        result = await ctx.tools.call("python", {"code": code})
+        ctx.tool_calls += 1
+        ctx.add_text(self._observation(ctx.tokenizer, result), role="tool")
+        if result.startswith("error"):
+            ctx.info.setdefault("tool_errors", []).append(result[:300])
+        return result
+
+    def _observation(self, tok, result: str) -> str:
+        """The output and "=", or "?=" for a failure (or an output the model should not read), or "="
+        where the vocabulary has no "?"."""
+        text = result.strip()
+        ok = not result.startswith("error") and text and len(text) <= self.max_observation_chars
+        for obs in ([text + "="] if ok else []) + ["?=", "="]:
+            try:
+                tok(obs, add_special_tokens=False)
+                return obs
+            except Exception:  # noqa: BLE001 - a character the vocabulary lacks
+                continue
+        return ""
+
+    async def aclose(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()

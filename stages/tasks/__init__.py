@@ -9,8 +9,9 @@ learns that multi-turn trajectory (e.g. tool calls and results) instead of the b
 from __future__ import annotations
 
 from stages.tasks.arith import Addition3Task, AdditionTask, MultiplicationTask, ReverseTask
+from stages.tasks.code import ProductTask
 
-TASKS = {t.name: t for t in (AdditionTask, Addition3Task, MultiplicationTask, ReverseTask)}
+TASKS = {t.name: t for t in (AdditionTask, Addition3Task, MultiplicationTask, ReverseTask, ProductTask)}
 
 
 def get_task(name: str, **kwargs):
