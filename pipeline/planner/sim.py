@@ -65,8 +65,8 @@ class _Seq:
 
 
 class EngineSim:
-    def __init__(self, env: simpy.Environment, name: str, m: EngineModel):
-        self.env, self.name, self.m = env, name, m
+    def __init__(self, env: simpy.Environment, name: str, m: EngineModel, chunk: int = CHUNK_TOKENS):
+        self.env, self.name, self.m, self.chunk = env, name, m, chunk
         self.running: list[_Seq] = []
         self.queue: deque[_Seq] = deque()
         self.version = 0
@@ -148,7 +148,7 @@ class EngineSim:
                 continue
             b, ctx = len(self.running), sum(s.ctx for s in self.running)
             it = m.iter_s(b, ctx)
-            k = min(min(s.left for s in self.running), CHUNK_TOKENS)
+            k = min(min(s.left for s in self.running), self.chunk)
             t0 = env.now
             timer = env.timeout(k * it)
             yield timer | self.wake
@@ -178,7 +178,8 @@ class SampleRecord:
 
 
 class Simulation:
-    def __init__(self, recipe: Recipe, costs: Costs, workload, seed: int = 0, until_s: float = float("inf")):
+    def __init__(self, recipe: Recipe, costs: Costs, workload, seed: int = 0, until_s: float = float("inf"),
+                 chunk_tokens: int = CHUNK_TOKENS):
         self.r, self.c, self.workload = recipe, costs, workload
         self.rng = np.random.default_rng(seed)
         self.env = simpy.Environment()
@@ -188,7 +189,7 @@ class Simulation:
         self.batcher = WindowedBatcher(BatcherConfig(recipe.groups_per_step, stale_policy=recipe.stale_policy),
                                        recipe.n_samples, recipe.stale_steps, self.gate.strategy)
         n = max(1, costs.layout.engines)
-        self.engines = [EngineSim(self.env, f"engine{i}", costs.engine) for i in range(n)]
+        self.engines = [EngineSim(self.env, f"engine{i}", costs.engine, chunk_tokens) for i in range(n)]
         self.workers = simpy.Store(self.env)
         for w in range(recipe.num_workers):
             self.workers.put(w)
