@@ -120,3 +120,52 @@ def test_bad_config_names_the_key():
                     ({"timeout_s": 0}, "timeout_s"), ({"on_error": "ignore"}, "on_error")]:
         with pytest.raises(ValueError, match=f"tool_service.{key}"):
             ToolServiceConfig(**kw)
+
+
+def _children(pid: int) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(x) for x in out]
+
+
+def test_remote_sandbox_runs_snippets_after_its_service_time_and_stops_clean():
+    """POST /run: a hosted sandbox as an agent sees one -- the service's latency, then the snippet in
+    a SandboxPool of the service's own, limits enforced there; stopping the service ends its workers."""
+    from stages.agentflow.sandbox import SandboxConfig
+
+    svc = ToolService(ToolServiceConfig(p50_s=0.05, p99_s=0.2, seed=3),
+                      sandbox=SandboxConfig(workers=1, timeout_s=1.0, cpu_s=1.0))
+    svc.start()
+
+    async def go():
+        client = ToolServiceClient(svc.url, ToolServiceConfig(timeout_s=10))
+        try:
+            ok = await asyncio.gather(*(client.run(f"{k}*48*29") for k in (37, 12, 99)))
+            tool = client.sandbox_tool()
+            looped = await tool.fn(code="while True: pass")
+            again = await tool.fn(code="6*7")
+            return ok, looped, again
+        finally:
+            await client.close()
+
+    try:
+        ok, looped, again = asyncio.run(go())
+        assert [o["text"].strip() for o in ok] == [str(37 * 48 * 29), str(12 * 48 * 29), str(99 * 48 * 29)]
+        assert all(o["kind"] == "ok" and o["latency_s"] > 0 for o in ok)
+        assert looped.startswith("error: sandbox") and ("timeout" in looped or "cpu" in looped), looped
+        assert again.strip() == "42"            # the breached worker was replaced
+        workers = _children(svc.proc.pid)
+        assert workers, "the sandbox's worker runs under the service process"
+    finally:
+        svc.stop()
+    time.sleep(0.5)
+    assert not [p for p in workers if _alive(p)], "stopping the service ended its sandbox workers"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

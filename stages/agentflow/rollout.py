@@ -47,6 +47,7 @@ from stages.agentflow.client import Affinity
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.sandbox import SandboxConfig
 from stages.agentflow.session import KINDS
+from stages.agentflow.tool_service import ToolServiceConfig
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent, SandboxAgent
 from stages.priority import lower_priority
 from stages.schema import with_columns
@@ -88,6 +89,8 @@ class RolloutConfig:
     train_segments: tuple = ("main", "compaction", "subagent")   # segment kinds that become training rows
                                        # (stages/agentflow/session.py): each segment of these kinds is its own row
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # code sandbox of the `sandbox` agent
+    tool_service: ToolServiceConfig = field(default_factory=ToolServiceConfig)   # the remote tool service (its
+                                       # latency p50/p99): the sandbox agent's with sandbox.remote
     nice: int = 0                      # niceness of engine and rollout/reward worker processes (0-19; 0 = as started):
                                        # > 0 lets the trainer, an async run's bottleneck, keep its core
 

@@ -76,6 +76,8 @@ class SandboxConfig:
                                   # network, pid, private_tmp and uid isolation | none: limits only
     python: str = ""              # interpreter for the workers; "" = this one
     preload: tuple = PRELOAD      # modules imported before the uid drop (see sandbox_worker.setup)
+    remote: bool = False          # True: snippets run in a remote sandbox service (rollout.tool_service: a local
+                                  # service process per rollout worker when its url is ""), with its latency
 
     def __post_init__(self):
         for k in ("workers", "memory_mb", "output_bytes", "file_mb", "tmp_mb", "calls_per_worker"):

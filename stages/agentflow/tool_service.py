@@ -7,6 +7,10 @@ one that overlaps them with generation does not. This service makes that wait re
 Server (`python -m stages.agentflow.tool_service --port 0 --p50-s 0.2 --p99-s 1.5 --seed 0`):
     GET  /health                      -> {"ok": true}
     POST /lookup {"key": "37"}        -> {"key", "value", "latency_s"}   404 for an unknown key
+    POST /run {"code": "37*48*29"}    -> {"kind", "output", "error", "text", "latency_s"}   (--sandbox-workers N)
+/run is a remote code sandbox, as hosted sandboxes (E2B, Modal, Daytona) are to an agent: the
+snippet runs in this process's SandboxPool (stages/agentflow/sandbox.py, its limits from
+--sandbox-json) after the drawn service time (the service's network, queueing and start-up).
 The built-in corpus is number facts for the keys "0".."9999" (square, cube, digit sum, prime?),
 so answers are exact and checkable. Every request sleeps (asyncio.sleep: wall time, no CPU) for a
 service time drawn from a lognormal with the configured median (p50_s) and 99th percentile (p99_s):
@@ -30,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -87,10 +93,12 @@ def fact(key: str) -> dict | None:
 
 
 # ---- server -------------------------------------------------------------------------------
-def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0):
+def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, sandbox=None):
+    """`sandbox`: a SandboxConfig to serve /run with (a pool started on first use), or None."""
     from aiohttp import web
 
     latency, errors = Lognormal(p50_s, p99_s, seed), random.Random(seed + 1)
+    pool = None
 
     async def health(_request):
         return web.json_response({"ok": True})
@@ -110,9 +118,35 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0):
             return web.json_response({"error": f"no entry for key {key!r}"}, status=404)
         return web.json_response({"key": key, "value": value, "latency_s": wait})
 
+    async def run(request):
+        nonlocal pool
+        wait = latency.draw()
+        failing = errors.random() < error_rate
+        await asyncio.sleep(wait)
+        if failing:
+            return web.json_response({"error": "internal error (injected)"}, status=500)
+        try:
+            code = (await request.json())["code"]
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'body must be JSON {"code": ...}'}, status=400)
+        if pool is None:
+            from stages.agentflow.sandbox import SandboxPool
+
+            pool = SandboxPool(sandbox)
+        res = await pool.run(code)
+        return web.json_response({"kind": res.kind, "output": res.output, "error": res.error, "text": res.text(),
+                                  "latency_s": wait})
+
+    async def close_pool(_app):
+        if pool is not None:
+            await pool.close()
+
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/lookup", lookup)
+    if sandbox is not None:
+        app.router.add_post("/run", run)
+        app.on_cleanup.append(close_pool)
     return app
 
 
@@ -125,7 +159,11 @@ async def serve(host: str, port: int, **kw) -> None:
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]
     print(f"listening on http://{host}:{bound}", flush=True)
-    await asyncio.Event().wait()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):     # a clean stop kills the sandbox workers too
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,22 +174,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--p99-s", type=float, default=ToolServiceConfig.p99_s)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--error-rate", type=float, default=0.0)
+    p.add_argument("--sandbox-json", default="", help="serve POST /run with a SandboxPool of these settings "
+                                                      "(JSON of stages.agentflow.sandbox.SandboxConfig fields)")
     a = p.parse_args(argv)
     ToolServiceConfig(p50_s=a.p50_s, p99_s=a.p99_s, error_rate=a.error_rate)    # same checks as the recipe's
-    asyncio.run(serve(a.host, a.port, p50_s=a.p50_s, p99_s=a.p99_s, seed=a.seed, error_rate=a.error_rate))
+    sandbox = None
+    if a.sandbox_json:
+        from stages.agentflow.sandbox import SandboxConfig
+
+        sandbox = SandboxConfig(**json.loads(a.sandbox_json))
+    asyncio.run(serve(a.host, a.port, p50_s=a.p50_s, p99_s=a.p99_s, seed=a.seed, error_rate=a.error_rate,
+                      sandbox=sandbox))
 
 
 class ToolService:
     """A local service process: `url` once started; stop() ends it."""
 
-    def __init__(self, cfg: ToolServiceConfig):
-        self.cfg, self.proc, self.url = cfg, None, ""
+    def __init__(self, cfg: ToolServiceConfig, sandbox=None):
+        self.cfg, self.sandbox, self.proc, self.url = cfg, sandbox, None, ""
 
     def start(self, timeout_s: float = 30.0) -> str:
         c = self.cfg
+        extra = []
+        if self.sandbox is not None:    # serve /run: a remote code sandbox with these limits
+            extra = ["--sandbox-json", json.dumps(dataclasses.asdict(self.sandbox))]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stages.agentflow.tool_service", "--p50-s", str(c.p50_s), "--p99-s", str(c.p99_s),
-             "--seed", str(c.seed), "--error-rate", str(c.error_rate)],
+             "--seed", str(c.seed), "--error-rate", str(c.error_rate), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         line = self.proc.stdout.readline()      # the server prints its address first
@@ -163,9 +212,14 @@ class ToolService:
         return self.url
 
     def stop(self) -> None:
+        """SIGTERM first (the service kills its sandbox workers), SIGKILL if it does not end."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
 
 
 # ---- client -------------------------------------------------------------------------------
@@ -199,12 +253,25 @@ class ToolServiceClient:
         finally:
             self.stats["wait_s"] += loop.time() - t0
 
-    async def _post(self, key: str) -> dict:
+    async def run(self, code: str) -> dict:
+        """A snippet run by the service's sandbox (/run); ToolServiceError as for lookup."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self.stats["calls"] += 1
+        try:
+            return await self._post(code, path="/run", field="code")
+        except ToolServiceError:
+            self.stats["errors"] += 1
+            raise
+        finally:
+            self.stats["wait_s"] += loop.time() - t0
+
+    async def _post(self, key: str, path: str = "/lookup", field: str = "key") -> dict:
         import aiohttp
 
         try:
             session = await self._http()
-            async with session.post(f"{self.url}/lookup", json={"key": key}) as r:
+            async with session.post(f"{self.url}{path}", json={field: key}) as r:
                 body = await r.text()
         except asyncio.TimeoutError as e:
             raise ToolServiceError(f"tool service {self.url} timed out after {self.cfg.timeout_s}s") from e
@@ -225,6 +292,20 @@ class ToolServiceClient:
 
         return Tool(name=name, fn=lookup, description="Look up facts about an integer 0..9999 (remote service).",
                     parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]})
+
+    def sandbox_tool(self, name: str = "python") -> Tool:
+        """The remote sandbox as the `python` tool: the output text as a local pool's tool gives it."""
+        async def python(code: str) -> str:
+            try:
+                return (await self.run(str(code)))["text"]
+            except ToolServiceError as e:
+                if self.cfg.on_error == "fail":
+                    raise ToolFatalError(str(e)) from e
+                return f"error: {e}"
+
+        return Tool(name=name, fn=python, description="Run a Python snippet in a remote sandbox service and "
+                    "return its output.", parameters={"type": "object", "properties": {"code": {"type": "string"}},
+                                                      "required": ["code"]})
 
     async def close(self) -> None:
         if self._session is not None:

@@ -15,6 +15,8 @@ the built-in model can spell every turn:
 """
 from __future__ import annotations
 
+import asyncio
+
 from stages.agentflow.envs import RetryEnv
 
 
@@ -61,15 +63,20 @@ class SandboxAgent:
 
     def __init__(self):
         from stages.agentflow.sandbox import SandboxConfig
+        from stages.agentflow.tool_service import ToolServiceConfig
 
         self.sandbox_cfg, self.pool = SandboxConfig(), None
+        self.service_cfg, self.service, self.client = ToolServiceConfig(), None, None
 
     def configure(self, rollout_cfg) -> None:
         self.sandbox_cfg = rollout_cfg.sandbox
+        self.service_cfg = rollout_cfg.tool_service
         if rollout_cfg.max_turns:
             self.attempts = max(1, rollout_cfg.max_turns // 2)
 
     async def run(self, ctx, sample: dict) -> None:
+        if self.sandbox_cfg.remote:
+            await self.start_remote()
         self.attach(ctx)
         env = RetryEnv(sample, max_attempts=self.attempts, decay=0.5)
         while True:
@@ -84,6 +91,9 @@ class SandboxAgent:
         """Give the context the `python` tool of this worker's pool (started here, on the rollout's loop)."""
         from stages.agentflow.sandbox import SandboxPool
 
+        if self.sandbox_cfg.remote:     # the client is made by start_remote, awaited before attach
+            ctx.tools.register(self.client.sandbox_tool())
+            return
         if self.pool is None:
             self.pool = SandboxPool(self.sandbox_cfg)
         ctx.tools.register(self.pool.tool())
@@ -110,6 +120,28 @@ class SandboxAgent:
                 continue
         return ""
 
+    async def start_remote(self) -> None:
+        """The remote sandbox's client; with no rollout.tool_service.url, a service process of this
+        worker's, started once (the concurrent trajectories of a batch wait for the same start)."""
+        from stages.agentflow.tool_service import ToolService, ToolServiceClient
+
+        if self.client is not None:
+            return
+        if getattr(self, "_starting", None) is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.client is not None:
+                return
+            url = self.service_cfg.url
+            if not url:
+                self.service = ToolService(self.service_cfg, sandbox=self.sandbox_cfg)
+                url = await asyncio.to_thread(self.service.start)
+            self.client = ToolServiceClient(url, self.service_cfg)
+
     async def aclose(self) -> None:
         if self.pool is not None:
             await self.pool.close()
+        if self.client is not None:
+            await self.client.close()
+        if self.service is not None:
+            await asyncio.to_thread(self.service.stop)
