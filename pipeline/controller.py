@@ -394,7 +394,20 @@ class Controller:
                 "stale_drop": st.dropped_stale, "dispatch_out_of_order": snap["out_of_order"],
                 "samples_per_s": t.num_rows / max(wall, 1e-9), "step_wall_s": wall,
                 "rollout/busy_frac": sum(b["busy_s"] for b in busy) / len(busy) / max(wall, 1e-9),
-                "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)}
+                "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)} | self._engine_batch(busy)
+
+    @staticmethod
+    def _engine_batch(stats: list[dict]) -> dict:
+        """Continuous batching's figures over the engines, this step: rows decoding per step (mean, max)
+        and a request's wait in the queue before it joined the running batch (mean, max)."""
+        stats = [s for s in stats if s.get("decode_steps")]
+        if not stats:
+            return {}
+        steps = sum(s["decode_steps"] for s in stats)
+        return {"engine/running_rows_mean": sum(s["running_rows_mean"] * s["decode_steps"] for s in stats) / steps,
+                "engine/running_rows_max": max(s["running_rows_max"] for s in stats),
+                "engine/queue_wait_s_mean": sum(s["queue_wait_s_mean"] for s in stats) / len(stats),
+                "engine/queue_wait_s_max": max(s["queue_wait_s_max"] for s in stats)}
 
     def _evaluate(self, write: bool = True, step: int | None = None) -> dict:
         c, t, step = self.cfg, time.time(), self.step if step is None else step
@@ -536,7 +549,8 @@ def _placement(c: Config) -> Placement | None:
 
 
 # rollout.engine -> (engine class, extra constructor arguments from the config)
-ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora)),
+ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
+                                        c.rollout.engine_max_rows)),
            "sglang": (SGLangEngine, lambda c: (c.sglang, c.trainer.lora))}
 
 

@@ -39,12 +39,13 @@ def test_cli_needs_only_core_dependencies():
     simpy` because the planner's simulator was in the test extra)."""
     import subprocess
     import sys
+
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
     def names(reqs):
-        return {re.split(r"[<>=!~;\[ ]", r, 1)[0].strip().lower().replace("-", "_") for r in reqs}
+        return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].strip().lower().replace("-", "_") for r in reqs}
 
     core = names(project["dependencies"])
     extras = set().union(*(names(v) for v in project["optional-dependencies"].values())) - core

@@ -9,6 +9,16 @@ records both versions (partial rollout) unless the request asks to hold the lock
 With trainer.lora on, a version is the adapter alone: it lands in the engine's adapter
 buffers under the same lock, then is merged into the weights from a kept base copy
 (serve=merge) or served by peft's layers (serve=peft); see stages/lora.py.
+
+Continuous batching (batching="continuous", the default): one decode thread owns a running
+batch. `generate` enqueues its rows and waits for them; between two decode steps the thread
+admits waiting rows (their prefill, shared by rows of one context, then their KV cache merged
+into the batch's, left-padded) and retires finished ones, so a short turn joins the batch that
+a long generation is in and leaves it when done, instead of waiting behind it. A step is one
+forward under the weight lock, so updates land between steps as before. Rows that `hold` a
+version are served by the static loop (batching="static": one loop per call and sampling
+setting), which keeps the lock for the whole call: holding it while any hold row runs in a
+shared batch would let a stream of hold rows starve weight updates.
 """
 from __future__ import annotations
 
@@ -19,6 +29,9 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +45,8 @@ RESYNC_TIMEOUT_S = 120.0
 CALIBRATE_MAX_PARAMS = 50_000_000   # larger models are matmul-bound: they keep every thread they are given
 CALIBRATE_ROUNDS = 5                 # timings per thread setting; the best of each is compared
 CALIBRATE_MARGIN = 0.9               # more threads are kept only when at least 10% faster
+BATCHING = ("continuous", "static")
+IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
 
 
 def _reconstructed() -> bool:
@@ -43,11 +58,94 @@ def _reconstructed() -> bool:
         return False
 
 
+def _fresh_stats() -> dict:
+    return {"requests": 0, "tokens": 0, "busy_s": 0.0, "decode_steps": 0, "_rows_sum": 0, "running_rows_max": 0,
+            "_wait_sum": 0.0, "_waited": 0, "queue_wait_s_max": 0.0}
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request in the continuous batch: its whole context, what it has sampled, what it may still sample."""
+    seq: list[int]              # prompt + response so far (the response's last token is not in the cache yet)
+    resp: list[int]             # prefix + sampled
+    lps: list[float]
+    vers: list[int]
+    budget: int                 # tokens it may still sample
+    seed: int | None
+    temp: float
+    top_p: float
+    t_dispatch: float           # its generate call's start: abort_all aborts calls started before it
+    t_queued: float = field(default_factory=time.perf_counter)
+    done: Future = field(default_factory=Future)
+
+    def finish(self, status: str) -> None:
+        self.done.set_result({"response_ids": self.resp, "logprobs": self.lps, "versions": self.vers,
+                              "status": status})
+
+
+def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, [batch, heads, length, head_dim]: transformers >= 4.56 keeps one
+    object per layer (`layers[i].keys`), older versions two lists (`key_cache`, `value_cache`)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _set_kv(cache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if hasattr(cache, "layers"):
+        for layer, (k, v) in zip(cache.layers, kv):
+            layer.keys, layer.values = k, v
+    else:
+        cache.key_cache[:], cache.value_cache[:] = [k for k, _ in kv], [v for _, v in kv]
+
+
+@dataclass
+class _Batch:
+    """The running rows' KV cache, left-padded: `mask` marks real cache columns per row; `pos` is the
+    position id of each row's next token, `last` that token (sampled, not yet in the cache)."""
+    cache: object
+    mask: torch.Tensor          # [rows, columns] long
+    pos: torch.Tensor           # [rows] long
+    last: torch.Tensor | None = None
+
+    def select(self, keep: list[int]) -> "_Batch":
+        """The rows in `keep` (their cache gathered); columns that are padding in every kept row are dropped."""
+        idx = torch.tensor(keep)
+        mask = self.mask[idx]
+        lead = int((mask.sum(0) == 0).long().cumprod(0).sum())       # all-padding columns on the left
+        _set_kv(self.cache, [(k[idx, :, lead:], v[idx, :, lead:]) for k, v in _kv(self.cache)])
+        return _Batch(self.cache, mask[:, lead:], self.pos[idx], self.last[idx])
+
+    @staticmethod
+    def concat(a: "_Batch", b: "_Batch") -> "_Batch":
+        """b's rows after a's, both right-aligned on the newest column (the shorter padded on the left)."""
+        width = max(a.mask.shape[1], b.mask.shape[1])
+
+        def pad(t, n):      # n zero columns before t's on the sequence axis (dim 2 of kv, 1 of the mask)
+            if n == 0:
+                return t
+            dim = 2 if t.dim() == 4 else 1
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        pa, pb = width - a.mask.shape[1], width - b.mask.shape[1]
+        _set_kv(a.cache, [(torch.cat([pad(ka, pa), pad(kb, pb)]), torch.cat([pad(va, pa), pad(vb, pb)]))
+                          for (ka, va), (kb, vb) in zip(_kv(a.cache), _kv(b.cache))])
+        return _Batch(a.cache, torch.cat([pad(a.mask, pa), pad(b.mask, pb)]), torch.cat([a.pos, b.pos]))
+
+
 class HFEngine:
     """Batched sampling with a KV cache. Runs as a threaded Ray actor (max_concurrency > 1)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
-                 engine_id: str = "engine0", nice: int = 0, lora: LoraConfig | None = None):
+                 engine_id: str = "engine0", nice: int = 0, lora: LoraConfig | None = None,
+                 batching: str = "continuous", max_running_rows: int = 256, max_running_tokens: int = 65536):
+        if batching not in BATCHING:
+            raise ValueError(f"rollout.engine_batching must be continuous or static, got {batching!r}")
+        if max_running_rows < 1 or max_running_tokens < 1:
+            raise ValueError(f"max_running_rows and max_running_tokens must be >= 1, "
+                             f"got {max_running_rows}, {max_running_tokens}")
         lower_priority(nice)
         torch.set_num_threads(num_threads)
         self.engine_id = engine_id
@@ -71,11 +169,19 @@ class HFEngine:
         self._gen = torch.Generator().manual_seed(seed)
         self._abort_before = -1.0           # requests dispatched before this time are aborted
         self.mesh_endpoint = None
-        self.stats = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        self.batching = batching
+        self.max_running_rows = max_running_rows        # rows in the running batch at once; more wait
+        self.max_running_tokens = max_running_tokens    # their context tokens together (a row alone always runs)
+        self._waiting: deque[_Row] = deque()            # rows enqueued by generate, not yet admitted
+        self._wake = threading.Condition()              # guards _waiting and _scheduling
+        self._scheduling = False                        # the decode thread is running
+        self._stats_lock = threading.Lock()
+        self.stats = _fresh_stats()
         self._synced = threading.Event()
         self._synced.set()
         self.threads = self._pick_threads(num_threads)
         torch.set_num_threads(self.threads)
+        self.stats = _fresh_stats()         # the calibration's steps are not served work
         # A restarted engine (Ray re-ran this constructor after the process died) holds the
         # initial weights: it serves nothing until the controller has re-sent the current version.
         # `incarnation` is new in every process: the controller counts a restart only when it changes.
@@ -182,12 +288,30 @@ class HFEngine:
         self._abort_before = time.time()
 
     def pop_stats(self) -> dict:
-        out, self.stats = self.stats, {"requests": 0, "tokens": 0, "busy_s": 0.0}
-        return out
+        """Since the last call: requests, tokens, busy_s (seconds spent decoding), decode_steps,
+        running_rows_mean/max (rows per step) and queue_wait_s_mean/max (enqueued -> admitted;
+        continuous batching only)."""
+        with self._stats_lock:
+            st, self.stats = self.stats, _fresh_stats()
+        steps, waited = st.pop("_rows_sum"), st.pop("_waited")
+        st["running_rows_mean"] = steps / max(st["decode_steps"], 1)
+        st["queue_wait_s_mean"] = st.pop("_wait_sum") / max(waited, 1)
+        return st
+
+    def _count(self, **add) -> None:
+        with self._stats_lock:
+            for k, v in add.items():
+                self.stats[k] += v
+
+    def _count_step(self, rows: int) -> None:
+        with self._stats_lock:
+            self.stats["decode_steps"] += 1
+            self.stats["_rows_sum"] += rows
+            self.stats["running_rows_max"] = max(self.stats["running_rows_max"], rows)
 
     # ---- generation ----------------------------------------------------------------
     def generate(self, requests: list[dict]) -> list[dict]:
-        """Each request: prompt_ids, max_new_tokens, temperature, top_p, [prefix_ids, prefix_logprobs,
+        """Each request: prompt_ids, max_new_tokens, temperature, top_p, [seed], [prefix_ids, prefix_logprobs,
         prefix_versions] (resume a partial rollout), [hold] (keep one version for the whole call).
         Returns per request: response_ids, logprobs, versions, status (completed|truncated|aborted|failed);
         a failed row (malformed, or its prompt does not fit the context) has `error` and `code`,
@@ -199,22 +323,183 @@ class HFEngine:
                                f"{RESYNC_TIMEOUT_S:.0f}s")
         t0 = time.time()
         groups: dict[tuple, list[int]] = {}
+        queued: list[tuple[int, _Row]] = []
         out: list[dict] = [{}] * len(requests)
-        for i, r in enumerate(requests):  # one decode loop per sampling setting
+        for i, r in enumerate(requests):
             refused = row_error(r, self.context, self.vocab)
             if refused:
                 out[i] = failed_row(*refused)
-                continue
-            key = (int(r["max_new_tokens"]), float(r.get("temperature", 1.0)), float(r.get("top_p", 1.0)),
-                   bool(r.get("hold", False)))
-            groups.setdefault(key, []).append(i)
+            elif self.batching == "continuous" and not r.get("hold", False):
+                queued.append((i, self._row(r, t0)))
+            else:   # static: one decode loop per sampling setting
+                key = (int(r["max_new_tokens"]), float(r.get("temperature", 1.0)), float(r.get("top_p", 1.0)),
+                       bool(r.get("hold", False)))
+                groups.setdefault(key, []).append(i)
+        self._enqueue([row for _, row in queued])
         for (max_new, temp, top_p, hold), idx in groups.items():
+            t = time.time()
             for i, res in zip(idx, self._decode([requests[i] for i in idx], max_new, temp, top_p, hold, t0)):
                 out[i] = res
-        self.stats["requests"] += len(requests)
-        self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
-        self.stats["busy_s"] += time.time() - t0
+            self._count(busy_s=time.time() - t)
+        for i, row in queued:
+            out[i] = row.done.result()
+        self._count(requests=len(requests), tokens=sum(len(o["response_ids"]) for o in out))
         return out
+
+    # ---- continuous batching -------------------------------------------------------
+    def _row(self, r: dict, t_dispatch: float) -> _Row:
+        seq = list(r["prompt_ids"]) + list(r.get("prefix_ids", []))
+        resp = list(r.get("prefix_ids", []))
+        budget = int(r["max_new_tokens"]) - len(resp)
+        if self.context:    # prompt + response never outgrow the context
+            budget = min(budget, self.context - len(seq))
+        return _Row(seq, resp, list(r.get("prefix_logprobs", [])), list(r.get("prefix_versions", [])), budget,
+                    int(r["seed"]) if "seed" in r else None, float(r.get("temperature", 1.0)),
+                    float(r.get("top_p", 1.0)), t_dispatch)
+
+    def _enqueue(self, rows: list[_Row]) -> None:
+        """Rows with nothing to decode (a resumed row that had ended, no budget) finish here; the
+        rest wait for the decode thread, which is started if it is not running."""
+        todo = []
+        for row in rows:
+            if row.resp and row.resp[-1] == self.eos_id:
+                row.finish("completed")
+            elif row.budget <= 0:
+                row.finish("truncated")
+            else:
+                todo.append(row)
+        if not todo:
+            return
+        with self._wake:
+            self._waiting.extend(todo)
+            self._wake.notify()
+            if not self._scheduling:
+                self._scheduling = True
+                threading.Thread(target=self._schedule, name=f"{self.engine_id}-decode", daemon=True).start()
+
+    def _schedule(self) -> None:
+        """The decode thread: admit, step, retire, until idle for IDLE_EXIT_S."""
+        running: list[_Row] = []
+        batch: _Batch | None = None
+        while True:
+            with self._wake:
+                if not running and not self._waiting:
+                    self._wake.wait(timeout=IDLE_EXIT_S)
+                    if not self._waiting:
+                        self._scheduling = False
+                        return
+                for row in [r for r in self._waiting if self._aborted(r)]:
+                    self._waiting.remove(row)
+                    row.finish("aborted")
+                admitted = self._admit(running)
+            t = time.time()
+            try:
+                running, batch = self._iteration(running, batch, admitted)
+            except Exception as e:  # noqa: BLE001 - the rows in hand fail with the engine's error; the thread goes on
+                for row in running + admitted:
+                    if not row.done.done():
+                        row.done.set_exception(e)
+                running, batch = [], None
+            self._count(busy_s=time.time() - t)
+
+    def _aborted(self, row: _Row) -> bool:
+        return self._abort_before > row.t_dispatch
+
+    def _admit(self, running: list[_Row]) -> list[_Row]:
+        """Waiting rows, first come first served, while the batch has room for their rows and tokens
+        (the first row that does not fit waits at the head: later rows do not overtake it)."""
+        rows, tokens, now = len(running), sum(len(r.seq) for r in running), time.perf_counter()
+        admitted = []
+        while self._waiting and rows < self.max_running_rows:
+            row = self._waiting[0]
+            if rows and tokens + len(row.seq) > self.max_running_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            rows, tokens = rows + 1, tokens + len(row.seq)
+        if admitted:
+            waits = [now - r.t_queued for r in admitted]
+            with self._stats_lock:
+                self.stats["_wait_sum"] += sum(waits)
+                self.stats["_waited"] += len(waits)
+                self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], *waits)
+        return admitted
+
+    def _iteration(self, running, batch, admitted):
+        """One decode step: the running rows' next token and the admitted rows' first (their prefill),
+        in one hold of the weight lock; then the rows that ended leave and the admitted ones join."""
+        for row in [r for r in running if self._aborted(r)]:
+            row.finish("aborted")
+        keep = [i for i, r in enumerate(running) if not r.done.done()]
+        if len(keep) < len(running):
+            running, batch = [running[i] for i in keep], (batch.select(keep) if keep else None)
+        if not running and not admitted:
+            return [], None
+        with torch.no_grad():
+            self._acquire_serving()
+            try:
+                step = self._step(batch) if running else None
+                new, new_logits = self._prefill(admitted) if admitted else (None, None)
+                version = self.version
+            finally:
+                self._lock.release()
+        rows = running + admitted
+        logits = torch.cat([x for x in (step, new_logits) if x is not None])
+        tok = self._sample_rows(rows, logits.float(), version)
+        self._count_step(len(rows))
+        batch = _Batch.concat(batch, new) if batch is not None and new is not None else (batch or new)
+        batch.last = tok
+        keep = [i for i, r in enumerate(rows) if not r.done.done()]
+        return [rows[i] for i in keep], (batch.select(keep) if keep else None)
+
+    def _step(self, batch: _Batch) -> torch.Tensor:
+        """Feed every running row its last sampled token; the batch's cache and mask grow by one column."""
+        mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+        o = self.model(input_ids=batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
+                       use_cache=True, **{self._cache_kw: batch.cache})
+        batch.cache, batch.mask, batch.pos = o[self._cache_kw], mask, batch.pos + 1
+        return o.logits[:, -1]
+
+    def _prefill(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+        """The admitted rows' contexts, left-padded; rows with the same context share one prefill."""
+        n, width = len(rows), max(len(r.seq) for r in rows)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r.seq):] = torch.tensor(r.seq)
+            mask[i, width - len(r.seq):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        first: dict[tuple, int] = {}
+        inv = torch.tensor([first.setdefault(tuple(r.seq), i) for i, r in enumerate(rows)])
+        if len(first) < n:
+            logits, cache = self._shared_prefill(ids, mask, pos, sorted(set(first.values())), inv)
+        else:
+            o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+            logits, cache = o.logits[:, -1], o[self._cache_kw]
+        return _Batch(cache, mask, torch.tensor([len(r.seq) for r in rows])), logits
+
+    def _sample_rows(self, rows: list[_Row], logits: torch.Tensor, version: int) -> torch.Tensor:
+        """One token per row, sampled per sampling setting; appended to each row, which finishes on
+        EOS or its budget. Returns the tokens (the next step's input)."""
+        tok = torch.empty(len(rows), dtype=torch.long)
+        lp = torch.empty(len(rows), dtype=logits.dtype)
+        settings: dict[tuple, list[int]] = {}
+        for i, r in enumerate(rows):
+            settings.setdefault((r.temp, r.top_p), []).append(i)
+        for (temp, top_p), idx in settings.items():
+            sel = torch.tensor(idx)
+            tok[sel], lp[sel] = self._sample(logits[sel], temp, top_p, [rows[i].seed for i in idx],
+                                             [len(rows[i].resp) for i in idx])
+        for r, t, p in zip(rows, tok.tolist(), lp.tolist()):
+            r.seq.append(t)
+            r.resp.append(t)
+            r.lps.append(p)
+            r.vers.append(version)
+            r.budget -= 1
+            if t == self.eos_id:
+                r.finish("completed")
+            elif r.budget <= 0:
+                r.finish("truncated")
+        return tok
 
     def _decode(self, reqs, max_new, temp, top_p, hold, t_start):
         n = len(reqs)

@@ -72,6 +72,9 @@ class RolloutConfig:
     num_engines: int = 1
     engine: str = "hf"                 # hf (embedded torch engine, any CPU) | sglang (GPU; `sglang:` section)
     engine_threads: int = 0            # torch threads per engine; 0 = decided by pipeline/resources.py
+    engine_batching: str = "continuous"  # hf engine: continuous (rows join/leave the running batch between decode
+                                       # steps) | static (one decode loop per call); stages/agentflow/engine.py
+    engine_max_rows: int = 256         # hf engine, continuous: rows decoding at once (more wait in its queue)
     num_workers: int = 1               # rollout worker actors (asyncio inside each)
     groups_per_batch: int = 0          # groups per worker call; 0 = one step's groups
     stale_steps: float = 0.0           # 0 = synchronous on-policy
@@ -107,6 +110,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
         if self.engine not in ("hf", "sglang"):
             raise ValueError(f"rollout.engine must be hf or sglang, got {self.engine!r}")
+        if self.engine_batching not in ("continuous", "static"):
+            raise ValueError(f"rollout.engine_batching must be continuous or static, got {self.engine_batching!r}")
+        if self.engine_max_rows < 1:
+            raise ValueError(f"rollout.engine_max_rows must be >= 1, got {self.engine_max_rows}")
         if self.partial not in ("interrupt", "wait"):
             raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
