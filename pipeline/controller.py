@@ -394,7 +394,8 @@ class Controller:
                 "stale_drop": st.dropped_stale, "dispatch_out_of_order": snap["out_of_order"],
                 "samples_per_s": t.num_rows / max(wall, 1e-9), "step_wall_s": wall,
                 "rollout/busy_frac": sum(b["busy_s"] for b in busy) / len(busy) / max(wall, 1e-9),
-                "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)} | self._engine_batch(busy)
+                "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)} | self._engine_batch(busy) \
+            | self.pipeline.batcher.fairness.summary()
 
     @staticmethod
     def _engine_batch(stats: list[dict]) -> dict:

@@ -22,13 +22,15 @@ import pyarrow as pa
 class BatcherConfig:
     groups_per_step: int = 8           # B
     filter_equal_rewards: bool = False  # dynamic sampling: drop groups whose rewards are all equal
-    stale_policy: str = "drop"         # drop | wait: what to do with a group older than the bound
+    stale_policy: str = "drop"         # drop | wait | mask: what to do with a group older than the bound (mask:
+    #                                    its tokens older than the bound leave the loss, kept as context; the group
+    #                                    is dropped only when none is left: long trajectories are not starved)
 
     def __post_init__(self):
         if self.groups_per_step <= 0:
             raise ValueError(f"batcher.groups_per_step must be > 0, got {self.groups_per_step}")
-        if self.stale_policy not in ("drop", "wait"):
-            raise ValueError(f"batcher.stale_policy must be drop or wait, got {self.stale_policy!r}")
+        if self.stale_policy not in ("drop", "wait", "mask"):
+            raise ValueError(f"batcher.stale_policy must be drop, wait or mask, got {self.stale_policy!r}")
 
 
 @dataclass
@@ -38,6 +40,48 @@ class BatcherStats:
     dropped_filter: int = 0
     failed_rows: int = 0
     per_step: dict = field(default_factory=dict)
+
+
+LONG_QUANTILE = 0.75     # a trajectory is long when its wall time is above this quantile of all completed ones
+
+
+def _trajectories(t: pa.Table) -> list[tuple[float, int, int]]:
+    """(wall seconds: first dispatch to last done, model turns, response tokens) per trajectory
+    (group, sample) of a group table; turns are 1 for rows without agent stats (single-turn)."""
+    n = t.num_rows
+    col = {c: t.column(c).to_pylist() if c in t.column_names else [None] * n
+           for c in ("group_id", "sample_idx", "t_dispatch", "t_done", "response_ids", "agent_stats")}
+    out: dict[tuple, list] = {}
+    for g, k, lo, hi, resp, st in zip(*col.values()):
+        cur = out.setdefault((g, k), [lo or 0.0, hi or 0.0, (st or {}).get("turns") or 1, 0])
+        cur[0], cur[1], cur[3] = min(cur[0], lo or cur[0]), max(cur[1], hi or cur[1]), cur[3] + len(resp or [])
+    return [(hi - lo, turns, tokens) for lo, hi, turns, tokens in out.values()]
+
+
+@dataclass
+class Fairness:
+    """What the batcher saw complete vs what it handed to the trainer, per trajectory, over the run:
+    the staleness bound, the window and dynamic sampling must not bias training toward fast
+    trajectories. `completed` are the trajectories of every group that arrived whole (trained,
+    dropped or still buffered); `long` is a wall time above LONG_QUANTILE of the completed ones."""
+    completed: list = field(default_factory=list)
+    trained: list = field(default_factory=list)
+    groups: dict = field(default_factory=lambda: {"completed": 0, "trained": 0, "dropped_stale": 0,
+                                                  "dropped_filter": 0})
+
+    def summary(self) -> dict:
+        if not self.completed:
+            return {}
+        walls = sorted(w for w, _, _ in self.completed)
+        cut = walls[min(len(walls) - 1, int(LONG_QUANTILE * len(walls)))]
+        out = {f"fair/groups_{k}": v for k, v in self.groups.items()}
+        for name, rows in (("completed", self.completed), ("trained", self.trained)):
+            if rows:
+                out[f"fair/{name}_wall_s_mean"] = sum(w for w, _, _ in rows) / len(rows)
+                out[f"fair/{name}_turns_mean"] = sum(t for _, t, _ in rows) / len(rows)
+                out[f"fair/{name}_tokens_mean"] = sum(n for _, _, n in rows) / len(rows)
+                out[f"fair/{name}_long_share"] = sum(w > cut for w, _, _ in rows) / len(rows)
+        return out
 
 
 class WindowedBatcher:
@@ -53,6 +97,7 @@ class WindowedBatcher:
         self._samples: dict[int, set] = {}      # sample indices seen per partial group
         self._ready: dict[int, pa.Table] = {}  # complete groups by seq
         self.stats = BatcherStats()
+        self.fairness = Fairness()
 
     def feed(self, batch: pa.Table) -> list[int]:
         """Add streamed rows; return the seqs of groups completed by this batch."""
@@ -67,6 +112,8 @@ class WindowedBatcher:
                 self._ready[g] = pa.concat_tables(self._partial.pop(g))
                 del self._samples[g]
                 self.stats.groups_complete += 1
+                self.fairness.groups["completed"] += 1
+                self.fairness.completed += _trajectories(self._ready[g])
                 done.append(g)
         return done
 
@@ -75,12 +122,16 @@ class WindowedBatcher:
         dropped = []
         for g in sorted(self._ready):
             t = self._ready[g]
-            if self._too_stale(t, version) and self.cfg.stale_policy == "drop":
+            if self._too_stale(t, version) and self.cfg.stale_policy == "mask":
+                t = self._ready[g] = mask_stale(t, version - self.max_staleness)
+            if self._too_stale(t, version) and self.cfg.stale_policy in ("drop", "mask"):
                 dropped.append(g)
                 self.stats.dropped_stale += 1
+                self.fairness.groups["dropped_stale"] += 1
             elif self.cfg.filter_equal_rewards and len(set(t.column("reward").to_pylist())) <= 1:
                 dropped.append(g)
                 self.stats.dropped_filter += 1
+                self.fairness.groups["dropped_filter"] += 1
         for g in dropped:
             del self._ready[g]
         eligible = [g for g in sorted(self._ready)
@@ -90,17 +141,40 @@ class WindowedBatcher:
             return None, dropped
         chosen = eligible[: self.cfg.groups_per_step]
         table = pa.concat_tables([self._ready.pop(g) for g in chosen])
+        self.fairness.groups["trained"] += len(chosen)
+        self.fairness.trained += _trajectories(table)
         self.stats.failed_rows += sum(s == "failed" for s in table.column("status").to_pylist())
         return table, dropped
 
     def _too_stale(self, t: pa.Table, version: int) -> bool:
-        """Staleness of a group = current version - oldest model token's version."""
-        oldest = min((v for vs in t.column("token_versions").to_pylist() for v in vs if v >= 0), default=version)
-        return version - oldest > self.max_staleness
+        """Staleness of a group = current version - oldest trained model token's version (a group with
+        no token left in the loss is as stale as can be)."""
+        masks = _loss_masks(t)
+        trained = [v for vs, ks in zip(t.column("token_versions").to_pylist(), masks) for v, k in zip(vs, ks)
+                   if v >= 0 and k]
+        if not trained and any(v >= 0 for vs in t.column("token_versions").to_pylist() for v in vs):
+            return True
+        return version - min(trained, default=version) > self.max_staleness
 
     @property
     def buffered(self) -> int:
         return len(self._ready)
+
+
+def _loss_masks(t: pa.Table) -> list[list[int]]:
+    if "loss_mask" in t.column_names:
+        return t.column("loss_mask").to_pylist()
+    return [[1] * len(vs) for vs in t.column("token_versions").to_pylist()]
+
+
+def mask_stale(table: pa.Table, oldest: int) -> pa.Table:
+    """batcher.stale_policy=mask: tokens generated before version `oldest` leave the loss (they stay in
+    the row as context the newer tokens were sampled after)."""
+    from stages.schema import with_columns
+
+    masks = [[k if v < 0 or v >= oldest else 0 for v, k in zip(vs, ks)]
+             for vs, ks in zip(table.column("token_versions").to_pylist(), _loss_masks(table))]
+    return with_columns(table, {"loss_mask": masks})
 
 
 def mask_old_versions(table: pa.Table) -> pa.Table:
