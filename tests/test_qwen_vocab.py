@@ -80,10 +80,27 @@ def _ids(tok, text: str) -> list[int]:
 
 # ---- the tokenizer ----
 
+def _ref_ids(tok, ref, text: str) -> list[int]:
+    """What a Qwen tokenizer makes of `text`: its added tokens (`<think>`, `<|im_start|>`, ...) are
+    matched in the text first, as HF tokenizers do; the pieces between them are plain BPE."""
+    import re
+
+    added = tok.get_added_vocab()
+    if not added:
+        return ref.encode(text)
+    pat = re.compile("|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)))
+    out, pos = [], 0
+    for m in pat.finditer(text):
+        out += ref.encode(text[pos:m.start()]) + [added[m.group()]]
+        pos = m.end()
+    return out + ref.encode(text[pos:])
+
+
 def test_ids_equal_the_reference_encoder(tok, ref):
-    texts = TEXTS + _random_texts(300, nfc=False) + [_repo_text(), "cafe\u0301 nai\u0308ve"]
+    texts = TEXTS + _random_texts(300, nfc=False) + [_repo_text(), "cafe\u0301 nai\u0308ve",
+                                                     "turns' `<think>` dropped <|im_start|>user"]
     got = [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-    want = [ref.encode(t) for t in texts]
+    want = [_ref_ids(tok, ref, t) for t in texts]
     bad = [(t[:60], g[:12], w[:12]) for t, g, w in zip(texts, got, want) if g != w]
     assert not bad, f"{len(bad)} of {len(texts)} texts differ, e.g. {bad[:3]}"
     assert sum(len(w) for w in want) > 10_000          # the check covered a real amount of text
