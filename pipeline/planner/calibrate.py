@@ -68,6 +68,8 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
         spans = load_spans(run)
         rec = Recording.open(run / "rollouts")
         cols = ["group_id", "sample_idx", "response_ids", "loss_mask", "t_dispatch", "t_done"]
+        if "agent_stats" in rec.read_step(rec.steps[0]).column_names:
+            cols.append("agent_stats")
         rows = rec.read(columns=cols).to_pandas()
     except (ConfigError, ProfileError, RecordingError, ValueError) as e:
         raise PlanError(f"--calibrate {run}: {e}") from e
@@ -95,7 +97,7 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
         blocks[int(blk)] = (t0, t1, int(g["group_id"].min()))
         waves.append(depth)
         iters.append(sum(wave_iters))
-        gen_s.append(t1 - t0)
+        gen_s.append(t1 - t0 - _outside_generation(g))
     steady_blocks = slice(1, None) if len(gen_s) > 2 else slice(None)      # the first block waits for start-up
     waves, iters, gen_s = np.array(waves[steady_blocks]), np.array(iters[steady_blocks]), np.array(gen_s[steady_blocks])
     call_s, iter_s = _fit_engine(waves, iters, gen_s)
@@ -108,6 +110,18 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
     costs = Costs(engine, trainer, sync, stages, Layout(engines=cfg.rollout.num_engines, description="this run"),
                   sources={k: f"calibrated from {run}" for k in ("engine", "trainer", "sync", "stages")})
     return Calibration(run, cfg, costs, lengths, notes)
+
+
+def _outside_generation(block) -> float:
+    """An agent block's seconds outside generation (tool calls, the agent's own work) on its critical
+    path: those of the sample that finished last (agent_stats wall_s - gen_s). The simulation adds
+    tool time per call from the recorded lengths, so the engine is fitted on the rest."""
+    if "agent_stats" not in block.columns:
+        return 0.0
+    last = block.loc[block["t_done"].idxmax(), "agent_stats"]
+    if not isinstance(last, dict):
+        return 0.0
+    return max(0.0, float(last.get("wall_s") or 0.0) - float(last.get("gen_s") or 0.0))
 
 
 def _fit_engine(waves, iters, gen_s) -> tuple[float, float]:

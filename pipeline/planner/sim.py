@@ -284,7 +284,10 @@ class Simulation:
         return pa.table({"group_id": pa.array([r.group for r in recs], pa.int64()),
                          "sample_idx": pa.array([i % n for i in range(len(recs))], pa.int64()),
                          "status": ["completed"] * len(recs), "reward": pa.array([0.0] * len(recs)),
-                         "token_versions": pa.array(versions, pa.list_(pa.int64()))})
+                         "token_versions": pa.array(versions, pa.list_(pa.int64())),
+                         # as real rows carry one: stale_policy=mask rewrites it, and every block's
+                         # table must keep one schema
+                         "loss_mask": pa.array([[1] * len(v) for v in versions], pa.list_(pa.int8()))})
 
     def _sample(self, engine: EngineSim, spec, rec: SampleRecord):
         env, m = self.env, self.c.engine

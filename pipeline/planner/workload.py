@@ -6,8 +6,8 @@ seconds with tool_tokens of context. Two sources:
 
 * `RecordedLengths.open(RUN/rollouts)`: whole recorded groups resampled (a hard prompt's long
   samples stay together). Model turns are the runs of loss_mask=1 in a row's response, tool
-  context the runs of 0 between them; tool latency per call is the agent's wall time outside
-  generation divided by its tool calls (agent_stats).
+  context the runs of 0 between them; the wait in each gap is the agent's wall time outside
+  generation (agent_stats wall_s - gen_s) divided by its gaps.
 * `ParametricLengths`: response lengths from a log-normal clipped at `max` (a clipped sample is a
   truncated one), its location solved so that the *clipped* mean is `mean`; a fixed number of
   turns and tool latency.
@@ -70,6 +70,16 @@ def turns_of(mask: list[int], tool_s: float) -> tuple:
     return tuple(tuple(t) for t in turns)
 
 
+def agent_turns(mask: list[int], stats: dict) -> tuple:
+    """A recorded row's turns, each gap's wait the sample's time outside generation (agent_stats
+    wall_s - gen_s) spread evenly over its gaps: a gap is a tool answer or a user turn, so dividing
+    by tool calls would count that time again in every gap without one."""
+    turns = turns_of(mask, 0.0)
+    outside = max(0.0, float(stats.get("wall_s") or 0.0) - float(stats.get("gen_s") or 0.0))
+    gap_s = outside / (len(turns) - 1) if len(turns) > 1 else 0.0
+    return tuple((g, t, gap_s if k < len(turns) - 1 else 0.0) for k, (g, t, _) in enumerate(turns))
+
+
 class RecordedLengths:
     """Groups of a recorded run, resampled with replacement."""
 
@@ -100,10 +110,7 @@ class RecordedLengths:
                 continue
             seen.add((step, g, s))
             stats = (d.get("agent_stats") or [None] * len(d["step"]))[i] or {}
-            calls = stats.get("tool_calls") or 0
-            outside = max(0.0, (stats.get("wall_s") or 0.0) - (stats.get("gen_s") or 0.0))
-            tool_s = outside / calls if calls else 0.0
-            spec = SampleSpec(len(d["prompt_ids"][i]), turns_of(d["loss_mask"][i], tool_s))
+            spec = SampleSpec(len(d["prompt_ids"][i]), agent_turns(d["loss_mask"][i], stats))
             by_group.setdefault((step, g), []).append(spec)
         return cls(list(by_group.values()), str(path))
 
