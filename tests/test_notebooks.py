@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ["compose_pipeline", "replay_rollouts", "profile_stages"]
+NOTEBOOKS = ["compose_pipeline", "replay_rollouts", "profile_stages", "plan_cluster"]
 
 
 def execute(name: str):

@@ -308,3 +308,17 @@ def test_published_areal_run_is_predicted_faster_async_than_sync():
     assert out["sync"]["staleness_max"] == 0
     assert out["async"]["staleness_max"] >= 1          # the async run did run ahead of the trainer
     assert out["ratio"] > 1
+
+
+def test_a_plan_runs_inside_a_running_event_loop():
+    """A notebook's kernel runs an asyncio loop: the simulation (whose gate is async) runs there too,
+    with the same figures as outside one."""
+    import asyncio
+
+    inp = PlanInput(config="configs/quickstart_async.yaml", cluster="configs/clusters/h100_64.yaml",
+                    lengths="lognormal:mean=500,max=2048", steps=3)
+
+    async def inside():
+        return simulate(inp)[1]
+
+    assert asyncio.run(inside())["samples_per_s"] == simulate(inp)[1]["samples_per_s"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -355,7 +356,13 @@ class Simulation:
     def run(self) -> "SimResult":
         for p in (self._dispatcher(), self._taker(), self._trainer()):
             self.env.process(p)
-        self.env.run(until=self.finished)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:                   # no loop here: the gate's coroutines run on ours
+            self.env.run(until=self.finished)
+        else:                                  # inside a running loop (a notebook's kernel): the same
+            with ThreadPoolExecutor(1) as pool:   # run on a thread of its own, where ours may run
+                pool.submit(self.env.run, until=self.finished).result()
         self._loop.close()
         for e in self.engines:
             for s, t in e.busy:
