@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.planner.model import Costs, EngineModel, Layout, PlanError, StageCosts, SyncModel, TrainerModel
-from pipeline.planner.workload import RecordedLengths, turns_of
+from pipeline.planner.workload import RecordedLengths, outside_generation_s, turns_of
 
 
 @dataclass
@@ -114,14 +114,14 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
 
 def _outside_generation(block) -> float:
     """An agent block's seconds outside generation (tool calls, the agent's own work) on its critical
-    path: those of the sample that finished last (agent_stats wall_s - gen_s). The simulation adds
-    tool time per call from the recorded lengths, so the engine is fitted on the rest."""
+    path: those of the sample that finished last. The simulation adds that time in the gaps between
+    turns (workload.agent_turns), so the engine is fitted on the rest."""
     if "agent_stats" not in block.columns:
         return 0.0
     last = block.loc[block["t_done"].idxmax(), "agent_stats"]
     if not isinstance(last, dict):
         return 0.0
-    return max(0.0, float(last.get("wall_s") or 0.0) - float(last.get("gen_s") or 0.0))
+    return outside_generation_s(last)
 
 
 def _fit_engine(waves, iters, gen_s) -> tuple[float, float]:

@@ -70,13 +70,18 @@ def turns_of(mask: list[int], tool_s: float) -> tuple:
     return tuple(tuple(t) for t in turns)
 
 
+def outside_generation_s(stats: dict) -> float:
+    """A recorded sample's seconds outside generation (tools, the agent's own work): agent_stats
+    wall_s - gen_s."""
+    return max(0.0, float(stats.get("wall_s") or 0.0) - float(stats.get("gen_s") or 0.0))
+
+
 def agent_turns(mask: list[int], stats: dict) -> tuple:
     """A recorded row's turns, each gap's wait the sample's time outside generation (agent_stats
     wall_s - gen_s) spread evenly over its gaps: a gap is a tool answer or a user turn, so dividing
     by tool calls would count that time again in every gap without one."""
     turns = turns_of(mask, 0.0)
-    outside = max(0.0, float(stats.get("wall_s") or 0.0) - float(stats.get("gen_s") or 0.0))
-    gap_s = outside / (len(turns) - 1) if len(turns) > 1 else 0.0
+    gap_s = outside_generation_s(stats) / (len(turns) - 1) if len(turns) > 1 else 0.0
     return tuple((g, t, gap_s if k < len(turns) - 1 else 0.0) for k, (g, t, _) in enumerate(turns))
 
 
