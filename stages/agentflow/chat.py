@@ -49,14 +49,82 @@ def ensure_chat_template(tok):
 
 
 def render(tok, messages: list[dict], tools: list | None = None, generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (already normalised by `normalise_messages`)."""
+    """The prompt text for `messages` (already normalised by `normalise_messages`).
+
+    Plain messages (str/int/float/bool, lists and dicts of them, no reasoning fields) are rendered with
+    the tokenizer's chat template compiled once, as `apply_chat_template` renders it (same Jinja
+    environment, same variables: the messages less their None-valued keys, tools, add_generation_prompt,
+    the special tokens); anything else goes through `apply_chat_template` itself. The proxy renders
+    every call's whole history, and transformers' per-call conversion of it cost ~35 us of ~50."""
+    compiled = _compiled_template(tok)
+    if compiled is not None and _plain_messages(messages):
+        template, special = compiled
+        return template.render(messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+                               tools=tools or None, documents=None, add_generation_prompt=generation_prompt,
+                               **special)
     kw = {"tools": tools} if tools else {}
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
 
 
+def _compiled_template(tok):
+    """(compiled template, special tokens) for `tok`'s current chat template, or None where this
+    transformers does not expose its template compiler (then apply_chat_template renders)."""
+    template = getattr(tok, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    special = tok.special_tokens_map
+    cached = getattr(tok, "_loongsage_template", None)
+    if cached is not None and cached[0] == template and cached[2] == special:
+        return cached[1], cached[2]
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    tok._loongsage_template = (template, _compile_jinja_template(template), dict(special))
+    return tok._loongsage_template[1], tok._loongsage_template[2]
+
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")   # apply_chat_template aliases these
+
+
+def _plain_messages(messages) -> bool:
+    def plain(v) -> bool:
+        if v is None or type(v) in (str, int, float, bool):
+            return True
+        if type(v) is list:
+            return all(plain(x) for x in v)
+        if type(v) is dict:
+            return all(type(k) is str and plain(x) for k, x in v.items())
+        return False
+    return type(messages) is list and all(
+        type(m) is dict and not any(m.get(k) is not None for k in _REASONING_KEYS) and plain(m) for m in messages)
+
+
+def _backend(tok):
+    """The Rust tokenizer under a fast tokenizer, when calling it directly gives what tok() / tok.decode()
+    give (no padding, truncation or split special tokens left set on it); else None."""
+    b = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if b is None or b.padding is not None or b.truncation is not None or b.encode_special_tokens:
+        return None
+    return b
+
+
 def encode(tok, text: str) -> list[int]:
     # special tokens come from the template text itself; never let the tokenizer add a second bos
-    return tok(text, add_special_tokens=False)["input_ids"] if text else []
+    if not text:
+        return []
+    b = _backend(tok)
+    if b is not None:       # encode_batch, not encode: it lets go of the GIL (a long prompt is tokenized on
+        return b.encode_batch([text], add_special_tokens=False)[0].ids     # a thread while the loop serves)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def decode(tok, ids: list[int], skip_special: bool = False) -> str:
+    """tok.decode(ids) with no clean-up of tokenization spaces (the text exactly as the tokens spell it)."""
+    b = _backend(tok)
+    if b is not None:
+        return b.decode(ids, skip_special_tokens=skip_special)
+    return tok.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
 
 class MessageError(ValueError):
@@ -138,11 +206,10 @@ def decode_continuation(tok, context_ids: list[int], new_ids: list[int], skip_sp
     """Text of `new_ids` as it reads after `context_ids`. Decoding a continuation alone can
     lose a leading space (SentencePiece); decoding it with a few context tokens and cutting
     their text off does not."""
-    kw = {"skip_special_tokens": skip_special, "clean_up_tokenization_spaces": False}
     ctx = context_ids[-4:]
-    head = tok.decode(ctx, **kw)
-    full = tok.decode(ctx + new_ids, **kw)
-    return full[len(head):] if full.startswith(head) else tok.decode(new_ids, **kw)
+    head = decode(tok, ctx, skip_special)
+    full = decode(tok, ctx + new_ids, skip_special)
+    return full[len(head):] if full.startswith(head) else decode(tok, new_ids, skip_special)
 
 
 def cut_at_stop(tok, context_ids: list[int], ids: list[int], stops: list[str],

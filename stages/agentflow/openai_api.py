@@ -18,7 +18,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from stages.agentflow.chat import normalise_messages, parse_tool_calls, render
+from stages.agentflow.chat import decode, normalise_messages, parse_tool_calls, render
 
 IGNORED = {"model", "user", "metadata", "store", "parallel_tool_calls", "service_tier"}
 CHAT_PARAMS = IGNORED | {"messages", "n", "seed", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop",
@@ -161,10 +161,9 @@ def _usage(prompt_tokens: int, choices) -> dict:
 def token_pieces(tok, context_ids: list[int], ids: list[int], text: str) -> list[str]:
     """Per-token text pieces whose concatenation is `text` (one piece if a character spans tokens)."""
     pieces, ctx = [], list(context_ids[-4:])
-    kw = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
     for t in ids:
-        head = tok.decode(ctx, **kw)
-        full = tok.decode(ctx + [t], **kw)
+        head = decode(tok, ctx, skip_special=True)
+        full = decode(tok, ctx + [t], skip_special=True)
         pieces.append(full[len(head):] if full.startswith(head) else "")
         ctx = (ctx + [t])[-4:]
     return pieces if "".join(pieces) == text else [text] + [""] * (len(ids) - 1)

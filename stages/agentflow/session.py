@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from stages.agentflow.chat import cut_at_stop, decode_continuation, encode
+from stages.agentflow.chat import cut_at_stop, decode, decode_continuation, encode
 from stages.agentflow.limits import raise_if_failed
 from stages.agentflow.stream import TokenStream
 
@@ -151,7 +151,7 @@ class Session:
         lo, hi, head = 0, len(tip.ids), ""
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            piece = self.tok.decode(tip.ids[:mid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            piece = decode(self.tok, tip.ids[:mid])
             if text.startswith(piece):
                 lo, head = mid, piece
             else:
