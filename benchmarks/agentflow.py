@@ -24,6 +24,12 @@ difference: the proxy's overhead (HTTP, JSON, protocol translation, chat templat
 assembly against the recorded segments, recording). Printed per endpoint and concurrency:
 median round trip and engine time, median and p90 overhead (target: median <= 5 ms), and
 the median direct EngineClient call with no proxy at the same concurrency, for scale.
+
+`--floor` adds a row per concurrency for the same agents (chat endpoint) against a bare aiohttp
+server on the same loop that reads the JSON body, calls the same EngineClient with a prompt of as
+many tokens as the messages have characters (the character tokenizer's count), and answers a fixed
+chat body: what HTTP, the event loop, the engine client and the agents' own process cost on this
+machine with no protocol logic at all, so the proxy's own share is the difference.
 """
 from __future__ import annotations
 
@@ -158,6 +164,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=5)   # the 5th prompt, ~50 tokens, still fits the context (64)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--stream", action="store_true", help="streamed calls (SSE) instead of plain JSON")
+    p.add_argument("--floor", action="store_true", help="also the same agents against a bare HTTP server")
     a = p.parse_args()
 
     import ray
@@ -184,17 +191,20 @@ def main() -> None:
 
     print(f"{'endpoint':>11} {'agents':>6} {'calls':>6} {'round trip ms':>14} {'engine ms':>10} "
           f"{'overhead ms':>12} {'p90 overhead':>13} {'direct call ms':>15}", flush=True)
-    for endpoint in a.endpoints:
+    floor = Floor(client, sampling) if a.floor else None
+    for endpoint in a.endpoints + (["floor"] if a.floor else []):
         for c in a.concurrency:
-            eps = [run(proxy.open(client, dict(sampling))) for _ in range(c)]
+            server = floor if endpoint == "floor" else proxy
+            eps = [run(server.open(client, dict(sampling))) for _ in range(c)]
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=agents, args=(endpoint, [(e.base_url, e.api_key) for e in eps], a.calls,
+            proc = ctx.Process(target=agents, args=("chat" if endpoint == "floor" else endpoint,
+                                                    [(e.base_url, e.api_key) for e in eps], a.calls,
                                                     a.max_tokens, a.stream, send))
             proc.start()
             res = recv.recv()
             proc.join()
             for e in eps:
-                proxy.close(e)
+                server.close(e)
             if isinstance(res, str):
                 print(f"{endpoint:>11} {c:>6}  failed: {res}", flush=True)
                 continue
@@ -203,7 +213,52 @@ def main() -> None:
                   f"{statistics.median(e for _, e in res):>10.2f} {statistics.median(over):>12.2f} "
                   f"{over[int(0.9 * (len(over) - 1))]:>13.2f} {direct[c]:>15.2f}", flush=True)
     run(proxy.stop())
+    if floor is not None:
+        run(floor.stop())
     ray.shutdown()
+
+
+class Floor:
+    """A bare HTTP server in the proxy's place (--floor): the chat endpoint's HTTP and engine call, nothing else."""
+
+    def __init__(self, client, sampling: dict):
+        self.client, self.sampling, self.runner, self.port = client, sampling, None, 0
+
+    async def open(self, client, sampling: dict):
+        from types import SimpleNamespace
+
+        from aiohttp import web
+        if self.runner is None:
+            app = web.Application()
+            app.router.add_post("/t/{route}/v1/chat/completions", self._chat)
+            self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", 0, backlog=1024).start()
+            self.port = self.runner.addresses[0][1]
+        return SimpleNamespace(base_url=f"http://127.0.0.1:{self.port}/t/floor/v1", api_key="floor")
+
+    def close(self, ep) -> None:
+        pass
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _chat(self, request):
+        from aiohttp import web
+        body = json.loads(await request.read())
+        n = sum(len(m.get("content") or "") + (m["role"] == "assistant") for m in body["messages"])
+        ids = [PROMPT_IDS[i % len(PROMPT_IDS)] for i in range(max(1, n))]
+        t0 = time.perf_counter()
+        row = {**self.sampling, "prompt_ids": ids, "max_new_tokens": body["max_tokens"]}
+        (out,) = await self.client.generate([row])
+        ms = (time.perf_counter() - t0) * 1e3
+        reply = {"choices": [{"index": 0, "finish_reason": "length",
+                              "message": {"role": "assistant", "content": "5" * len(out["response_ids"])}}]}
+        return web.json_response(reply, headers={"x-loongsage-engine-ms": f"{ms:.3f}"})
+
+
+PROMPT_IDS = [6, 10, 13, 7, 11, 14]     # "37+48=" in the built-in tokenizer
 
 
 async def _direct(client, concurrency: int, calls: int, sampling: dict) -> list[float]:
@@ -212,7 +267,7 @@ async def _direct(client, concurrency: int, calls: int, sampling: dict) -> list[
         out = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            await client.generate([{**sampling, "prompt_ids": [6, 10, 13, 7, 11, 14]}])
+            await client.generate([{**sampling, "prompt_ids": PROMPT_IDS}])
             out.append((time.perf_counter() - t0) * 1e3)
         return out
 
