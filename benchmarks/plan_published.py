@@ -114,10 +114,9 @@ def tail_sigma(mean: float, max_len: int, n: int) -> float:
 class DispatchBoundBatcher(WindowedBatcher):
     """The real batcher without its token-age bound: the published systems bound staleness at dispatch
     (the window) and train every finished sample. Also what a synchronous run does (its tokens are all
-    fresh, checked in run_mode), at a fraction of the cost: the age check reads every ready group's
-    token versions at each collection, which dominates a long simulated step."""
+    fresh, checked in run_mode)."""
 
-    def _too_stale(self, t, version) -> bool:
+    def _too_stale(self, g, version) -> bool:
         return False
 
 

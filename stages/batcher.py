@@ -13,6 +13,7 @@ counted (or, with `stale_policy: wait`, never produced because the gate holds it
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -96,6 +97,7 @@ class WindowedBatcher:
         self._partial: dict[int, list[pa.Table]] = {}
         self._samples: dict[int, set] = {}      # sample indices seen per partial group
         self._ready: dict[int, pa.Table] = {}  # complete groups by seq
+        self._oldest: dict[int, float] = {}    # per ready group: its oldest trained token's version (cached)
         self.stats = BatcherStats()
         self.fairness = Fairness()
 
@@ -121,10 +123,11 @@ class WindowedBatcher:
         """One step's batch if B eligible groups are ready; else None. Also returns dropped seqs."""
         dropped = []
         for g in sorted(self._ready):
+            if self._too_stale(g, version) and self.cfg.stale_policy == "mask":
+                self._ready[g] = mask_stale(self._ready[g], version - self.max_staleness)
+                self._oldest.pop(g, None)       # its loss mask changed: read its oldest token again
             t = self._ready[g]
-            if self._too_stale(t, version) and self.cfg.stale_policy == "mask":
-                t = self._ready[g] = mask_stale(t, version - self.max_staleness)
-            if self._too_stale(t, version) and self.cfg.stale_policy in ("drop", "mask"):
+            if self._too_stale(g, version) and self.cfg.stale_policy in ("drop", "mask"):
                 dropped.append(g)
                 self.stats.dropped_stale += 1
                 self.fairness.groups["dropped_stale"] += 1
@@ -134,31 +137,42 @@ class WindowedBatcher:
                 self.fairness.groups["dropped_filter"] += 1
         for g in dropped:
             del self._ready[g]
+            self._oldest.pop(g, None)
         eligible = [g for g in sorted(self._ready)
-                    if not self._too_stale(self._ready[g], version)
+                    if not self._too_stale(g, version)
                     and (self.strategy is None or window_state is None or self.strategy.can_collect(window_state, g))]
         if len(eligible) < self.cfg.groups_per_step:
             return None, dropped
         chosen = eligible[: self.cfg.groups_per_step]
         table = pa.concat_tables([self._ready.pop(g) for g in chosen])
+        for g in chosen:
+            self._oldest.pop(g, None)
         self.fairness.groups["trained"] += len(chosen)
         self.fairness.trained += _trajectories(table)
         self.stats.failed_rows += sum(s == "failed" for s in table.column("status").to_pylist())
         return table, dropped
 
-    def _too_stale(self, t: pa.Table, version: int) -> bool:
-        """Staleness of a group = current version - oldest trained model token's version (a group with
-        no token left in the loss is as stale as can be)."""
-        masks = _loss_masks(t)
-        trained = [v for vs, ks in zip(t.column("token_versions").to_pylist(), masks) for v, k in zip(vs, ks)
-                   if v >= 0 and k]
-        if not trained and any(v >= 0 for vs in t.column("token_versions").to_pylist() for v in vs):
-            return True
-        return version - min(trained, default=version) > self.max_staleness
+    def _too_stale(self, g: int, version: int) -> bool:
+        """Staleness of ready group `g` = current version - its oldest trained model token's version (a
+        group with no token left in the loss is as stale as can be). The oldest version is read from
+        the table once per group (and again after mask_stale), not at every collection."""
+        if g not in self._oldest:
+            self._oldest[g] = oldest_trained_version(self._ready[g])
+        return version - self._oldest[g] > self.max_staleness
 
     @property
     def buffered(self) -> int:
         return len(self._ready)
+
+
+def oldest_trained_version(t: pa.Table) -> float:
+    """The oldest weight version among a group's model tokens in the loss; -inf if it has model tokens
+    but none is left in the loss, +inf if it has no model token at all (never stale)."""
+    versions = t.column("token_versions").to_pylist()
+    trained = [v for vs, ks in zip(versions, _loss_masks(t)) for v, k in zip(vs, ks) if v >= 0 and k]
+    if trained:
+        return min(trained)
+    return -math.inf if any(v >= 0 for vs in versions for v in vs) else math.inf
 
 
 def _loss_masks(t: pa.Table) -> list[list[int]]:

@@ -145,6 +145,21 @@ def test_batcher_drops_stale_and_equal_reward_groups():
     assert b.stats.dropped_stale == 1 and b.stats.dropped_filter == 1
 
 
+def test_a_waiting_group_ages_with_the_version_and_mask_reads_it_again():
+    """The batcher reads a group's oldest token once; each collection compares it with the version then.
+    With stale_policy=mask the masked group's tokens are read again (its oldest is now newer)."""
+    b = WindowedBatcher(BatcherConfig(groups_per_step=2), n_samples=2, stale_steps=1)
+    b.feed(_rows([0], 2, version=0))
+    assert b.take(1) == (None, [])                  # staleness 1: waits for a second group
+    assert b.take(2) == (None, [0])                 # staleness 2 > 1: dropped at this collection
+    m = WindowedBatcher(BatcherConfig(groups_per_step=1, stale_policy="mask"), n_samples=2, stale_steps=1)
+    t = _rows([7], 2, version=0)
+    m.feed(t.set_column(t.column_names.index("token_versions"), "token_versions",
+                        pa.array([[0, 2], [2, 2]], pa.list_(pa.int64()))))
+    table, dropped = m.take(2)
+    assert dropped == [] and table.column("loss_mask").to_pylist() == [[0, 1], [1, 1]]
+
+
 # ---- builder ---------------------------------------------------------------------------
 
 class NeedsScore:
