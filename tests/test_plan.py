@@ -80,6 +80,20 @@ def test_simulated_window_bounds_staleness_like_the_real_gate(window, B, stale, 
         assert keys.max() >= 1
 
 
+@pytest.mark.parametrize("window", ["no-window", "window-gated"])
+def test_masked_tokens_are_not_counted_as_trained_staleness(window):
+    """stale_policy=mask with partial rollout: a long sample's tokens from too old a version leave the
+    loss; the simulated staleness per trained token counts loss tokens only, as the real run's
+    staleness/* does, so it stays within stale_steps (here it read 3 with stale_steps 2 before: 10% of
+    the tokens)."""
+    recipe = Recipe(2, 3, steps=12, stale_steps=2, window=window, num_workers=8, stale_policy="mask")
+    costs = _costs(engines=1, base_s=0.002, per_seq_s=0.0005, train=(0.5, 0.0), sync=0.01)
+    res = Simulation(recipe, costs, RandomLengths(1, 2000), seed=2).run()
+    assert any(r.masked for r in res.samples)          # masking did happen
+    keys, weights = res.staleness()
+    assert keys.max() <= 2 and weights.sum() > 0
+
+
 def test_synchronous_window_trains_fresh_tokens_in_order():
     res = Simulation(Recipe(2, 4, steps=6), _costs(), RandomLengths(1, 50)).run()
     keys, _ = res.staleness()

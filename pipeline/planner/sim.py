@@ -176,6 +176,7 @@ class SampleRecord:
     by_version: Counter = field(default_factory=Counter)
     t_dispatch: float = 0.0
     t_done: float = 0.0
+    masked: frozenset = frozenset()   # versions whose tokens the batcher took out of the loss (stale_policy mask)
 
 
 class Simulation:
@@ -319,9 +320,18 @@ class Simulation:
             if table is None:
                 yield self.collected_ev
                 continue
+            self._note_masked(table)
             groups = sorted(set(table.column("group_id").to_pylist()))
             self.take_version += 1
             yield self.batches.put(groups)
+
+    def _note_masked(self, table: pa.Table) -> None:
+        """stale_policy=mask took some versions' tokens out of the loss: they are context, not trained
+        tokens, in the staleness figures (as the real run's staleness/* counts only loss-mask tokens)."""
+        cols = [table.column(k).to_pylist() for k in ("group_id", "sample_idx", "token_versions", "loss_mask")]
+        for g, i, vs, ks in zip(*cols):
+            if not all(ks):
+                self.samples[g][i].masked = frozenset(v for v, k in zip(vs, ks) if not k)
 
     def _trainer(self):
         env, c = self.env, self.c
@@ -400,6 +410,7 @@ class SimResult:
         for r in self.samples:
             if r.step > 0:
                 for v, k in r.by_version.items():
-                    c[r.step - 1 - v] += k
+                    if v not in r.masked:
+                        c[r.step - 1 - v] += k
         keys = np.array(sorted(c), dtype=np.int64)
         return keys, np.array([c[k] for k in keys], dtype=float)
