@@ -253,9 +253,14 @@ class Floor:
         row = {**self.sampling, "prompt_ids": ids, "max_new_tokens": body["max_tokens"]}
         (out,) = await self.client.generate([row])
         ms = (time.perf_counter() - t0) * 1e3
-        reply = {"choices": [{"index": 0, "finish_reason": "length",
-                              "message": {"role": "assistant", "content": "5" * len(out["response_ids"])}}]}
-        return web.json_response(reply, headers={"x-loongsage-engine-ms": f"{ms:.3f}"})
+        text, headers = "5" * len(out["response_ids"]), {"x-loongsage-engine-ms": f"{ms:.3f}"}
+        if body.get("stream"):      # --stream: one chunk and [DONE], as the proxy writes a stream in one go
+            chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "length"}]}
+            data = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+            return web.Response(body=data, content_type="text/event-stream", headers=headers)
+        message = {"role": "assistant", "content": text}
+        reply = {"choices": [{"index": 0, "finish_reason": "length", "message": message}]}
+        return web.json_response(reply, headers=headers)
 
 
 PROMPT_IDS = [6, 10, 13, 7, 11, 14]     # "37+48=" in the built-in tokenizer
