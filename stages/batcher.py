@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,43 @@ def _trajectories(t: pa.Table) -> list[tuple[float, int, int]]:
     (group, sample) of a group table; turns are 1 for rows without agent stats (single-turn)."""
     n = t.num_rows
     col = {c: t.column(c).to_pylist() if c in t.column_names else [None] * n
-           for c in ("group_id", "sample_idx", "t_dispatch", "t_done", "response_ids", "agent_stats")}
+           for c in ("group_id", "sample_idx", "t_dispatch", "t_done", "agent_stats")}
+    col["tokens"] = (pc.fill_null(pc.list_value_length(t.column("response_ids")), 0).to_pylist()
+                     if "response_ids" in t.column_names else [0] * n)
     out: dict[tuple, list] = {}
-    for g, k, lo, hi, resp, st in zip(*col.values()):
+    for g, k, lo, hi, st, n_tok in zip(*col.values()):
         cur = out.setdefault((g, k), [lo or 0.0, hi or 0.0, (st or {}).get("turns") or 1, 0])
-        cur[0], cur[1], cur[3] = min(cur[0], lo or cur[0]), max(cur[1], hi or cur[1]), cur[3] + len(resp or [])
+        cur[0], cur[1], cur[3] = min(cur[0], lo or cur[0]), max(cur[1], hi or cur[1]), cur[3] + n_tok
     return [(hi - lo, turns, tokens) for lo, hi, turns, tokens in out.values()]
+
+
+# wall-time bins of the fairness tally: log-spaced, 1.2% wide, 0.1 ms to ~28 h (beyond: the end bins)
+_WALL_EDGES = np.geomspace(1e-4, 1e5, 1741)
+
+
+class _Tally:
+    """Running sums and a wall-time histogram of trajectories: constant work per summary, where a
+    list of every trajectory made each step's summary re-read the whole run (a 1000-step run's
+    driver spent most of its CPU there by the end, taken from the trainer on 2 cores)."""
+
+    def __init__(self):
+        self.n, self.wall, self.turns, self.tokens = 0, 0.0, 0, 0
+        self.hist = np.zeros(len(_WALL_EDGES) + 1, dtype=np.int64)
+
+    def add(self, rows: list[tuple[float, int, int]]) -> None:
+        if not rows:
+            return
+        w, t, k = (np.asarray(c) for c in zip(*rows))
+        self.n += len(rows)
+        self.wall, self.turns, self.tokens = self.wall + float(w.sum()), self.turns + int(t.sum()), self.tokens + int(k.sum())
+        np.add.at(self.hist, np.searchsorted(_WALL_EDGES, w, side="right"), 1)
+
+    def quantile_bin(self, q: float) -> int:
+        """The bin holding the trajectory of rank int(q * n) by wall time."""
+        return int(np.searchsorted(np.cumsum(self.hist), min(self.n - 1, int(q * self.n)), side="right"))
+
+    def share_above(self, b: int) -> float:
+        return float(self.hist[b + 1:].sum()) / self.n
 
 
 @dataclass
@@ -64,24 +97,24 @@ class Fairness:
     """What the batcher saw complete vs what it handed to the trainer, per trajectory, over the run:
     the staleness bound, the window and dynamic sampling must not bias training toward fast
     trajectories. `completed` are the trajectories of every group that arrived whole (trained,
-    dropped or still buffered); `long` is a wall time above LONG_QUANTILE of the completed ones."""
-    completed: list = field(default_factory=list)
-    trained: list = field(default_factory=list)
+    dropped or still buffered); `long` is a wall time above LONG_QUANTILE of the completed ones
+    (to the 1.2% of the tally's wall-time bins: a trajectory in the quantile's own bin is not long)."""
+    completed: _Tally = field(default_factory=_Tally)
+    trained: _Tally = field(default_factory=_Tally)
     groups: dict = field(default_factory=lambda: {"completed": 0, "trained": 0, "dropped_stale": 0,
                                                   "dropped_filter": 0})
 
     def summary(self) -> dict:
-        if not self.completed:
+        if not self.completed.n:
             return {}
-        walls = sorted(w for w, _, _ in self.completed)
-        cut = walls[min(len(walls) - 1, int(LONG_QUANTILE * len(walls)))]
+        cut = self.completed.quantile_bin(LONG_QUANTILE)
         out = {f"fair/groups_{k}": v for k, v in self.groups.items()}
-        for name, rows in (("completed", self.completed), ("trained", self.trained)):
-            if rows:
-                out[f"fair/{name}_wall_s_mean"] = sum(w for w, _, _ in rows) / len(rows)
-                out[f"fair/{name}_turns_mean"] = sum(t for _, t, _ in rows) / len(rows)
-                out[f"fair/{name}_tokens_mean"] = sum(n for _, _, n in rows) / len(rows)
-                out[f"fair/{name}_long_share"] = sum(w > cut for w, _, _ in rows) / len(rows)
+        for name, tally in (("completed", self.completed), ("trained", self.trained)):
+            if tally.n:
+                out[f"fair/{name}_wall_s_mean"] = tally.wall / tally.n
+                out[f"fair/{name}_turns_mean"] = tally.turns / tally.n
+                out[f"fair/{name}_tokens_mean"] = tally.tokens / tally.n
+                out[f"fair/{name}_long_share"] = tally.share_above(cut)
         return out
 
 
@@ -115,7 +148,7 @@ class WindowedBatcher:
                 del self._samples[g]
                 self.stats.groups_complete += 1
                 self.fairness.groups["completed"] += 1
-                self.fairness.completed += _trajectories(self._ready[g])
+                self.fairness.completed.add(_trajectories(self._ready[g]))
                 done.append(g)
         return done
 
@@ -148,7 +181,7 @@ class WindowedBatcher:
         for g in chosen:
             self._oldest.pop(g, None)
         self.fairness.groups["trained"] += len(chosen)
-        self.fairness.trained += _trajectories(table)
+        self.fairness.trained.add(_trajectories(table))
         self.stats.failed_rows += sum(s == "failed" for s in table.column("status").to_pylist())
         return table, dropped
 

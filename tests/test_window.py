@@ -220,3 +220,26 @@ def test_dropping_stale_groups_starves_long_trajectories():
     assert len(dropped) > 10 and all(long[q] for q in dropped)
     assert sum(long[q] for q in trained) / len(trained) < sum(long[q] for q in range(dispatched)) / dispatched - 0.05
     assert fair["fair/trained_long_share"] < fair["fair/completed_long_share"] - 0.05
+
+
+def test_fairness_tally_matches_the_exact_long_share_and_means_without_keeping_every_trajectory():
+    import random
+
+    from stages.batcher import LONG_QUANTILE, Fairness
+
+    rng = random.Random(0)
+    fair = Fairness()
+    done = [(rng.lognormvariate(0.0, 1.0), rng.randint(1, 5), rng.randint(1, 50)) for _ in range(5000)]
+    trained = [x for x in done if x[0] < 3.0 or rng.random() < 0.5]       # long ones under-trained
+    for i in range(0, 5000, 100):
+        fair.completed.add(done[i:i + 100])
+    fair.trained.add(trained)
+    got = fair.summary()
+    cut = sorted(w for w, _, _ in done)[int(LONG_QUANTILE * len(done))]
+    for name, rows in (("completed", done), ("trained", trained)):
+        exact = sum(w > cut for w, _, _ in rows) / len(rows)
+        assert abs(got[f"fair/{name}_long_share"] - exact) < 0.01, (name, got, exact)
+        assert got[f"fair/{name}_wall_s_mean"] == pytest.approx(sum(w for w, _, _ in rows) / len(rows))
+        assert got[f"fair/{name}_tokens_mean"] == pytest.approx(sum(k for _, _, k in rows) / len(rows))
+    assert got["fair/trained_long_share"] < got["fair/completed_long_share"] - 0.03
+    assert fair.completed.hist.sum() == 5000 and not hasattr(fair.completed, "rows")
