@@ -13,7 +13,8 @@ the same recorded steps (after one untimed warm-up update each), in alternating 
 (bare, in-process, actor, bare, ...):
 
     bare        a plain loop written here: the step's tensors built once beforehand; per
-                mini-batch (the trainer's own split and order) forward over the padded rows, the
+                mini-batch (the trainer's own split and order) forward over the padded rows (those
+                with a nonzero advantage, under trainer.skip_zero_advantage, as the trainer), the
                 sampled tokens' log-probs, the clipped policy-gradient loss (decoupled: the engine's
                 log-probs are the old policy), backward, grad clip, AdamW (the recipe's settings)
     in-process  TorchTrainer.train_step(table) called directly: Arrow -> tensors, advantages,
@@ -57,6 +58,18 @@ def record(bench: Path, steps: int, overrides: list[str]) -> Path:
     return run_dir / "rollouts"
 
 
+def _equal_reward_rows(table) -> int:
+    from collections import defaultdict
+
+    groups = defaultdict(set)
+    for g, r in zip(table.column("group_id").to_pylist(), table.column("reward").to_pylist()):
+        groups[g].add(r)
+    sizes = defaultdict(int)
+    for g in table.column("group_id").to_pylist():
+        sizes[g] += 1
+    return sum(sizes[g] for g, rs in groups.items() if len(rs) == 1)
+
+
 class Bare:
     """The update's arithmetic and nothing else, on tensors built before the clock starts."""
 
@@ -94,8 +107,19 @@ class Bare:
         n = b.input_ids.shape[0]
         mb = self.cfg.mini_batch_size or n
         lo, hi = 1 - self.algo.clip_low, 1 + self.algo.clip_high
+        live = ((adv * mask) != 0).any(1)
         for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
-            rows = torch.as_tensor(np.sort(idx))
+            full = torch.as_tensor(np.sort(idx))
+            # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
+            # tokens stay in the denominator
+            rows = full[live[full]] if self.cfg.skip_zero_advantage else full
+            denom = mask[full].sum().clamp(min=1)
+            self.opt.zero_grad(set_to_none=True)
+            if len(rows) == 0:
+                for q in self.params:
+                    q.grad = torch.zeros_like(q)
+                self.opt.step()
+                continue
             ids, m = b.input_ids[rows], mask[rows]
             width = int(b.attn[rows].sum(1).max())
             logits = self.model(input_ids=ids[:, :width], use_cache=False).logits
@@ -105,8 +129,7 @@ class Bare:
             ratio = torch.exp(lp - b.engine_lp[rows])
             a = adv[rows]
             obj = torch.minimum(ratio * a, ratio.clamp(lo, hi) * a)
-            loss = -(obj * m).sum() / m.sum().clamp(min=1)
-            self.opt.zero_grad(set_to_none=True)
+            loss = -(obj * m).sum() / denom
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
             self.opt.step()
@@ -140,8 +163,10 @@ def main() -> None:
     algo = cfg.algorithm.resolved()
     tokens = [sum(len(x) for x in t.column("response_ids").to_pylist()) + sum(len(x) for x in t.column(
         "prompt_ids").to_pylist()) for t in tables]
-    print(f"{len(tables)} recorded steps: {[t.num_rows for t in tables]} rows, {tokens} tokens; "
-          f"mini_batch_size {tcfg.mini_batch_size}, torch threads {threads} (pipeline/resources.py)", flush=True)
+    equal = [_equal_reward_rows(t) for t in tables]
+    print(f"{len(tables)} recorded steps: {[t.num_rows for t in tables]} rows, {tokens} tokens, {equal} rows in "
+          f"groups of equal rewards; mini_batch_size {tcfg.mini_batch_size}, skip_zero_advantage "
+          f"{tcfg.skip_zero_advantage}, torch threads {threads} (pipeline/resources.py)", flush=True)
 
     init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
     model = str(bench)

@@ -81,7 +81,9 @@ class _Tally:
             return
         w, t, k = (np.asarray(c) for c in zip(*rows))
         self.n += len(rows)
-        self.wall, self.turns, self.tokens = self.wall + float(w.sum()), self.turns + int(t.sum()), self.tokens + int(k.sum())
+        self.wall += float(w.sum())
+        self.turns += int(t.sum())
+        self.tokens += int(k.sum())
         np.add.at(self.hist, np.searchsorted(_WALL_EDGES, w, side="right"), 1)
 
     def quantile_bin(self, q: float) -> int:

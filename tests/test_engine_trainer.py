@@ -1,6 +1,7 @@
 """The embedded engine and trainer, and the rollout stage on a fake batch with a real engine actor."""
 import time
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -94,6 +95,89 @@ def test_decoupled_trainer_skips_the_recompute_and_still_measures_the_gap(tiny_m
         assert calls.count(True) == 2                               # one forward per mini-batch
     for m in out.values():   # engine and trainer sample the same distribution: the measured gap is numerics
         assert 0 <= m["mismatch/abs_diff_max"] < 1e-4 and m["mismatch/stale_frac"] == 0
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(tiny_model_dir, loss_agg):
+    eng = HFEngine(tiny_model_dir, seed=4)
+    reqs = _requests(eng, ["12+7=", "3+45=", "99+9=", "8+8="] * 4)
+    # groups of 4: group 0 all rewarded 1, group 1 all 0 (zero advantage); groups 2, 3 mixed
+    reward = lambda i: 1.0 if i < 4 else 0.0 if i < 8 else float(i % 2)  # noqa: E731
+    rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
+             "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": reward(i),
+             "group_id": i // 4, "status": o["status"]} for i, (r, o) in enumerate(zip(reqs, eng.generate(reqs)))]
+    table = pa.Table.from_pylist(rows)
+    out, weights, forwards = {}, {}, {}
+    for skip in (False, True):
+        tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4, lr=1e-3, share_prompts=False,
+                                                        skip_zero_advantage=skip),
+                          AlgorithmConfig(decoupled=True, loss_agg=loss_agg))
+        rows_seen = []
+        tr.model.register_forward_pre_hook(lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+        out[skip] = [tr.train_step(table) for _ in range(2)]
+        weights[skip], forwards[skip] = tr.model.state_dict(), sum(rows_seen)
+    assert forwards[False] == 32 and forwards[True] < 32          # 16 rows x 2 steps; fewer with the skip
+    assert out[True][0]["train/rows_not_forwarded"] == 32 - forwards[True] - out[True][1]["train/rows_not_forwarded"]
+    # the same update: zero-advantage rows add no gradient. (The key biases' true gradient is 0 -- softmax
+    # ignores a shift shared by all keys -- so AdamW turns both runs' float noise in it into ~1e-6 steps.)
+    for name, t in weights[False].items():
+        torch.testing.assert_close(weights[True][name], t, rtol=1e-5, atol=1e-5 if "k_proj.bias" in name else 1e-6,
+                                   msg=name)
+    for a, b in zip(out[False], out[True]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-7)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+        # measured on every row of the first mini-batch, as without the skip
+        assert a["mismatch/abs_diff_max"] == pytest.approx(b["mismatch/abs_diff_max"], rel=1e-5)
+    # a term that reaches zero-advantage rows (entropy) turns the skip off
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
+                      AlgorithmConfig(decoupled=True, entropy_coef=0.01))
+    assert tr.train_step(table)["train/rows_not_forwarded"] == 0
+
+
+def test_a_groups_prompt_packed_once_gives_the_padded_batchs_logprobs_and_gradients(tiny_model_dir):
+    from stages.update.trainer import pack_shared_prompts
+
+    eng = HFEngine(tiny_model_dir, seed=5)
+    reqs = _requests(eng, ["12+7=", "3+45=", "99+9="] * 3 + ["1+1="])   # 3 prompts x 3 samples, 1 alone
+    outs = eng.generate(reqs)
+    rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
+             "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": 0.0,
+             "group_id": i % 3 if i < 9 else 3, "status": o["status"]} for i, (r, o) in enumerate(zip(reqs, outs))]
+    assert len({len(o["response_ids"]) for o in outs}) > 1            # ragged responses
+    table = pa.Table.from_pylist(rows)
+    lps, grads = {}, {}
+    for share in (False, True):
+        tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, share_prompts=share), AlgorithmConfig())
+        b = to_batch(table, tr.pad_id)
+        sub = torch.tensor([0, 1, 3, 4, 6, 9])      # prompt 0 x3, prompt 1 x2, the lone prompt
+        if share:
+            packed = pack_shared_prompts(b, sub, tr.pad_id)
+            assert packed.input_ids.shape[0] == 3                # one sequence per distinct prompt
+            assert packed.input_ids.numel() < b.input_ids[sub].numel()
+            assert pack_shared_prompts(b, torch.tensor([0, 1, 9]), tr.pad_id) is None   # nothing shared
+        lp, ent, _ = tr.logprobs(tr.model, b, sub, with_entropy=True)
+        (lp * b.mask[sub]).sum().backward()
+        lps[share] = (lp * b.mask[sub], ent * b.mask[sub])
+        grads[share] = {n: p.grad.clone() for n, p in tr.model.named_parameters()}
+    torch.testing.assert_close(lps[True][0], lps[False][0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(lps[True][1], lps[False][1], rtol=0, atol=2e-5)
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_mini_batches_of_whole_groups_and_a_bad_split_is_rejected(tiny_model_dir):
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_split="groups"), AlgorithmConfig())
+    t = pa.Table.from_pylist([{"prompt_ids": [3, 4 + g], "response_ids": [5, 1], "response_logprobs": [-1.0, -1.0],
+                               "loss_mask": [1, 1], "token_versions": [0, 0], "reward": float(i % 2), "group_id": g,
+                               "status": "completed"} for g in range(6) for i in range(4)])
+    b = to_batch(t, 0)
+    parts = tr._mini_batches(b, 24, 8)
+    assert len(parts) == 3 and sorted(np.concatenate(parts).tolist()) == list(range(24))
+    for idx in parts:      # two whole groups each
+        assert len(set(b.group_ids[idx].tolist())) == 2 and len(idx) == 8
+    with pytest.raises(ValueError, match="mini_batch_split"):
+        TrainerConfig(mini_batch_split="tokens")
 
 
 def test_greedy_is_deterministic_and_failed_rows_are_not_trained(tiny_model_dir):

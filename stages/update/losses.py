@@ -185,6 +185,11 @@ def _seq_mean_token_sum_norm(x, mask, norm_length):
     return _masked(x, mask).sum() / (_n_seqs(mask) * (norm_length or mask.shape[1]))
 
 
+def _denominator(loss_agg, mask):
+    """What an aggregation divides its sum by, up to a constant: trained tokens, or sequences."""
+    return mask.sum().clamp(min=1) if loss_agg == "token_mean" else _n_seqs(mask)
+
+
 AGGREGATIONS: dict[str, Callable] = {
     "token_mean": _token_mean,
     "seq_mean_token_mean": _seq_mean_token_mean,
@@ -208,9 +213,12 @@ KL_ESTIMATORS: dict[str, Callable] = {
 def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                 advantages: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
                 entropy: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                full_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss and its metrics. All tensors are [B,T]; only `logprobs` (and `entropy`)
-    carry gradients. `is_weights` (correction.is_weights) scale each token's surrogate."""
+    carry gradients. `is_weights` (correction.is_weights) scale each token's surrogate.
+    `full_mask`: the mini-batch's mask when these rows are a subset of it whose left-out rows add
+    0 to every term (zero advantage, no KL or entropy): the loss is the full mini-batch's (their
+    tokens stay in the denominator); clipfrac and approx_kl are over the given rows' tokens."""
     cfg = cfg.resolved()
     mask = mask.to(logprobs.dtype)
     old, adv = old_logprobs.detach(), advantages.detach()
@@ -218,8 +226,11 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
 
+    share = 1.0 if full_mask is None else float(_denominator(cfg.loss_agg, mask) /
+                                                _denominator(cfg.loss_agg, full_mask.to(mask.dtype)))
+
     def agg(x):
-        return AGGREGATIONS[cfg.loss_agg](x, mask, cfg.norm_length)
+        return AGGREGATIONS[cfg.loss_agg](x, mask, cfg.norm_length) * share
 
     loss = pg_loss = agg(per_token)
     with torch.no_grad():

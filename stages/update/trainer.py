@@ -45,6 +45,16 @@ class TrainerConfig:
     lr_warmup_steps: int = 0         # training steps of linear warm-up from lr / lr_warmup_steps to lr
     lr_min_ratio: float = 0.0        # where linear / cosine decay ends, as a fraction of lr
     lr_decay_steps: int = 0          # the step the decay ends at (0 = run.steps, the run's last step)
+    skip_zero_advantage: bool = True # no forward/backward for rows whose every trained token has advantage 0
+                                     # (a group of equal rewards): they add nothing to the gradient, and the
+                                     # loss keeps their tokens in its denominator, so the update is the same
+                                     # with less compute. Off by itself with a KL-to-reference, entropy or
+                                     # distillation term (those give such rows a gradient)
+    share_prompts: bool = True       # rows of a mini-batch with the same prompt (a group's samples) run as one
+                                     # sequence: the prompt once, each response attending to it and to itself
+                                     # (the same log-probs; the prompt's compute paid once, not per sample)
+    mini_batch_split: str = "rows"   # rows: mini-batches of random rows | groups: of whole groups (their rows
+                                     # share a prompt, so share_prompts computes it once per mini-batch)
     on_nonfinite: str = "skip"       # a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer
                                      # step is not taken; counted as train/nonfinite_skipped) | stop (raise)
     lora: LoraConfig = field(default_factory=LoraConfig)   # train LoRA adapters only (stages/lora.py)
@@ -64,6 +74,8 @@ class TrainerConfig:
             raise ValueError("trainer.lr_warmup_steps and trainer.lr_decay_steps must be >= 0")
         if not 0 <= self.lr_min_ratio <= 1:
             raise ValueError(f"trainer.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
+        if self.mini_batch_split not in ("rows", "groups"):
+            raise ValueError(f"trainer.mini_batch_split must be rows or groups, got {self.mini_batch_split!r}")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
                              f"got {self.on_nonfinite!r}")
@@ -127,6 +139,8 @@ class Batch:
     truncated: torch.Tensor      # [B] bool
     weights: torch.Tensor | None = None   # [B] a row's share of its sample (1/rows of that sample): a trajectory
                                           # that made several segment rows counts once in its group's statistics
+    prompt_len: np.ndarray | None = None  # [B] prompt tokens of each row
+    prompt_key: np.ndarray | None = None  # [B] rows with the same prompt tokens have the same key
 
 
 def to_batch(table: pa.Table, pad_id: int) -> Batch:
@@ -158,7 +172,74 @@ def to_batch(table: pa.Table, pad_id: int) -> Batch:
     return Batch(t(ids), t(attn), t(pos), t(rid), t(mask), t(elp), t(ver),
                  torch.tensor(table.column("reward").to_pylist(), dtype=torch.float),
                  torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long), t(r_len.astype(np.int64)),
-                 torch.tensor([s == "truncated" for s in status]), _sample_weights(table))
+                 torch.tensor([s == "truncated" for s in status]), _sample_weights(table), p_len,
+                 _prompt_keys(p_ids, n))
+
+
+def _prompt_keys(p_ids: tuple[np.ndarray, np.ndarray], n: int) -> np.ndarray:
+    """One integer per row, equal for rows whose prompt tokens are equal (a group's samples)."""
+    flat, off = p_ids
+    seen: dict[bytes, int] = {}
+    return np.array([seen.setdefault(flat[off[i]:off[i + 1]].tobytes(), len(seen)) for i in range(n)], dtype=np.int64)
+
+
+@dataclass
+class Packed:
+    """Rows that share a prompt laid out as one sequence: the prompt once, then each row's response,
+    every response attending to the prompt and to itself only (positions continue from the prompt)."""
+    input_ids: torch.Tensor      # [G, W]
+    position_ids: torch.Tensor   # [G, W]
+    mask: torch.Tensor           # [G, 1, W, W] bool: may attend
+    row: torch.Tensor            # [n] packed sequence of each given row
+    pos: torch.Tensor            # [n, T] position in it predicting each response token
+
+
+def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | None:
+    """`rows` of `b` packed by prompt, or None when no two of them share one (nothing to save).
+    Log-probs through it equal the padded batch's up to float rounding: each token sees the same
+    tokens at the same positions; a group's prompt is computed once instead of once per sample."""
+    r = rows.numpy()
+    keys = b.prompt_key[r]
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    if len(uniq) == len(r):
+        return None
+    p_len = b.prompt_len[r]
+    r_len = b.attn[rows].sum(1).numpy() - p_len
+    # packed layout: per sequence g, its prompt (from its first row) then its rows' responses in order
+    starts = np.zeros(len(r), dtype=np.int64)        # where each row's response starts in its sequence
+    width = np.zeros(len(uniq), dtype=np.int64)
+    first = np.full(len(uniq), -1)
+    for i, g in enumerate(inverse):
+        if first[g] < 0:
+            first[g], width[g] = i, p_len[i]
+        starts[i] = width[g]
+        width[g] += r_len[i]
+    W = int(width.max())
+    G = len(uniq)
+    ids = torch.full((G, W), pad_id, dtype=torch.long)
+    position = torch.zeros((G, W), dtype=torch.long)
+    seg = torch.full((G, W), -1, dtype=torch.long)      # -1 pad, 0 prompt, i + 1 row i's response
+    src = b.input_ids[rows]
+    for g in range(G):
+        i = int(first[g])
+        ids[g, :p_len[i]] = src[i, :p_len[i]]
+        position[g, :p_len[i]] = torch.arange(int(p_len[i]))
+        seg[g, :p_len[i]] = 0
+    for i, g in enumerate(inverse):
+        a, n_r, p = int(starts[i]), int(r_len[i]), int(p_len[i])
+        ids[g, a:a + n_r] = src[i, p:p + n_r]
+        position[g, a:a + n_r] = torch.arange(p, p + n_r)
+        seg[g, a:a + n_r] = i + 1
+    q, k = seg[:, :, None], seg[:, None, :]
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    mask = causal & (k >= 0) & ((k == 0) | (k == q))
+    mask |= torch.eye(W, dtype=torch.bool)           # a pad attends to itself: no all-masked (NaN) row
+    # the position predicting response token t: the prompt's last token for t = 0, else token t - 1
+    t = torch.arange(b.resp_pos.shape[1])
+    starts_t, p_t = torch.from_numpy(starts), torch.from_numpy(p_len)
+    pos = torch.where(t[None, :] == 0, (p_t - 1)[:, None], starts_t[:, None] + t[None, :] - 1)
+    pos = pos.clamp(max=W - 1) * (t[None, :] < torch.from_numpy(r_len)[:, None])   # pads: any valid index
+    return Packed(ids, position, mask[:, None], torch.from_numpy(inverse), pos)
 
 
 def _sample_weights(table: pa.Table) -> torch.Tensor | None:
@@ -340,18 +421,41 @@ class TorchTrainer:
                  topk_ids: torch.Tensor | None = None):
         """Log-probs of the sampled tokens [b,T], entropy [b,T] (or None) and, given teacher
         top-k ids [b,T,K], the log-probs of those ids [b,T,K] (or None), all under `model`."""
-        width = int(b.attn[rows].sum(1).max())      # right padding: columns past the longest row are all padding
-        # No attention mask: with right padding, causal attention alone never lets a real token see
-        # a pad (pads come after it), and only real positions are gathered below. Bit-identical
-        # log-probs, and the model builds no padding mask (~6% of a quickstart mini-batch).
-        out = model(input_ids=b.input_ids[rows][:, :width], use_cache=False).logits.float() / self.temperature
-        pos = b.resp_pos[rows]
-        logits = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))      # [b, T, V]
+        packed = pack_shared_prompts(b, torch.arange(len(b.input_ids))[rows], self.pad_id) \
+            if self.cfg.share_prompts and b.prompt_key is not None else None
+        if packed is not None:      # a group's prompt computed once for all its samples
+            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.mask,
+                        use_cache=False).logits.float() / self.temperature
+            logits = out[packed.row[:, None], packed.pos]                           # [b, T, V]
+        else:
+            width = int(b.attn[rows].sum(1).max())      # right padding: columns past the longest row are all padding
+            # No attention mask: with right padding, causal attention alone never lets a real token see
+            # a pad (pads come after it), and only real positions are gathered below. Bit-identical
+            # log-probs, and the model builds no padding mask (~6% of a quickstart mini-batch).
+            out = model(input_ids=b.input_ids[rows][:, :width], use_cache=False).logits.float() / self.temperature
+            pos = b.resp_pos[rows]
+            logits = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [b, T, V]
         logp = torch.log_softmax(logits, -1)
         lp = logp.gather(-1, b.resp_ids[rows][..., None])[..., 0]
         ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
         top = logp.gather(-1, topk_ids) if topk_ids is not None else None
         return lp, ent, top
+
+    def _mini_batches(self, b: Batch, n: int, mb: int) -> list[np.ndarray]:
+        """Row indices of each mini-batch: n // mb of them, of random rows or of whole random groups."""
+        if self.cfg.mini_batch_split == "rows":
+            return np.array_split(self.rng.permutation(n), max(1, n // mb))
+        groups = b.group_ids.numpy()
+        ids = np.unique(groups)
+        chunks = np.array_split(self.rng.permutation(ids), max(1, min(len(ids), n // mb)))
+        return [np.flatnonzero(np.isin(groups, c)) for c in chunks]
+
+    def _zero_step(self):
+        """The optimizer step of a mini-batch whose gradient is exactly zero (no forward needed)."""
+        self.opt.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.opt.step()
 
     def train_step(self, table: pa.Table) -> dict:
         t0 = time.time()
@@ -377,16 +481,30 @@ class TorchTrainer:
         for group in self.opt.param_groups:
             group["lr"] = lr
         losses, gnorms, parts, skipped, mb_i = [], [], [], 0, 0
+        # rows with no gradient: every trained token's advantage is 0 and no other term reaches them
+        live = ((adv * mask) != 0).any(1) if (self.cfg.skip_zero_advantage and ref_lp is None and tb is None
+                                                and algo.entropy_coef == 0) else None
+        not_forwarded = 0
         for _ in range(self.cfg.ppo_epochs):
-            for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
-                rows = torch.as_tensor(np.sort(idx))
+            for idx in self._mini_batches(b, n, mb):
+                rows = full = torch.as_tensor(np.sort(idx))
+                measure = recomputed is None and mb_i == 0      # the mismatch metrics see every row
+                if live is not None and not measure:
+                    rows = full[live[full]]
+                    not_forwarded += len(full) - len(rows)
+                    if len(rows) == 0:      # a zero gradient: AdamW still steps, as the full update would
+                        self._zero_step()
+                        mb_i += 1
+                        losses.append(0.0)
+                        gnorms.append(0.0)
+                        continue
                 lp, ent, top = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef > 0,
                                              topk_ids=None if tb is None else tb.topk_ids[rows])
-                if recomputed is None and mb_i == 0:
+                if measure:
                     metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], stale[rows])
                 loss, m = policy_loss(algo, lp, old[rows], adv[rows], mask[rows],
                                       ref_logprobs=None if ref_lp is None else ref_lp[rows], entropy=ent,
-                                      is_weights=weights[rows])
+                                      is_weights=weights[rows], full_mask=None if rows is full else mask[full])
                 if tb is not None:      # GKD: the top-k KL to the teacher, through the student
                     loss, m = gkd_term(algo, loss, m, top, tb, rows, mask[rows])
                 self.opt.zero_grad(set_to_none=True)
@@ -411,6 +529,7 @@ class TorchTrainer:
             metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
             metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms))}
         metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
+                    "train/rows_not_forwarded": not_forwarded,
                     "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
                     "train/lr": lr, "version": self.version}
