@@ -13,8 +13,9 @@ the same recorded steps (after one untimed warm-up update each), in alternating 
 (bare, in-process, actor, bare, ...):
 
     bare        a plain loop written here: the step's tensors built once beforehand; per
-                mini-batch (the trainer's own split and order) forward over the padded rows (those
-                with a nonzero advantage, under trainer.skip_zero_advantage, as the trainer), the
+                mini-batch (the trainer's own split and order) forward over the padded rows, or
+                packed by prompt under trainer.share_prompts (only those with a nonzero advantage,
+                under trainer.skip_zero_advantage, as the trainer), the
                 sampled tokens' log-probs, the clipped policy-gradient loss (decoupled: the engine's
                 log-probs are the old policy), backward, grad clip, AdamW (the recipe's settings)
     in-process  TorchTrainer.train_step(table) called directly: Arrow -> tensors, advantages,
@@ -102,13 +103,15 @@ class Bare:
     def step(self, prepared) -> None:
         import numpy as np
 
+        from stages.update.trainer import mini_batches, pack_shared_prompts
+
         torch = self.torch
         b, adv, mask = prepared
         n = b.input_ids.shape[0]
         mb = self.cfg.mini_batch_size or n
         lo, hi = 1 - self.algo.clip_low, 1 + self.algo.clip_high
         live = ((adv * mask) != 0).any(1)
-        for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
+        for idx in mini_batches(self.cfg, self.rng, b, n, mb):
             full = torch.as_tensor(np.sort(idx))
             # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
             # tokens stay in the denominator
@@ -121,10 +124,16 @@ class Bare:
                 self.opt.step()
                 continue
             ids, m = b.input_ids[rows], mask[rows]
-            width = int(b.attn[rows].sum(1).max())
-            logits = self.model(input_ids=ids[:, :width], use_cache=False).logits
-            pos = b.resp_pos[rows]
-            picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))
+            packed = pack_shared_prompts(b, rows, self.pad) if self.cfg.share_prompts else None
+            if packed is not None:      # trainer.share_prompts: a group's prompt once, as the trainer does
+                logits = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                    attention_mask=packed.mask, use_cache=False).logits
+                picked = logits[packed.row[:, None], packed.pos]
+            else:
+                width = int(b.attn[rows].sum(1).max())
+                logits = self.model(input_ids=ids[:, :width], use_cache=False).logits
+                pos = b.resp_pos[rows]
+                picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))
             lp = torch.log_softmax(picked, -1).gather(-1, b.resp_ids[rows][..., None])[..., 0]
             ratio = torch.exp(lp - b.engine_lp[rows])
             a = adv[rows]
@@ -165,8 +174,9 @@ def main() -> None:
         "prompt_ids").to_pylist()) for t in tables]
     equal = [_equal_reward_rows(t) for t in tables]
     print(f"{len(tables)} recorded steps: {[t.num_rows for t in tables]} rows, {tokens} tokens, {equal} rows in "
-          f"groups of equal rewards; mini_batch_size {tcfg.mini_batch_size}, skip_zero_advantage "
-          f"{tcfg.skip_zero_advantage}, torch threads {threads} (pipeline/resources.py)", flush=True)
+          f"groups of equal rewards; mini_batch_size {tcfg.mini_batch_size} ({tcfg.mini_batch_split}), "
+          f"skip_zero_advantage {tcfg.skip_zero_advantage}, share_prompts {tcfg.share_prompts}, "
+          f"torch threads {threads} (pipeline/resources.py)", flush=True)
 
     init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
     model = str(bench)
