@@ -171,12 +171,14 @@ class Pipeline:
             available += [c for c in getattr(s, "outputs", ()) if c not in available]
         return available
 
-    def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
-        """The lazy Ray Dataset of stages source -> ... -> last map stage."""
+    def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset(),
+                source=None):
+        """The lazy Ray Dataset of stages source -> ... -> last map stage (`source`: the source's
+        dataset for these arguments, already made)."""
         from ray.data import ActorPoolStrategy
 
         n = getattr(self.source, "n_samples", 1)
-        ds = self.source.dataset(start, num_groups, groups_per_block, skip)
+        ds = source if source is not None else self.source.dataset(start, num_groups, groups_per_block, skip)
         for s in self.maps:
             remote_args = {"max_concurrency": s.max_concurrency} if s.max_concurrency > 1 else {}
             remote_args |= {"num_gpus": s.num_gpus} if s.num_gpus else {}
@@ -188,6 +190,6 @@ class Pipeline:
         return ds
 
     def stream(self, start: int, num_groups: int, groups_per_block: int,
-               skip: frozenset = frozenset()) -> Iterator[pa.Table]:
-        ds = self.dataset(start, num_groups, groups_per_block, skip)
+               skip: frozenset = frozenset(), source=None) -> Iterator[pa.Table]:
+        ds = self.dataset(start, num_groups, groups_per_block, skip, source)
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)

@@ -14,6 +14,7 @@ The driver holds no weights. It keeps the version clock, writes the run director
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -154,6 +155,7 @@ class Controller:
         c = self.cfg
         res = self.res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
+        self._prebuild_first_chunk()
         if not set_stream_poll(c.run.data_poll_s, c.run.data_wake) and c.run.data_wake != "ray":
             self.log(f"run.data_wake={c.run.data_wake}: not applied on this Ray Data, which changed what it relies on "
                      f"({'; '.join(stream_poll_internals())}); block hand-offs wait up to Ray's own 0.1 s")
@@ -315,13 +317,43 @@ class Controller:
         gpb = c.rollout.groups_per_batch or B
         batcher = self.pipeline.batcher
         t_wait = time.time()
-        start = min(set(range(max(self.done_seqs, default=-1) + 2)) - self.done_seqs)   # first group not done
+        start = self._first_seq()
         while self._tables_left > 0:
-            count = min(self._tables_left, self._chunk_steps()) * B + capacity(B, c.rollout.stale_steps)
-            count += sum(1 for q in self.done_seqs if q >= start)   # done groups in range are skipped
+            count = self._chunk_count(start, self._tables_left)
             yield from self._chunk(start, count, gpb, batcher, t_wait)
             start += count
             t_wait = time.time()
+
+    def _first_seq(self) -> int:
+        return min(set(range(max(self.done_seqs, default=-1) + 2)) - self.done_seqs)   # first group not done
+
+    def _chunk_count(self, start: int, tables_left: int) -> int:
+        """Groups in the chunk from `start`: its steps' groups, the window's capacity ahead, and the
+        groups already done in that range (skipped)."""
+        B = self.cfg.batcher.groups_per_step
+        count = min(tables_left, self._chunk_steps()) * B + capacity(B, self.cfg.rollout.stale_steps)
+        return count + sum(1 for q in self.done_seqs if q >= start)
+
+    def _prebuild_first_chunk(self) -> None:
+        """Cut the first chunk's prompt blocks into the object store in the background while the actors
+        load: ~2,000 blocks take seconds (a ray.put and a metadata task each), which the first step
+        would otherwise wait for after the step-0 evaluation."""
+        c = self.cfg
+        start = self._first_seq()
+        key = (start, self._chunk_count(start, c.run.steps - self.step), frozenset(self.done_seqs))
+        gpb = c.rollout.groups_per_batch or c.batcher.groups_per_step
+        self.prebuilt_used = False
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prebuild")
+        self._prebuilt = (key, pool.submit(self.source.dataset, key[0], key[1], gpb, key[2]))
+        pool.shutdown(wait=False)
+
+    def _take_prebuilt(self, start: int, count: int, skip: frozenset):
+        """The prebuilt source dataset when this chunk is the one it was cut for, else None."""
+        pre, self._prebuilt = getattr(self, "_prebuilt", None), None
+        if pre is None or pre[0] != (start, count, skip) or self.pipeline.source is not self.source:
+            return None
+        self.prebuilt_used = True
+        return pre[1].result()
 
     def _chunk_steps(self) -> int:
         table = self.source.table
@@ -332,7 +364,8 @@ class Controller:
     def _chunk(self, start, count, gpb, batcher, t_wait):
         c, B = self.cfg, self.cfg.batcher.groups_per_step
         ray.get(self.gate.expect.remote([q for q in range(start, start + count) if q not in self.done_seqs]))
-        stream = self.pipeline.stream(start, count, gpb, frozenset(self.done_seqs))
+        skip = frozenset(self.done_seqs)
+        stream = self.pipeline.stream(start, count, gpb, skip, source=self._take_prebuilt(start, count, skip))
         try:
             for part in stream:
                 done = batcher.feed(part)

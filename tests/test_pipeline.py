@@ -25,6 +25,7 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     try:
         summary = ctl.run()
         assert summary["steps"] == 3 and summary["version"] == 3
+        assert ctl.prebuilt_used        # the first chunk's prompt blocks were cut while the actors loaded
         # every engine serves the trainer's last version, with the trainer's exact weights
         assert ray.get([e.weight_version.remote() for e in ctl.engines]) == [3, 3]
         trained = ray.get(ctl.trainer.state_dict.remote())
