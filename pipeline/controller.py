@@ -54,10 +54,10 @@ from stages.update.trainer import TorchTrainer
 from transfer import TransferError, TransferMesh
 
 # The stream is opened in chunks of steps' groups (+ window capacity). Each new chunk is a new
-# Ray Data execution whose actor pools start afresh (~4 s on 2 cores): chunks are as long as
+# Ray Data execution whose actor pools start afresh (~5 s on 2 cores): chunks are as long as
 # CHUNK_BYTES of prompt rows allows, between CHUNK_STEPS_MIN and CHUNK_STEPS_MAX steps.
 CHUNK_BYTES = 64 * 2**20
-CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 1000
+CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 2000     # 2,000 steps of add-tiny: ~4,000 blocks, ~4 s to cut (prebuilt)
 
 
 class Controller:
