@@ -151,7 +151,12 @@ class Controller:
             0, self.cfg.eval.num_prompts)
 
     # ---- actors ----------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, early: bool = False) -> None:
+        """Start Ray, the engines, the trainer, the window gate and the pipeline. `early` (the
+        controller's own run, which nothing swaps a pipeline into): the first chunk's stream opens as
+        soon as the actors exist, so its actor pools spawn while the engines and trainer load (~7 s on
+        2 cores that the first step would otherwise wait for); the gate holds every dispatch until
+        the run's clock starts (run(), after the step-0 evaluation)."""
         c = self.cfg
         res = self.res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
@@ -162,12 +167,17 @@ class Controller:
         self.placement = _placement(c)
         self.engines = _start_engines(c, self.model_path, res, self.placement)
         self.trainer = _start_trainer(c, self.model_path, res, self.placement)
+        self.gate = ray.remote(Gate).options(num_cpus=0).remote(
+            c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
+        if early:
+            self.profiler = Profiler(self.run_dir)
+            self.pipeline = self.build_pipeline()
+            self.pipeline.profiler = self.profiler
+            self._open_early_stream()
         if self.resume_state:
             ray.get(self.trainer.load_state.remote(self.cfg.run.resume_from))
             if not c.trainer.lora.enabled:      # LoRA: the adapter is published below, with the clock
                 ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
-        self.gate = ray.remote(Gate).options(num_cpus=0).remote(
-            c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
         infos = ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
         self._engine_infos = infos[:-1]
         self.threads = {"engines": [i.get("threads", res.engine_threads) for i in infos[:-1]],
@@ -175,7 +185,8 @@ class Controller:
         self._start_mesh()
         if self.resume_state and c.trainer.lora.enabled:
             self.mesh.publish(self.version)     # the engines hold the base: the resumed adapter reaches them
-        self.pipeline = self.build_pipeline()
+        if not early:
+            self.pipeline = self.build_pipeline()
         self.reward_local = Reward(c.reward, self.model_path)
 
     def _start_mesh(self) -> None:
@@ -201,6 +212,9 @@ class Controller:
         ])
 
     def stop(self) -> None:
+        early, self._early = getattr(self, "_early", None), None
+        if early is not None:       # opened but never taken (the run failed before its first step)
+            early[1].close()
         if getattr(self, "_eval_rollout", None) is not None:
             self._eval_rollout.close()
         if getattr(self, "reward_local", None) is not None:
@@ -223,6 +237,8 @@ class Controller:
         try:
             with self._engine_watch(), _interrupts(self.loop.stop, self._on_interrupt) as signals:
                 initial = self._evaluate() if self.test is not None else {}
+                self.t_opened = time.time()
+                ray.get(self.gate.open.remote())      # held while an early stream's pools spawned
                 self._t_step = time.time()
                 self.loop.run()
                 self._wait_window()
@@ -248,9 +264,10 @@ class Controller:
         dump_config(c, self.run_dir / "config.yaml")
         self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c))
         self.recorder = Recorder(self.run_dir, c.rollout.n_samples)
-        if not hasattr(self, "pipeline"):   # a caller may start() and swap in its own pipeline first
-            self.start()
-        self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
+        if hasattr(self, "pipeline"):       # a caller may start() and swap in its own pipeline first
+            self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
+        else:
+            self.start(early=True)
         self._consumed = None
         self._tables_left = c.run.steps - self.step     # the batch stream's own count (it runs ahead)
         self._take_version = self.version              # the version the next table taken is trained at
@@ -347,6 +364,27 @@ class Controller:
         self._prebuilt = (key, pool.submit(self.source.dataset, key[0], key[1], gpb, key[2]))
         pool.shutdown(wait=False)
 
+    def _open_early_stream(self) -> None:
+        """The first chunk's stream, opened now (start(early=True)) with the dispatch held at the gate."""
+        key, gpb = self._prebuilt[0], self.cfg.rollout.groups_per_batch or self.cfg.batcher.groups_per_step
+        start, count, skip = key
+        ray.get(self.gate.hold.remote())
+        ray.get(self.gate.expect.remote([q for q in range(start, start + count) if q not in skip]))
+        self.early_used = False
+        self._early = (key, EarlyStream(lambda: self.pipeline.stream(
+            start, count, gpb, skip, source=self._take_prebuilt(start, count, skip))))
+
+    def _take_early(self, start: int, count: int, skip: frozenset):
+        """The early stream when this chunk is the one it was opened for (else it is closed, and None)."""
+        early, self._early = getattr(self, "_early", None), None
+        if early is None:
+            return None
+        if early[0] != (start, count, skip):
+            early[1].close()
+            return None
+        self.early_used = True
+        return early[1].iterate()
+
     def _take_prebuilt(self, start: int, count: int, skip: frozenset):
         """The prebuilt source dataset when this chunk is the one it was cut for, else None."""
         pre, self._prebuilt = getattr(self, "_prebuilt", None), None
@@ -365,7 +403,9 @@ class Controller:
         c, B = self.cfg, self.cfg.batcher.groups_per_step
         ray.get(self.gate.expect.remote([q for q in range(start, start + count) if q not in self.done_seqs]))
         skip = frozenset(self.done_seqs)
-        stream = self.pipeline.stream(start, count, gpb, skip, source=self._take_prebuilt(start, count, skip))
+        stream = self._take_early(start, count, skip)
+        if stream is None:
+            stream = self.pipeline.stream(start, count, gpb, skip, source=self._take_prebuilt(start, count, skip))
         try:
             for part in stream:
                 done = batcher.feed(part)
@@ -544,6 +584,52 @@ class _StateView:
 
     def min_uncompleted(self, default: int) -> int:
         return default if self._min < 0 else self._min
+
+
+class EarlyStream:
+    """A stream advanced to its first block on a thread of its own: iterating it starts the Ray Data
+    execution (the actor pools spawn) and then waits, at the held gate, for the run to begin.
+    iterate() hands the stream to its consumer: the first block (or the error), then the rest."""
+
+    _END = object()
+
+    def __init__(self, make: Callable[[], object]):
+        self._gen, self._first, self._error = None, self._END, None
+        self._lock, self._closed = threading.Lock(), False
+        self._thread = threading.Thread(target=self._advance, args=(make,), name="early-stream", daemon=True)
+        self._thread.start()
+
+    def _advance(self, make) -> None:
+        try:
+            self._gen = make()
+            self._first = next(self._gen)
+        except StopIteration:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer by iterate()
+            self._error = e
+        with self._lock:
+            if self._closed and self._gen is not None:
+                self._gen.close()
+
+    def iterate(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        try:
+            if self._first is not self._END:
+                yield self._first
+            if self._gen is not None:
+                yield from self._gen
+        finally:
+            if self._gen is not None:
+                self._gen.close()
+
+    def close(self) -> None:
+        """Not taken: the stream closes once its first block is out (the gate's close releases it)."""
+        with self._lock:
+            self._closed = True
+            if not self._thread.is_alive() and self._gen is not None:
+                self._gen.close()
 
 
 def _agent_metrics(t: pa.Table) -> dict:

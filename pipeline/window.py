@@ -109,6 +109,18 @@ class Gate:
         self._order: deque = deque()    # the stream's seqs not yet dispatched, in stream order
         self._pending: set = set()
         self.out_of_order = 0
+        self._held = False              # hold(): nothing is dispatched until open()
+
+    async def hold(self) -> None:
+        """Dispatch nothing until open(): the controller starts the stream (its actor pools spawn)
+        while the engines and trainer load, and lets rollout begin when the run's clock does."""
+        async with self._cond:
+            self._held = True
+
+    async def open(self) -> None:
+        async with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
     async def expect(self, seqs: list[int]) -> None:
         """The stream will ask for these seqs: dispatch them in this order, whichever worker asks first.
@@ -149,6 +161,8 @@ class Gate:
     async def acquire(self, seqs: list[int]) -> int:
         """Block until every group in `seqs` may be dispatched; return the current version (-1 if closed)."""
         async with self._cond:
+            while self._held and not self.s.closed:
+                await self._cond.wait()
             for seq in sorted(seqs):
                 if seq in self.s.dispatched:
                     continue  # a group split across two batches is dispatched once

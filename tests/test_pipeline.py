@@ -26,6 +26,7 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
         summary = ctl.run()
         assert summary["steps"] == 3 and summary["version"] == 3
         assert ctl.prebuilt_used        # the first chunk's prompt blocks were cut while the actors loaded
+        assert ctl.early_used           # and its stream opened then, its dispatch held until the run began
         # every engine serves the trainer's last version, with the trainer's exact weights
         assert ray.get([e.weight_version.remote() for e in ctl.engines]) == [3, 3]
         trained = ray.get(ctl.trainer.state_dict.remote())
@@ -50,6 +51,8 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     evals = [m for m in lines if "eval/accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2, 3] and all(0 <= m["eval/accuracy"] <= 1 for m in evals)
     # every trained row records the version that produced each of its tokens: step k trains version k-1
+    first = pq.read_table(run / "rollouts" / "step=000001").column("t_dispatch").to_pylist()
+    assert min(first) >= ctl.t_opened     # nothing was generated before the step-0 evaluation had finished
     for k in (1, 2, 3):
         rows = pq.read_table(run / "rollouts" / f"step={k:06d}").to_pylist()
         assert len(rows) == 16 and len({r["group_id"] for r in rows}) == 4

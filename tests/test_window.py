@@ -109,6 +109,25 @@ def test_gate_blocks_until_consumed_and_close_releases():
     asyncio.new_event_loop().run_until_complete(scenario())
 
 
+def test_a_held_gate_dispatches_nothing_until_opened_and_close_releases_it():
+    async def scenario():
+        gate = Gate(2, 1, "window-gated")
+        await gate.hold()
+        waiter = asyncio.ensure_future(gate.acquire([0, 1]))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and (await gate.snapshot())["in_flight"] == 0   # room, but held
+        await gate.open()
+        assert await asyncio.wait_for(waiter, 1) == 0
+        await gate.hold()
+        blocked = asyncio.ensure_future(gate.acquire([2]))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        await gate.close()                                  # a run that stops while held
+        assert await asyncio.wait_for(blocked, 1) == -1
+
+    asyncio.new_event_loop().run_until_complete(scenario())
+
+
 def test_gate_dispatches_in_stream_order_whichever_worker_asks_first():
     async def scenario():
         gate = Gate(groups_per_step=2, stale_steps=2)         # C = 6: room for every group asked

@@ -68,7 +68,7 @@ class AlgorithmConfig:
     norm_length: int = 0            # seq_mean_token_sum_norm's constant length (0 = padded length T)
     kl_coef: float = 0.0            # weight of KL to the reference policy (needs ref log-probs)
     kl_estimator: str = "k3"        # k1 | k2 | k3 (Schulman's estimators)
-    entropy_coef: float = 0.0       # entropy bonus weight
+    entropy_coef: float = 0.0       # entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)
     overlong: str = ""              # "" = preset's; none | mask (drop truncated) | soft (length penalty)
     overlong_buffer: int = 0        # soft: tokens before the limit where the penalty ramps (0 = limit // 5)
     overlong_penalty: float = 1.0   # soft: penalty at the limit

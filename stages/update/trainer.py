@@ -502,7 +502,7 @@ class TorchTrainer:
                         losses.append(0.0)
                         gnorms.append(0.0)
                         continue
-                lp, ent, top = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef > 0,
+                lp, ent, top = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef != 0,
                                              topk_ids=None if tb is None else tb.topk_ids[rows])
                 if measure:
                     metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], stale[rows])

@@ -404,7 +404,7 @@ class MegatronTrainer:
 
     def _loss(self, item: dict, logits: torch.Tensor):
         algo = self.algo
-        lp, ent = self._token_lp(logits, item, with_entropy=algo.entropy_coef > 0)
+        lp, ent = self._token_lp(logits, item, with_entropy=algo.entropy_coef != 0)
         mask = item["mask"]
         loss, m = policy_loss(algo, lp, item["old"], item["adv"], mask, ref_logprobs=item.get("ref"),
                               entropy=ent, is_weights=item["weights"])
