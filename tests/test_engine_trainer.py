@@ -133,6 +133,11 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(t
     tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
                       AlgorithmConfig(decoupled=True, entropy_coef=0.01))
     assert tr.train_step(table)["train/rows_not_forwarded"] == 0
+    # an entropy penalty (entropy_coef < 0) is a term too: computed, and the skip off
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
+                      AlgorithmConfig(decoupled=True, entropy_coef=-0.01))
+    m = tr.train_step(table)
+    assert m["train/rows_not_forwarded"] == 0 and m["train/entropy"] > 0
 
 
 def test_a_groups_prompt_packed_once_gives_the_padded_batchs_logprobs_and_gradients(tiny_model_dir):
