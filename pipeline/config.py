@@ -8,6 +8,7 @@ that lists the valid ones, so a typo never silently runs the default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -84,6 +85,10 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # Ray placement groups on a cluster
 
 
+# YAML 1.1 (PyYAML) reads a float only with a dot: `5e-5` and `1e3` come back as strings
+_FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _coerce(value, typ, where: str):
     """Check/convert one leaf value against its annotated type."""
     origin = typing.get_origin(typ)
@@ -102,6 +107,8 @@ def _coerce(value, typ, where: str):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
         return float(value)
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)

@@ -39,6 +39,17 @@ def test_config_defaults_overrides_and_types():
     assert to_dict(cfg)["batcher"]["groups_per_step"] == cfg.batcher.groups_per_step
 
 
+def test_exponent_floats_without_a_dot(tmp_path):
+    # PyYAML (YAML 1.1) reads 5e-5 as the string '5e-5': a float key takes it, in a file and an override
+    cfg = load_config(None, ["trainer.lr=5e-5", "algorithm.entropy_coef=-2E-2", "algorithm.clip_high=+1e0"])
+    assert (cfg.trainer.lr, cfg.algorithm.entropy_coef, cfg.algorithm.clip_high) == (5e-5, -0.02, 1.0)
+    f = tmp_path / "r.yaml"
+    f.write_text("trainer:\n  lr: 3e-4\n")
+    assert load_config(f).trainer.lr == 3e-4
+    with pytest.raises(ConfigError, match="run.steps: expected int"):     # an int key stays strict
+        load_config(None, ["run.steps=1e3"])
+
+
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(ConfigError, match=r"unknown key rollout\.n_sample; valid keys of rollout: n_samples"):
         load_config(None, ["rollout.n_sample=3"])
