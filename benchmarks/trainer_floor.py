@@ -6,7 +6,7 @@
 Workload: configs/add_tiny.yaml on the add-tiny model (987k parameters). The rows are a real
 run's: the trained rows of `--rollouts` (a recorded dataset), or, without it, of a short run
 this script makes first (`loongsage run configs/add_tiny.yaml run.steps=STEPS eval.every=0`,
-same seed). Each recorded step is one update's input: 16 groups x 8 samples, ~1,800 tokens.
+same seed). Each recorded step is one update's input: the recipe's 128 samples (32 groups x 4), ~1,800 tokens.
 
 Three ways to do the same updates, each from the same initial weights and optimizer, over
 the same recorded steps (after one untimed warm-up update each), in alternating rounds
@@ -15,9 +15,10 @@ the same recorded steps (after one untimed warm-up update each), in alternating 
     bare        a plain loop written here: the step's tensors built once beforehand; per
                 mini-batch (the trainer's own split and order) forward over the padded rows, or
                 packed by prompt under trainer.share_prompts (only those with a nonzero advantage,
-                under trainer.skip_zero_advantage, as the trainer), the
+                under trainer.skip_zero_advantage and no entropy term, as the trainer), the
                 sampled tokens' log-probs, the clipped policy-gradient loss (decoupled: the engine's
-                log-probs are the old policy), backward, grad clip, AdamW (the recipe's settings)
+                log-probs are the old policy), the entropy term of algorithm.entropy_coef, backward,
+                grad clip, AdamW (the recipe's settings)
     in-process  TorchTrainer.train_step(table) called directly: Arrow -> tensors, advantages,
                 metrics, the same mini-batches
     actor       the TorchTrainer Ray actor as the pipeline calls it: ray.get(train_step.remote(table))
@@ -111,11 +112,14 @@ class Bare:
         mb = self.cfg.mini_batch_size or n
         lo, hi = 1 - self.algo.clip_low, 1 + self.algo.clip_high
         live = ((adv * mask) != 0).any(1)
+        ent_coef = self.algo.entropy_coef
+        # as the trainer: an entropy term reaches every row, so none is skipped then
+        skip = self.cfg.skip_zero_advantage and ent_coef == 0
         for idx in mini_batches(self.cfg, self.rng, b, n, mb):
             full = torch.as_tensor(np.sort(idx))
             # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
             # tokens stay in the denominator
-            rows = full[live[full]] if self.cfg.skip_zero_advantage else full
+            rows = full[live[full]] if skip else full
             denom = mask[full].sum().clamp(min=1)
             self.opt.zero_grad(set_to_none=True)
             if len(rows) == 0:
@@ -134,11 +138,14 @@ class Bare:
                 logits = self.model(input_ids=ids[:, :width], use_cache=False).logits
                 pos = b.resp_pos[rows]
                 picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))
-            lp = torch.log_softmax(picked, -1).gather(-1, b.resp_ids[rows][..., None])[..., 0]
+            logp = torch.log_softmax(picked, -1)
+            lp = logp.gather(-1, b.resp_ids[rows][..., None])[..., 0]
             ratio = torch.exp(lp - b.engine_lp[rows])
             a = adv[rows]
             obj = torch.minimum(ratio * a, ratio.clamp(lo, hi) * a)
             loss = -(obj * m).sum() / denom
+            if ent_coef:        # algorithm.entropy_coef: - coef x token-mean entropy
+                loss = loss - ent_coef * ((-(logp.exp() * logp).sum(-1)) * m).sum() / denom
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
             self.opt.step()
