@@ -444,8 +444,8 @@ class HFEngine:
                 self._lock.release()
         rows = running + admitted
         logits = torch.cat([x for x in (step, new_logits) if x is not None])
+        self._count_step(len(rows))     # before sampling: it ends rows, and a caller may read the stats then
         tok = self._sample_rows(rows, logits.float(), version)
-        self._count_step(len(rows))
         batch = _Batch.concat(batch, new) if batch is not None and new is not None else (batch or new)
         batch.last = tok
         keep = [i for i, r in enumerate(rows) if not r.done.done()]
