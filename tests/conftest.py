@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray instance per test session, one tiny warmed model."""
+"""Shared fixtures: one local Ray instance shared across test modules, one tiny warmed model."""
 from __future__ import annotations
 
 import os
@@ -15,25 +15,40 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fresh_ray_per_module():
-    """Each test module starts without Ray: some build their own (multi-raylet) clusters."""
+_SHARED_RAY: dict[str, str] = {}      # the node id of the Ray that ray_session started
+
+
+def _shared_ray_is_up() -> bool:
     import ray
 
-    if ray.is_initialized():
+    return bool(_SHARED_RAY) and ray.get_runtime_context().get_node_id() == _SHARED_RAY["node"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ray_per_module(request):
+    """The local Ray that ray_session starts is shared by every module that asks for it (starting
+    one costs ~5 s here). A module that builds a cluster of its own (`OWN_RAY = True`) starts with no
+    Ray, and so does one after a module that left another Ray up (a controller's or the CLI's own)."""
+    import ray
+
+    if ray.is_initialized() and (getattr(request.module, "OWN_RAY", False) or not _shared_ray_is_up()):
         ray.shutdown()
     yield
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray (2 logical CPUs) shared by a module's tests."""
+    """One local Ray (2 logical CPUs), shared across modules."""
     import ray
 
     from pipeline.cluster import init_ray
     from pipeline.config import load_config
 
-    init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
+    if not (ray.is_initialized() and _shared_ray_is_up()):
+        if ray.is_initialized():
+            ray.shutdown()
+        init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)
+        _SHARED_RAY["node"] = ray.get_runtime_context().get_node_id()
     yield ray
 
 

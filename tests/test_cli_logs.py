@@ -22,6 +22,8 @@ from pipeline.cli import _progress, resume_hint
 from pipeline.cluster import ray_output_to
 from pipeline.metrics import MetricsWriter
 
+OWN_RAY = True      # its CLI runs start and stop Ray themselves: it starts without the shared Ray
+
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["run.steps=1", "batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=4",
         "eval.every=0", "eval.num_prompts=8", "trainer.mini_batch_size=0", "run.ray_num_cpus=2",

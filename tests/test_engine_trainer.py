@@ -97,8 +97,11 @@ def test_decoupled_trainer_skips_the_recompute_and_still_measures_the_gap(tiny_m
         assert 0 <= m["mismatch/abs_diff_max"] < 1e-4 and m["mismatch/stale_frac"] == 0
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(tiny_model_dir, loss_agg):
+@pytest.mark.parametrize("loss_agg,extra", [
+    ("token_mean", {}), ("seq_mean_token_mean", {}), ("seq_mean_token_sum_norm", {}),
+    # an entropy penalty kept to the trained rows reaches no zero-advantage row either
+    ("token_mean", {"entropy_coef": -0.05, "entropy_rows": "trained"})])
+def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(tiny_model_dir, loss_agg, extra):
     eng = HFEngine(tiny_model_dir, seed=4)
     reqs = _requests(eng, ["12+7=", "3+45=", "99+9=", "8+8="] * 4)
     # groups of 4: group 0 all rewarded 1, group 1 all 0 (zero advantage); groups 2, 3 mixed
@@ -111,7 +114,7 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(t
     for skip in (False, True):
         tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4, lr=1e-3, share_prompts=False,
                                                         skip_zero_advantage=skip),
-                          AlgorithmConfig(decoupled=True, loss_agg=loss_agg))
+                          AlgorithmConfig(decoupled=True, loss_agg=loss_agg, **extra))
         rows_seen = []
         tr.model.register_forward_pre_hook(lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]),
                                            with_kwargs=True)
@@ -129,6 +132,10 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(t
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
         # measured on every row of the first mini-batch, as without the skip
         assert a["mismatch/abs_diff_max"] == pytest.approx(b["mismatch/abs_diff_max"], rel=1e-5)
+        if extra:       # the term was there: the trained rows' entropy, the same with or without the skip
+            assert a["train/entropy"] > 0 and a["train/entropy"] == pytest.approx(b["train/entropy"], rel=1e-5)
+    if extra:
+        return
     # a term that reaches zero-advantage rows (entropy) turns the skip off
     tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
                       AlgorithmConfig(decoupled=True, entropy_coef=0.01))

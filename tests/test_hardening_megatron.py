@@ -16,6 +16,8 @@ from stages.update.losses import AlgorithmConfig
 from stages.update.megatron.config import MegatronConfig
 from stages.update.trainer import TrainerConfig
 
+OWN_RAY = True      # a Ray of its own (ray_local): it starts without the shared Ray
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 ray = pytest.importorskip("ray")
 

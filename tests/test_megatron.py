@@ -24,6 +24,8 @@ ray = pytest.importorskip("ray")
 
 from stages.update.megatron.convert import Arch, hf_order, to_hf, to_megatron  # noqa: E402
 
+OWN_RAY = True      # a Ray of its own (ray_local): it starts without the shared Ray
+
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 37                          # not a multiple of 2 or 4: exercises vocab padding
 

@@ -13,6 +13,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from pipeline.placement import Placement, PlacementConfig, Pool, plan_pools  # noqa: E402
 
+OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from pipeline.config import load_config
 from pipeline.controller import Controller
 
+OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
+
 STEPS = 3
 FAST = [f"run.steps={STEPS}", "batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=4",
         "eval.num_prompts=0", "trainer.mini_batch_size=0", "trainer.lr=0.001", "trackers.tensorboard=false",

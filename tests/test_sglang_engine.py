@@ -17,6 +17,8 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine, parse_output, versions_of, weight_specs_of
 from stages.model import ModelConfig, resolve_model_path
 
+OWN_RAY = True      # a Ray of its own: it starts without the shared Ray
+
 HAVE_GPU = torch.cuda.is_available()
 
 

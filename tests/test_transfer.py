@@ -22,6 +22,8 @@ from ray.cluster_utils import Cluster
 import transfer
 from transfer.topology import Party
 
+OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = 16 << 10          # small buckets: the toy model spans several, tensors straddle them
 CFG = transfer.TransferConfig(bucket_bytes=BUCKET, timeout_s=10.0)

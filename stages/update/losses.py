@@ -48,6 +48,7 @@ CLIP_DEFAULTS: dict[str, tuple[float, float]] = {
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 OVERLONG_MODES = ("none", "mask", "soft")
 MIS_LEVELS = ("token", "sequence", "geometric")
+ENTROPY_ROWS = ("all", "trained")
 
 
 def _check(field: str, value, valid) -> None:
@@ -69,6 +70,8 @@ class AlgorithmConfig:
     kl_coef: float = 0.0            # weight of KL to the reference policy (needs ref log-probs)
     kl_estimator: str = "k3"        # k1 | k2 | k3 (Schulman's estimators)
     entropy_coef: float = 0.0       # entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)
+    entropy_rows: str = "all"       # all | trained: the entropy term only on rows the policy gradient trains (a
+                                    # nonzero advantage), so zero-advantage rows still need no forward pass
     overlong: str = ""              # "" = preset's; none | mask (drop truncated) | soft (length penalty)
     overlong_buffer: int = 0        # soft: tokens before the limit where the penalty ramps (0 = limit // 5)
     overlong_penalty: float = 1.0   # soft: penalty at the limit
@@ -91,6 +94,7 @@ class AlgorithmConfig:
         _check("overlong", self.overlong, ("", *OVERLONG_MODES))
         _check("mis_level", self.mis_level, MIS_LEVELS)
         _check("distill", self.distill, DISTILL_MODES)
+        _check("entropy_rows", self.entropy_rows, ENTROPY_ROWS)
         if self.distill_coef < 0 or self.task_coef < 0:
             raise ValueError("algorithm.distill_coef and algorithm.task_coef must be >= 0")
         if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)):
@@ -244,6 +248,8 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
         loss = loss + cfg.kl_coef * kl
         metrics["kl_ref"] = kl.item()
     if entropy is not None:
+        if cfg.entropy_rows == "trained":   # rows with a policy gradient only (a nonzero advantage)
+            entropy = entropy * ((adv * mask) != 0).any(1, keepdim=True)
         ent = agg(entropy)
         loss = loss - cfg.entropy_coef * ent
         metrics["entropy"] = ent.item()

@@ -486,8 +486,10 @@ class TorchTrainer:
             group["lr"] = lr
         losses, gnorms, parts, skipped, mb_i = [], [], [], 0, 0
         # rows with no gradient: every trained token's advantage is 0 and no other term reaches them
+        # (the entropy term reaches every row, unless algorithm.entropy_rows=trained keeps it to the others)
         live = ((adv * mask) != 0).any(1) if (self.cfg.skip_zero_advantage and ref_lp is None and tb is None
-                                                and algo.entropy_coef == 0) else None
+                                                and (algo.entropy_coef == 0 or algo.entropy_rows == "trained")) \
+            else None
         not_forwarded = 0
         for _ in range(self.cfg.ppo_epochs):
             for idx in self._mini_batches(b, n, mb):
