@@ -15,7 +15,7 @@ the same recorded steps (after one untimed warm-up update each), in alternating 
     bare        a plain loop written here: the step's tensors built once beforehand; per
                 mini-batch (the trainer's own split and order) forward over the padded rows, or
                 packed by prompt under trainer.share_prompts (only those with a nonzero advantage,
-                under trainer.skip_zero_advantage and no entropy term, as the trainer), the
+                under trainer.skip_zero_advantage and no entropy term on the others, as the trainer), the
                 sampled tokens' log-probs, the clipped policy-gradient loss (decoupled: the engine's
                 log-probs are the old policy), the entropy term of algorithm.entropy_coef, backward,
                 grad clip, AdamW (the recipe's settings)
@@ -113,8 +113,10 @@ class Bare:
         lo, hi = 1 - self.algo.clip_low, 1 + self.algo.clip_high
         live = ((adv * mask) != 0).any(1)
         ent_coef = self.algo.entropy_coef
-        # as the trainer: an entropy term reaches every row, so none is skipped then
-        skip = self.cfg.skip_zero_advantage and ent_coef == 0
+        # as the trainer: an entropy term reaches every row, so none is skipped then, unless
+        # algorithm.entropy_rows=trained keeps it to the rows with a nonzero advantage
+        trained_only = self.algo.entropy_rows == "trained"
+        skip = self.cfg.skip_zero_advantage and (ent_coef == 0 or trained_only)
         for idx in mini_batches(self.cfg, self.rng, b, n, mb):
             full = torch.as_tensor(np.sort(idx))
             # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
@@ -145,7 +147,8 @@ class Bare:
             obj = torch.minimum(ratio * a, ratio.clamp(lo, hi) * a)
             loss = -(obj * m).sum() / denom
             if ent_coef:        # algorithm.entropy_coef: - coef x token-mean entropy
-                loss = loss - ent_coef * ((-(logp.exp() * logp).sum(-1)) * m).sum() / denom
+                em = m * live[rows][:, None] if trained_only else m
+                loss = loss - ent_coef * ((-(logp.exp() * logp).sum(-1)) * em).sum() / denom
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
             self.opt.step()

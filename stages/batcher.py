@@ -139,9 +139,16 @@ class WindowedBatcher:
     def feed(self, batch: pa.Table) -> list[int]:
         """Add streamed rows; return the seqs of groups completed by this batch."""
         done = []
-        gids = batch.column("group_id").to_pylist()
-        for g in sorted(set(gids)):
-            part = batch.filter(pa.compute.equal(batch.column("group_id"), g))
+        gids = batch.column("group_id").to_numpy(zero_copy_only=False)
+        if len(gids) == 0:
+            return done
+        # each group's rows once: one stable sort by group, then a slice per group (not a filter per group)
+        order = np.argsort(gids, kind="stable")
+        if (order != np.arange(len(order))).any():
+            batch, gids = batch.take(order), gids[order]
+        starts = np.flatnonzero(np.r_[True, gids[1:] != gids[:-1]])
+        for lo, hi in zip(starts, np.r_[starts[1:], len(gids)]):
+            g, part = int(gids[lo]), batch.slice(lo, hi - lo)
             self._partial.setdefault(g, []).append(part)
             seen = self._samples.setdefault(g, set())
             seen.update(part.column("sample_idx").to_pylist())
@@ -150,8 +157,9 @@ class WindowedBatcher:
                 del self._samples[g]
                 self.stats.groups_complete += 1
                 self.fairness.groups["completed"] += 1
-                self.fairness.completed.add(_trajectories(self._ready[g]))
                 done.append(g)
+        if done:        # one pass over the completed groups' rows (a pass each cost ~0.2 ms per group)
+            self.fairness.completed.add(_trajectories(pa.concat_tables([self._ready[g] for g in done])))
         return done
 
     def take(self, version: int, window_state=None) -> tuple[pa.Table | None, list[int]]:
