@@ -135,6 +135,21 @@ def test_batcher_emits_whole_groups_in_order():
     assert b.buffered == 1
 
 
+def test_batcher_splits_interleaved_rows_into_their_groups_in_stream_order():
+    """Rows arrive as trajectories finish, groups interleaved: each group gets its own rows, in the
+    order they came, whatever the block's order."""
+    b = WindowedBatcher(BatcherConfig(groups_per_step=3), n_samples=2)
+    t = table_from_columns({"group_id": [7, 2, 7, 9, 2, 9], "sample_idx": [1, 0, 0, 1, 1, 0],
+                            "status": ["completed"] * 6, "reward": [0.0, 1.0, 1.0, 0.0, 0.0, 1.0],
+                            "token_versions": [[0]] * 6})
+    assert sorted(b.feed(t)) == [2, 7, 9]
+    assert b.feed(t.slice(0, 0)) == []                          # an empty block completes nothing
+    table, _ = b.take(0)
+    assert table.column("group_id").to_pylist() == [2, 2, 7, 7, 9, 9]
+    assert table.column("sample_idx").to_pylist() == [0, 1, 1, 0, 1, 0]
+    assert b.fairness.groups["completed"] == 3
+
+
 def test_batcher_drops_stale_and_equal_reward_groups():
     b = WindowedBatcher(BatcherConfig(groups_per_step=1, filter_equal_rewards=True), n_samples=2, stale_steps=1)
     b.feed(_rows([0], 2, version=0))                        # staleness 2 at version 2: dropped
