@@ -15,7 +15,9 @@ the same recorded steps (after one untimed warm-up update each), in alternating 
     bare        a plain loop written here: the step's tensors built once beforehand; per
                 mini-batch (the trainer's own split and order) forward over the padded rows, or
                 packed by prompt under trainer.share_prompts (only those with a nonzero advantage,
-                under trainer.skip_zero_advantage and no entropy term on the others, as the trainer), the
+                under trainer.skip_zero_advantage and no entropy term on the others, as the trainer;
+                every row on a decoupled update's first mini-batch, which the trainer forwards whole
+                to measure the engine/trainer mismatch), the
                 sampled tokens' log-probs, the clipped policy-gradient loss (decoupled: the engine's
                 log-probs are the old policy), the entropy term of algorithm.entropy_coef, backward,
                 grad clip, AdamW (the recipe's settings)
@@ -117,11 +119,12 @@ class Bare:
         # algorithm.entropy_rows=trained keeps it to the rows with a nonzero advantage
         trained_only = self.algo.entropy_rows == "trained"
         skip = self.cfg.skip_zero_advantage and (ent_coef == 0 or trained_only)
-        for idx in mini_batches(self.cfg, self.rng, b, n, mb):
+        for i, idx in enumerate(mini_batches(self.cfg, self.rng, b, n, mb)):
             full = torch.as_tensor(np.sort(idx))
             # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
-            # tokens stay in the denominator
-            rows = full[live[full]] if skip else full
+            # tokens stay in the denominator. As the trainer, not on the first mini-batch of a decoupled
+            # update: it forwards every row there, to measure the engine/trainer mismatch on them
+            rows = full[live[full]] if skip and not (i == 0 and self.algo.decoupled) else full
             denom = mask[full].sum().clamp(min=1)
             self.opt.zero_grad(set_to_none=True)
             if len(rows) == 0:
