@@ -66,7 +66,8 @@ class AlgorithmConfig:
     clip_low: float | None = None   # None = preset's, else CLIP_DEFAULTS[loss]; ratio >= 1 - clip_low
     clip_high: float | None = None  # ratio <= 1 + clip_high (DAPO clip-higher: 0.28)
     clip_ratio_c: float = 3.0       # dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off)
-    norm_length: int = 0            # seq_mean_token_sum_norm's constant length (0 = padded length T)
+    norm_length: int = 0            # seq_mean_token_sum_norm's constant length (0 = the generation limit,
+                                    # rollout.max_new_tokens, as Dr.GRPO intends: one constant for every step)
     kl_coef: float = 0.0            # weight of KL to the reference policy (needs ref log-probs)
     kl_estimator: str = "k3"        # k1 | k2 | k3 (Schulman's estimators)
     entropy_coef: float = 0.0       # entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)
@@ -106,6 +107,13 @@ class AlgorithmConfig:
         if self.decoupled and (self.tis_cap or self.mis_high or self.geo_is):
             # With the engine log-probs as the old policy, the old/engine ratio is 1 everywhere.
             raise ValueError("algorithm.decoupled=true makes tis_cap/mis_*/geo_is no-ops; turn one side off")
+
+    def for_generation_limit(self, max_new_tokens: int) -> AlgorithmConfig:
+        """This config with norm_length defaulted to the rollout's generation limit, so Dr.GRPO's
+        constant-length normaliser is the same every step (not the step's longest response)."""
+        if self.norm_length or max_new_tokens <= 0:
+            return self
+        return dataclasses.replace(self, norm_length=int(max_new_tokens))
 
     def resolved(self) -> AlgorithmConfig:
         """This config with every empty field filled from the preset, then from CLIP_DEFAULTS."""
@@ -241,8 +249,9 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
         log_ratio = _masked(logprobs - old, mask)
         metrics = {"pg_loss": pg_loss.item(),
                    "clipfrac": _token_mean(clipped.to(mask.dtype), mask, 0).item(),
-                   # k3 estimate of KL(pi_old || pi): how far this update has moved the policy
-                   "approx_kl": _token_mean(torch.expm1(-log_ratio) + log_ratio, mask, 0).item()}
+                   # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old, with r = pi / pi_old:
+                   # E_old[r - 1 - log r] (unbiased: E_old[r] = 1). How far this update moved the policy.
+                   "approx_kl": _token_mean(torch.expm1(log_ratio) - log_ratio, mask, 0).item()}
     if ref_logprobs is not None:
         kl = agg(KL_ESTIMATORS[cfg.kl_estimator](_masked(logprobs, mask), _masked(ref_logprobs.detach(), mask)))
         loss = loss + cfg.kl_coef * kl

@@ -309,7 +309,7 @@ class TorchTrainer:
                  max_new_tokens: int = 0, dtype: str = "float32"):
         torch.set_num_threads(max(1, cfg.num_threads))
         torch.manual_seed(cfg.seed)
-        self.cfg, self.algo = cfg, algo.resolved()
+        self.cfg, self.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
         self.lora = cfg.lora if cfg.lora.enabled else None

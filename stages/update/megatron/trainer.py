@@ -53,7 +53,7 @@ class MegatronTrainer:
         torch.set_num_threads(max(1, cfg.num_threads))
         torch.manual_seed(cfg.seed)
         self.model_path, self.cfg, self.mcfg, self.dtype = model_path, cfg, mcfg or MegatronConfig(), dtype
-        self.algo = algo.resolved()
+        self.algo = algo.resolved().for_generation_limit(max_new_tokens)
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
         self.hf = hf_config(model_path)
