@@ -133,6 +133,9 @@ def cmd_profile(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # the terminal carries the run's own lines: no "Writing model shards" bars from transformers (read at its
+    # import, here and in every Ray worker the run starts, which inherit this environment)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a recipe")

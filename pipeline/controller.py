@@ -262,7 +262,7 @@ class Controller:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(c, self.run_dir / "config.yaml")
-        self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c))
+        self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c), self.log)
         self.recorder = Recorder(self.run_dir, c.rollout.n_samples)
         if hasattr(self, "pipeline"):       # a caller may start() and swap in its own pipeline first
             self.profiler = self.pipeline.profiler = Profiler(self.run_dir)

@@ -110,16 +110,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None) -> list:
+def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> list:
     """The enabled sinks. A disabled one is never imported; an enabled one that is missing is an error
-    (TensorBoard, on by default, only warns)."""
+    (TensorBoard, on by default, only says so: one line through `log`, or a warning without one)."""
     run_dir, config, sinks = Path(run_dir), config or {}, []
     if cfg.tensorboard:
         try:
             sinks.append(TensorBoardSink(run_dir, config))
-        except ImportError as e:
-            warnings.warn(f"TensorBoard event files off: {e} (pip install tensorboard); metrics.jsonl only",
-                          stacklevel=2)
+        except ImportError:
+            note = ("TensorBoard event files off: tensorboard is not installed (pip install tensorboard); "
+                    "metrics.jsonl only")
+            log(note) if log else warnings.warn(note, stacklevel=2)
     for enabled, make, pkg in ((cfg.wandb, WandbSink, "wandb"), (cfg.mlflow, MlflowSink, "mlflow")):
         if enabled:
             try:
@@ -152,9 +153,9 @@ class TrackedMetrics:
             s.close()
 
 
-def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None) -> TrackedMetrics:
+def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> TrackedMetrics:
     """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers."""
-    return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config))
+    return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config, log))
 
 
 def export_metrics(run_dir: str | Path, cfg: TrackerConfig = TrackerConfig()) -> int:
