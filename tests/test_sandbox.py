@@ -1,11 +1,14 @@
-"""The code sandbox (stages/agentflow/sandbox.py): real worker processes, real limits.
+"""The code sandbox (stages/agentflow/sandbox.py): real worker processes, real limits, one sandbox per trajectory.
 
 Each bad snippet -- a loop that never ends, a 10 GB allocation, a fork bomb, a write outside
 its directory, a stdout flood -- must come back as an error observation within its limit, the
 worker must be replaced by a fresh process, the next call must work, and no process may be
 left behind (counted over this test's descendants and the sandbox uids). The isolation this
 machine allows (network, PID and mount namespaces, own uid) is checked where the probe says
-it holds; the trajectory-level test runs the `sandbox` agent on a real engine.
+it holds; the trajectory-level test runs the `sandbox` agent on a real engine. The attacker-and-victim
+property: whatever one trajectory's code does (poison builtins and modules, plant files, read other
+processes' environment, leave processes), no other trajectory's result changes and nothing it writes
+is visible to another.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import time
 import pytest
 
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
-from stages.agentflow.sandbox import UID_BASE, SandboxConfig, SandboxPool, probe_isolation
+from stages.agentflow.sandbox import UID_BASE, UID_END, SandboxConfig, SandboxPool, probe_isolation
 from stages.agentflow.tools import ToolRegistry
 from stages.agentflow.workflows import SandboxAgent
 
@@ -52,7 +55,7 @@ def sandbox_processes() -> list[int]:
                 changed = True
     mine.discard(me)
     mine = {p for p in mine if _is_sandbox(p)}      # not Ray's workers, which come and go on their own
-    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_BASE + 4096 * 16})
+    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_END})
 
 
 def _is_sandbox(pid: int) -> bool:
@@ -61,7 +64,8 @@ def _is_sandbox(pid: int) -> bool:
             argv = f.read().split(b"\0")
     except OSError:
         return False
-    return argv[0].endswith(b"unshare") or any(a.endswith(b"sandbox_worker.py") for a in argv)
+    return argv[0].endswith((b"unshare", b"bwrap")) or any(a.endswith((b"sandbox_worker.py", b"worker.py"))
+                                                           for a in argv)
 
 
 def describe(pids) -> list[str]:
@@ -93,6 +97,8 @@ BAD = {
     "memory_10gb": ("x = bytearray(10 * 2**30)", ("memory",)),
     "fork_bomb": ("import os\nwhile True:\n    os.fork()", ("fork",)),
     "write_outside": ("open('/etc/loongsage-sandbox-test', 'w').write('x')", ("filesystem",)),
+    "file_too_big": ("open('big', 'wb').write(b'x' * (20 << 20))", ("filesystem", "memory")),   # file_mb 16
+    "tmp_full": ("for i in range(5):\n    open(f'f{i}', 'wb').write(b'x' * (10 << 20))", ("filesystem", "memory")),
     "stdout_flood": ("import sys\nwhile True:\n    sys.stdout.write('A' * 4096)", ("output",)),
     "raw_fd_flood": ("import os\nwhile True:\n    os.write(1, b'B' * 4096)", ("output",)),
 }
@@ -106,12 +112,13 @@ def test_bad_snippet_is_killed_replaced_and_leaves_nothing(name):
     async def go():
         pool = SandboxPool(SandboxConfig(**FAST))
         try:
-            assert (await pool.run("6*7")).output.strip() == "42"
-            first = pool.pids()
-            res = await pool.run(code)
-            await _settle(pool)
-            after = await pool.run("6*7")       # the pool still serves, from a fresh worker
-            return res, first, pool.pids(), after, dict(pool.stats)
+            async with pool.session() as s:
+                assert (await s.run("6*7")).output.strip() == "42"
+                first = s.worker.pid
+                res = await s.run(code)
+                await _settle(pool)
+                after = await s.run("6*7")       # the session still serves, from a fresh worker
+                return res, first, s.worker.pid, after, dict(pool.stats)
         finally:
             await pool.close()
 
@@ -147,13 +154,14 @@ def test_snippet_results_and_ordinary_errors_keep_the_worker():
     async def go():
         pool = SandboxPool(SandboxConfig(**FAST))
         try:
-            a = await pool.run("37*48*29")
-            pid = pool.pids()
-            b = await pool.run("print('partial')\n1/0")
-            c = await pool.run("x = 3\nprint(x + 1)")
-            d = await pool.run("x")                      # fresh globals per call
-            e = await pool.run("def f(:\n")
-            return a, b, c, d, e, pid, pool.pids()
+            async with pool.session() as s:
+                a = await s.run("37*48*29")
+                pid = s.worker.pid
+                b = await s.run("print('partial')\n1/0")
+                c = await s.run("x = 3\nprint(x + 1)")
+                d = await s.run("x")                      # fresh globals per call
+                e = await s.run("def f(:\n")
+                return a, b, c, d, e, pid, s.worker.pid
         finally:
             await pool.close()
 
@@ -190,7 +198,7 @@ def test_tool_registry_timeout_kills_the_worker_too():
     assert sandbox_processes() == before
 
 
-def test_concurrent_calls_share_the_pool():
+def test_concurrent_calls_each_get_a_sandbox_of_their_own():
     async def go():
         pool = SandboxPool(SandboxConfig(workers=2, timeout_s=5))
         try:
@@ -199,6 +207,24 @@ def test_concurrent_calls_share_the_pool():
             await pool.close()
 
     assert [r.output.strip() for r in run(go())] == [str(i * i) for i in range(12)]
+
+
+def test_a_session_ends_its_worker_and_the_next_session_gets_another():
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            async with pool.session() as a:
+                await a.run("1")
+                first = a.worker.proc.pid
+            gone = first not in pool.pids()
+            async with pool.session() as b:
+                await b.run("1")
+                return gone, first, b.worker.proc.pid
+        finally:
+            await pool.close()
+
+    gone, first, second = run(go())
+    assert gone and first != second
 
 
 @pytest.mark.skipif(not ISO.network, reason=f"no network namespace here: {ISO.describe()}")
@@ -222,10 +248,11 @@ def test_private_tmp_own_pid_namespace_and_uid():
         async def go():
             pool = SandboxPool(SandboxConfig(**FAST))
             try:
-                a = await pool.run(f"import os\n(os.path.exists({marker!r}), os.getpid(), os.getuid(), os.getcwd())")
-                b = await pool.run("open('left.txt', 'w').write('x')\nimport os\nos.listdir('.')")
-                c = await pool.run("import os\nos.listdir('.')")     # emptied between calls
-                return a, b, c
+                async with pool.session() as s:
+                    a = await s.run(f"import os\n(os.path.exists({marker!r}), os.getpid(), os.getuid(), os.getcwd())")
+                    b = await s.run("open('left.txt', 'w').write('x')\nimport os\nos.listdir('.')")
+                    c = await s.run("import os\nos.listdir('.')")     # emptied between calls
+                    return a, b, c
             finally:
                 await pool.close()
 
@@ -245,7 +272,7 @@ def test_bad_config_names_the_key():
 
 
 def test_strict_isolation_refuses_what_the_machine_lacks():
-    if all((ISO.network, ISO.pid, ISO.private_tmp, ISO.uid)):
+    if ISO.complete:
         run(SandboxPool(SandboxConfig(isolation="strict")).close())     # holds here: starts
     else:
         with pytest.raises(RuntimeError, match="isolation=strict"):
@@ -256,11 +283,14 @@ class BreachThenAnswer(SandboxAgent):
     """The `sandbox` agent's own tool path, with snippets the test picks: each bad one, then a good one,
     then a model turn -- the trajectory must go on past every breach."""
     async def run(self, ctx, sample):
-        self.attach(ctx)
-        for code, _ in BAD.values():
-            await self.run_snippet(ctx, code)
-        await self.run_snippet(ctx, "2+3")
-        await ctx.generate()
+        session = self.attach(ctx)
+        try:
+            for code, _ in BAD.values():
+                await self.run_snippet(ctx, code)
+            await self.run_snippet(ctx, "2+3")
+            await ctx.generate()
+        finally:
+            await session.close()
 
 
 @pytest.mark.slow      # an engine actor on Ray: 25-45 s on 2 busy cores
