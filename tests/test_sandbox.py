@@ -17,6 +17,8 @@ import os
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.agentflow.sandbox import UID_BASE, UID_END, SandboxConfig, SandboxPool, probe_isolation
@@ -262,6 +264,147 @@ def test_private_tmp_own_pid_namespace_and_uid():
     exists, pid, uid, cwd = eval(a.output)
     assert not exists and pid == 1 and uid >= UID_BASE and cwd == "/tmp"
     assert b.output.strip() == "['left.txt']" and c.output.strip() == "[]"
+
+
+# ---- one trajectory's code cannot reach another's ------------------------------------------------
+ATTACK = [
+    # poison what the next caller would use: builtins, a stdlib module, the worker's own json and print
+    "import builtins, json, math, sys\nbuiltins.abs = lambda x: 666\nbuiltins.int = lambda *a: 666\n"
+    "math.sqrt = lambda x: 666\nsys.modules['json'].dumps = lambda *a, **k: '666'\n"
+    "builtins.print = lambda *a, **k: None",
+    # plant answers wherever another trajectory might look
+    "import os\nfor d in ('.', '/tmp', '/dev/shm', '/var/tmp', '/sandbox', '/usr', '/'):\n"
+    "    try:\n        open(os.path.join(d, 'answer.txt'), 'w').write('666')\n    except OSError:\n        pass",
+    # look for other processes and their environment (keys), and the host's
+    "import os\nseen = []\nfor p in [f'/proc/{d}/environ' for d in os.listdir('/proc') if d.isdigit()]:\n"
+    "    try:\n        seen.append((p, len(open(p, 'rb').read())))\n    except OSError:\n        pass\n"
+    "sorted(int(d) for d in os.listdir('/proc') if d.isdigit()), seen",
+    # leave a process behind that plants files later
+    "import os, time\nif os.fork() == 0:\n    time.sleep(1.0)\n"
+    "    for d in ('/tmp', '/dev/shm'):\n        open(d + '/answer.txt', 'w').write('666')\n    os._exit(0)",
+]
+
+
+def victim(k: int) -> list[tuple[str, str]]:
+    """(snippet, the output it must give) for trajectory k: arithmetic through builtins and the stdlib, a
+    file of its own, and a look for anything another trajectory left."""
+    look = "import os\n[sorted(os.listdir(d)) for d in ('.', '/tmp', '/dev/shm')]"
+    return [(f"import math, json\nabs(-{k}) + int(math.sqrt({k * k})), json.dumps([{k}])", f"({2 * k}, '[{k}]')\n"),
+            (look, "[[], [], []]\n"),
+            (f"open('answer.txt', 'w').write('{k}')\nopen('answer.txt').read()", f"'{k}'\n"),
+            (look, "[[], [], []]\n")]
+
+
+async def _trajectory(pool: SandboxPool, calls: list[str], pause: float = 0.0) -> list[str]:
+    async with pool.session() as s:
+        out = []
+        for code in calls:
+            out.append((await s.run(code)).output)
+            await asyncio.sleep(pause)
+        return out
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(attacker=st.integers(0, 3), together=st.booleans())
+def test_no_trajectory_changes_another_ones_result(attacker, together):
+    """N trajectories, one attacker: whatever its code does, before or while the others run, no victim's result
+    changes and nothing it wrote is visible to them."""
+    n = 4
+    before = sandbox_processes()
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**{**FAST, "workers": 2}))
+        try:
+            victims = {k: [c for c, _ in victim(k)] for k in range(n) if k != attacker}
+            if together:        # the victims' calls interleave with the attacker's (its forked child outlives it)
+                runs = [_trajectory(pool, ATTACK, pause=0.3)] + [_trajectory(pool, v, 0.3) for v in victims.values()]
+                outs = await asyncio.gather(*runs)
+                seen = outs[0][2]
+                got = dict(zip(victims, outs[1:]))
+            else:               # the attacker ran first (the contamination a persistent worker let through)
+                seen = (await _trajectory(pool, ATTACK))[2]
+                await asyncio.sleep(1.2)
+                got = {k: await _trajectory(pool, v) for k, v in victims.items()}
+            return seen, got
+        finally:
+            await pool.close()
+
+    seen, got = run(go())
+    for k, outs in got.items():
+        assert outs == [o for _, o in victim(k)], f"trajectory {k}'s results changed: {outs}"
+    if ISO.pid:         # its own PID namespace: the only process it sees is itself, the only environ its own
+        pids, environs = eval(seen)
+        assert pids == [1] and all(p == "/proc/1/environ" for p, _ in environs), seen
+    time.sleep(0.2)
+    assert sandbox_processes() == before
+
+
+@pytest.mark.skipif(not ISO.unix_sockets, reason=f"host Unix sockets reachable here: {ISO.describe()}")
+def test_host_unix_sockets_are_out_of_reach(tmp_path):
+    """A Unix socket the run's user can reach -- a file in /tmp, one elsewhere, an abstract one -- is not
+    reachable from the sandbox: none is accepted a connection."""
+    import socket
+
+    paths = [str(tmp_path / "host.sock"), f"/run/loongsage-test-{os.getpid()}.sock"]
+    abstract = f"\0loongsage-test-{os.getpid()}"
+    servers = []
+    for addr in [*paths, abstract]:
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(addr)
+        os.chmod(addr, 0o777) if not addr.startswith("\0") else None
+        srv.listen(4)
+        srv.setblocking(False)
+        servers.append(srv)
+    probe = "import socket\nres = []\nfor a in {addrs!r}:\n    s = socket.socket(socket.AF_UNIX)\n    try:\n" \
+            "        s.connect(a)\n        res.append('connected')\n    except OSError as e:\n" \
+            "        res.append(type(e).__name__)\nres"
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            return await pool.run(probe.format(addrs=[*paths, abstract]))
+        finally:
+            await pool.close()
+
+    try:
+        res = run(go())
+        accepted = 0
+        for srv in servers:
+            try:
+                srv.accept()
+                accepted += 1
+            except BlockingIOError:
+                pass
+    finally:
+        for srv in servers:
+            srv.close()
+        os.unlink(paths[1])
+    assert res.ok and "connected" not in res.output, res
+    assert accepted == 0
+
+
+@pytest.mark.skipif(not (ISO.seccomp and ISO.no_new_privs), reason=f"no seccomp here: {ISO.describe()}")
+def test_seccomp_filter_and_no_new_privs_hold():
+    code = ("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "st = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+            "def denied(rc):\n    return rc == -1 and ctypes.get_errno() in (1, 38)\n"
+            "out = {'nnp': st['NoNewPrivs'].strip(), 'seccomp': st['Seccomp'].strip(),\n"
+            "       'unshare': denied(libc.unshare(0x10000000)), 'ptrace': denied(libc.ptrace(16, 1, 0, 0)),\n"
+            "       'mount': denied(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))}\n"
+            "try:\n    socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)\n    out['netlink'] = False\n"
+            "except PermissionError:\n    out['netlink'] = True\nout")
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            return await pool.run(code)
+        finally:
+            await pool.close()
+
+    res = run(go())
+    assert res.ok, res
+    assert eval(res.output) == {"nnp": "1", "seccomp": "2", "unshare": True, "ptrace": True, "mount": True,
+                                "netlink": True}
 
 
 def test_bad_config_names_the_key():

@@ -443,7 +443,7 @@ class SandboxPool:
             await w.proc.stdin.drain()
             out, rest = await asyncio.wait_for(self._read_until(w, nonce.encode(), self.cfg.output_bytes),
                                                timeout=self.cfg.timeout_s)
-            info = json.loads(rest)
+            info = _result_line(rest)
             kind, output = info["kind"], out[: self.cfg.output_bytes].decode(errors="replace")
             if len(out) > self.cfg.output_bytes:
                 kind, info["error"] = "output", f"more than {self.cfg.output_bytes} bytes of output"
@@ -511,6 +511,19 @@ class SandboxPool:
             "printed). Limits: " f"{self.cfg.cpu_s}s CPU, {self.cfg.timeout_s}s wall, {self.cfg.memory_mb} MB, "
             f"{self.cfg.output_bytes} bytes of output. {self.isolation.describe()}."),
             parameters={"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]})
+
+
+def _result_line(rest: bytes) -> dict:
+    """The worker's {"kind", "error"} after a snippet; a snippet that broke the worker's own json or print
+    makes a line that is not one: that worker is no longer trusted (a breach, "died")."""
+    try:
+        info = json.loads(rest)
+        if isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("error"), str) \
+                and info["kind"] in ("ok", "error", *BREACHES):
+            return info
+    except ValueError:
+        pass
+    return {"kind": "died", "error": f"the worker's result line is garbled ({rest[:80]!r}): the snippet broke it"}
 
 
 def _child_of(pid: int) -> int:
