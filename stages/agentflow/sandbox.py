@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.keys import NONNEG, POSITIVE, key, one_of
 from stages.agentflow.tools import Tool
 
 WORKER = Path(__file__).with_name("sandbox_worker.py")
@@ -63,21 +64,22 @@ UID_BASE = 610_000          # worker uids: UID_BASE + (pid % 4096) * 16 + slot, 
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    workers: int = 2              # persistent sandbox processes per rollout worker
-    cpu_s: float = 2.0            # CPU seconds per snippet
-    timeout_s: float = 5.0        # wall seconds per snippet (the worker is killed past it)
-    memory_mb: int = 512          # address space of a worker
-    output_bytes: int = 4096      # stdout + stderr per snippet
-    nproc: int = 8                # processes + threads of the worker's uid (binds only when it has its own uid)
-    file_mb: int = 16             # largest file a snippet may write
-    tmp_mb: int = 32              # size of each private tmpfs
-    calls_per_worker: int = 1000  # a worker is replaced after this many calls (its lifetime CPU budget)
-    isolation: str = "auto"       # auto: whatever this machine allows | strict: refuse to start without
-                                  # network, pid, private_tmp and uid isolation | none: limits only
-    python: str = ""              # interpreter for the workers; "" = this one
-    preload: tuple = PRELOAD      # modules imported before the uid drop (see sandbox_worker.setup)
-    remote: bool = False          # True: snippets run in a remote sandbox service (rollout.tool_service: a local
-                                  # service process per rollout worker when its url is ""), with its latency
+    workers: int = key(2, "persistent sandbox processes per rollout worker", POSITIVE)
+    cpu_s: float = key(2.0, "CPU seconds per snippet", POSITIVE)
+    timeout_s: float = key(5.0, "wall seconds per snippet (the worker is killed past it)", POSITIVE)
+    memory_mb: int = key(512, "address space of a worker, MiB", POSITIVE)
+    output_bytes: int = key(4096, "stdout + stderr per snippet", POSITIVE)
+    nproc: int = key(8, "processes + threads of the worker's uid (binds only when it has its own uid; 0 = no limit)",
+                        NONNEG)
+    file_mb: int = key(16, "largest file a snippet may write, MiB", POSITIVE)
+    tmp_mb: int = key(32, "size of each private tmpfs, MiB", POSITIVE)
+    calls_per_worker: int = key(1000, "a worker is replaced after this many calls (its lifetime CPU budget)", POSITIVE)
+    isolation: str = key("auto", "auto: whatever this machine allows | strict: refuse to start without network, pid, "
+                                 "private_tmp and uid isolation | none: limits only", one_of("auto", "strict", "none"))
+    python: str = key("", 'interpreter for the workers; "" = this one')
+    preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox_worker.setup)")
+    remote: bool = key(False, "True: snippets run in a remote sandbox service (rollout.tool_service: a local service "
+                              'process per rollout worker when its url is ""), with its latency')
 
     def __post_init__(self):
         for k in ("workers", "memory_mb", "output_bytes", "file_mb", "tmp_mb", "calls_per_worker"):
