@@ -7,6 +7,7 @@
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
+    loongsage config [SECTION] | --check RECIPE [key=value ...] | --markdown
 """
 from __future__ import annotations
 
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.plan import add_subcommand as add_plan
 
     add_plan(sub)             # loongsage plan: simulate a run on a cluster, calibrated on a run's profile
+    from pipeline.config_doc import add_subcommand as add_config
+
+    add_config(sub)           # loongsage config [SECTION] | --check RECIPE | --markdown: the config reference
     args = p.parse_args(argv)
     return args.fn(args)
 

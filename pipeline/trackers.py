@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.keys import key, one_of
 from pipeline.metrics import MetricsWriter
 
 
@@ -33,13 +34,13 @@ class TrackerError(ValueError):
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "loongsage"
-    wandb_mode: str = "offline"        # offline | online | disabled
-    mlflow: bool = False
-    mlflow_uri: str = ""               # "" = file:RUN_DIR/mlruns
-    mlflow_experiment: str = "loongsage"
+    tensorboard: bool = key(True, "write TensorBoard event files under RUN_DIR")
+    wandb: bool = key(False, "log to Weights & Biases")
+    wandb_project: str = key("loongsage", "W&B project name")
+    wandb_mode: str = key("offline", "offline | online | disabled", one_of("offline", "online", "disabled"))
+    mlflow: bool = key(False, "log to MLflow")
+    mlflow_uri: str = key("", 'MLflow tracking URI; "" = file:RUN_DIR/mlruns')
+    mlflow_experiment: str = key("loongsage", "MLflow experiment name")
 
     def __post_init__(self):
         if self.wandb_mode not in ("offline", "online", "disabled"):

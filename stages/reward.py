@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from pipeline.keys import POSITIVE, at_least, key
 from stages.reward_pool import RewardPool, call_reward, error_text
 from stages.schema import with_columns
 
@@ -63,9 +64,9 @@ BUILTIN = {"exact_match": exact_match, "numeric": numeric}
 
 @dataclass(frozen=True)
 class RewardConfig:
-    fn: str = "exact_match"        # exact_match | numeric | dotted path `pkg.module:function`
-    timeout_s: float = 10.0        # per row of a user fn, from when a worker starts it
-    workers: int = 4               # worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)
+    fn: str = key("exact_match", "exact_match | numeric | dotted path `pkg.module:function`")
+    timeout_s: float = key(10.0, "seconds per row of a user fn, from when a worker starts it", POSITIVE)
+    workers: int = key(4, "worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)", at_least(1))
 
     def __post_init__(self):
         if not self.timeout_s > 0:
