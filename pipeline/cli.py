@@ -7,6 +7,9 @@
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
+
+Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
+an option of several values (plan --sweep) takes every word up to the next option.
 """
 from __future__ import annotations
 
@@ -164,8 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.plan import add_subcommand as add_plan
 
     add_plan(sub)             # loongsage plan: simulate a run on a cluster, calibrated on a run's profile
-    args = p.parse_args(argv)
+    args = parse(p, sub, sys.argv[1:] if argv is None else list(argv))
     return args.fn(args)
+
+
+def parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Namespace:
+    """Options and positionals in any order (`run CFG --run-dir D k=v`), for every subcommand: its own
+    parser parses what follows its name intermixed (argparse's intermixed parsing refuses a parser
+    that has subcommands, so the top level only picks the subcommand)."""
+    if argv and argv[0] in sub.choices:
+        return sub.choices[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
+    return parser.parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline import seeds
 from pipeline.placement import PlacementConfig
 from pipeline.recorder import ReplayConfig
 from pipeline.trackers import TrackerConfig
@@ -48,7 +49,7 @@ class EvalConfig:
 class RunConfig:
     """Run-level settings: where Ray is, how often to checkpoint, the seed."""
     steps: int = 40                # training steps (weight versions) to run
-    seed: int = 0
+    seed: int = 0                  # every random choice of the run derives from it (pipeline/seeds.py)
     ray_address: str = ""          # "" = start local Ray; "auto" or "ray://..." joins a cluster
     ray_num_cpus: int = 0          # logical CPUs for local Ray (0 = this machine's count)
     checkpoint_every: int = 0      # 0 = only at the end
@@ -59,6 +60,8 @@ class RunConfig:
     data_poll_s: float = 0.01      # poll period (wake=poll, or a task whose output waits); Ray's own: 0.1
 
     def __post_init__(self):
+        if self.seed < 0:
+            raise ValueError(f"run.seed must be >= 0, got {self.seed}")
         if not self.data_poll_s > 0:
             raise ValueError(f"run.data_poll_s must be > 0, got {self.data_poll_s}")
         if self.data_wake not in ("event", "poll", "ray"):
@@ -171,8 +174,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{p}: top level must be a mapping of sections")
     for o in overrides:
         apply_override(tree, o)
-    return _build(Config, tree, "")
+    try:
+        seeds.reject_set(tree)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return seeds.resolve(_build(Config, tree, ""))
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(yaml.safe_dump(seeds.strip(to_dict(cfg)), sort_keys=False))

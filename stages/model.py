@@ -31,7 +31,8 @@ class ModelConfig:
     warmup_lr: float = 1e-3
     warmup_label_smoothing: float = 0.0   # > 0: the warmed policy knows answers it samples with low confidence
     cache_dir: str = "~/.cache/loongsage/models"
-    seed: int = 0
+    seed: int = 0                     # picks the built-in model (its init and warm-up), like path picks a checkpoint:
+                                      # not run.seed, so every run seed starts from one cached model (docs/seeds.md)
 
     def __post_init__(self):
         if not 0 <= self.warmup_label_smoothing < 1:

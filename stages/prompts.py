@@ -31,7 +31,7 @@ class DataConfig:
     builtin_digits: int = 2
     train_size: int = 0                # 0 = every row
     shuffle: bool = True
-    seed: int = 0
+    seed: int = 0                      # set from run.seed (pipeline/seeds.py), not a recipe key
 
     def __post_init__(self):
         if self.train_size < 0:

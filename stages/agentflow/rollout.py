@@ -87,8 +87,9 @@ class RolloutConfig:
     proxy_host: str = "127.0.0.1"      # black-box proxy bind address (loopback unless you mean it)
     proxy_port: int = 0                # 0 = any free port
     proxy_max_body_mb: float = 8.0     # larger request bodies get 413
-    proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p override an agent's request
-    seed: int = 0                      # sampling seed (per sample: seed, group, index; per turn within it)
+    proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p and seeds override an agent's request
+    seed: int = 0                      # set from run.seed (pipeline/seeds.py), not a recipe key; per sample:
+                                       # (seed, group, index); per turn within it
     train_segments: tuple = ("main", "compaction", "subagent")   # segment kinds that become training rows
                                        # (stages/agentflow/session.py): each segment of these kinds is its own row
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # code sandbox of the `sandbox` agent

@@ -54,7 +54,7 @@ class ToolServiceConfig:
     url: str = ""              # "" = start a local service process (ToolService) with the settings below
     p50_s: float = 0.2         # median service time (see the module docstring for where it comes from)
     p99_s: float = 1.5         # 99th percentile service time
-    seed: int = 0
+    seed: int = 0              # in a run: set from run.seed (pipeline/seeds.py), not a recipe key
     error_rate: float = 0.0    # fraction of requests the local service answers 500
     timeout_s: float = 5.0     # per call, on the client
     on_error: str = "observe"  # observe: an "error: ..." observation | fail: the trajectory fails

@@ -39,7 +39,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     fused_optimizer: bool = True     # torch's fused AdamW where it covers the parameters (else its loop)
     num_threads: int = 0             # torch threads in the trainer actor; 0 = pipeline/resources.py decides
-    seed: int = 0
+    seed: int = 0                    # set from run.seed (pipeline/seeds.py), not a recipe key
     backend: str = "torch"           # torch (this module) | megatron (stages/update/megatron, `megatron:` section)
     lr_schedule: str = "constant"    # constant | linear | cosine: decay from lr to lr * lr_min_ratio
     lr_warmup_steps: int = 0         # training steps of linear warm-up from lr / lr_warmup_steps to lr
