@@ -8,6 +8,9 @@
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
     loongsage config [SECTION] | --check RECIPE [key=value ...] | --markdown
+
+Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
+an option of several values (plan --sweep) takes every word up to the next option.
 """
 from __future__ import annotations
 
@@ -137,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     # the terminal carries the run's own lines: no "Writing model shards" bars from transformers (read at its
     # import, here and in every Ray worker the run starts, which inherit this environment)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    args = parse_argv(sys.argv[1:] if argv is None else list(argv))
+    return args.fn(args)
+
+
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """The command line as every subcommand's parser reads it (nothing is run)."""
     p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a recipe")
@@ -171,8 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config_doc import add_subcommand as add_config
 
     add_config(sub)           # loongsage config [SECTION] | --check RECIPE | --markdown: the config reference
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return parse(p, sub, argv)
+
+
+def parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Namespace:
+    """Options and positionals in any order (`run CFG --run-dir D k=v`), for every subcommand: its own
+    parser parses what follows its name intermixed (argparse's intermixed parsing refuses a parser
+    that has subcommands, so the top level only picks the subcommand)."""
+    if argv and argv[0] in sub.choices:
+        return sub.choices[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
+    return parser.parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline import seeds
 from pipeline.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
 from pipeline.placement import PlacementConfig
 from pipeline.recorder import ReplayConfig
@@ -49,7 +50,7 @@ class EvalConfig:
 class RunConfig:
     """Run-level settings: where Ray is, how often to checkpoint, the seed."""
     steps: int = key(40, "training steps (weight versions) to run", POSITIVE)
-    seed: int = key(0, "the run's seed", NONNEG)
+    seed: int = key(0, "every random choice of the run derives from it (pipeline/seeds.py)", NONNEG)
     ray_address: str = key("", '"" = start local Ray; "auto" or "ray://..." joins a cluster')
     ray_num_cpus: int = key(0, "logical CPUs for local Ray (0 = this machine's count)", NONNEG)
     checkpoint_every: int = key(0, "write a checkpoint every N steps (0 = only at the end)", NONNEG)
@@ -63,6 +64,8 @@ class RunConfig:
                                    POSITIVE)
 
     def __post_init__(self):
+        if self.seed < 0:
+            raise ValueError(f"run.seed must be >= 0, got {self.seed}")
         if not self.data_poll_s > 0:
             raise ValueError(f"run.data_poll_s must be > 0, got {self.data_poll_s}")
         if self.data_wake not in ("event", "poll", "ray"):
@@ -182,11 +185,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{p}: top level must be a mapping of sections")
     for o in overrides:
         apply_override(tree, o)
-    return _build(Config, tree, "")
+    try:
+        seeds.reject_set(tree)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return seeds.resolve(_build(Config, tree, ""))
 
 
 def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(seeds.strip(to_dict(cfg)), sort_keys=False)   # derived seeds: run.seed says it all
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

@@ -28,6 +28,7 @@ import pyarrow as pa
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from pipeline import seeds
 from pipeline.builder import Pipeline, Stage, set_stream_poll, stream_poll_internals
 from pipeline.cluster import init_ray
 from pipeline.config import Config, ConfigError, dump_config, to_dict
@@ -63,6 +64,7 @@ CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 2000     # 2,000 steps of add-tiny: ~4,00
 class Controller:
     def __init__(self, cfg: Config, run_dir: str | Path, rows: list[dict] | None = None,
                  on_step: Callable[[dict], None] | None = None, log: Callable[[str], None] = print):
+        cfg = seeds.resolve(cfg)    # a Config built in code, not by load_config, gets its seeds here
         self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
         self.validate()
         self.model_path = resolve_model_path(cfg.model, log=log)
@@ -487,12 +489,12 @@ class Controller:
         c, t, step = self.cfg, time.time(), self.step if step is None else step
         if c.rollout.agent == "single_turn":
             m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature,
-                         c.rollout.max_new_tokens, c.eval.n_samples)
+                         c.rollout.max_new_tokens, c.eval.n_samples, seed=seeds.derive(c.run.seed, "eval"))
         else:   # the recipe's agent itself, on the live engines: its accuracy is what training moves
             if getattr(self, "_eval_rollout", None) is None:
                 self._eval_rollout = AgentFlowRollout(_replace(c.rollout, temperature=c.eval.temperature,
-                                                               seed=c.run.seed + 1), self.engines, None,
-                                                      self.model_path)
+                                                               seed=seeds.derive(c.run.seed, "eval")),
+                                                      self.engines, None, self.model_path)
             m = evaluate_agent(self._eval_rollout, self.reward_local, self.test, c.eval.n_samples)
         self.profiler.add("eval", t, time.time(), actor="engines", step=step)
         if write:
@@ -682,7 +684,7 @@ def _start_engines(c: Config, model_path: str, res, placement: Placement | None)
         gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
         opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
     return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.rollout.engine_restarts).remote(
-        model_path, c.model.dtype, c.run.seed + i, res.engine_threads, f"engine{i}", *extra(c))
+        model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}", *extra(c))
         for i, o in enumerate(opts)]
 
 

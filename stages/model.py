@@ -35,7 +35,8 @@ class ModelConfig:
     warmup_label_smoothing: float = key(0.0, "built-in tiny model: > 0 makes the warmed policy know answers it samples"
                                              " with low confidence", between(0, 1, hi_open=True))
     cache_dir: str = key("~/.cache/loongsage/models", "where built-in tiny models are cached")
-    seed: int = key(0, "seed of the built-in tiny model's init and SFT", NONNEG)
+    seed: int = key(0, "picks the built-in model (its init and warm-up), as path picks a checkpoint: not run.seed, so "
+                        "every run seed starts from one cached model (docs/seeds.md)", NONNEG)
 
     def __post_init__(self):
         if not 0 <= self.warmup_label_smoothing < 1:

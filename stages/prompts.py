@@ -33,7 +33,7 @@ class DataConfig:
     builtin_digits: int = key(2, "builtin:TASK: digits of the task's operands", POSITIVE)
     train_size: int = key(0, "training prompts to use (0 = every row)", NONNEG)
     shuffle: bool = key(True, "shuffle prompts, one seeded permutation per epoch")
-    seed: int = key(0, "seed of the prompt order", NONNEG)
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: the prompt order", NONNEG)
 
     def __post_init__(self):
         if self.train_size < 0:

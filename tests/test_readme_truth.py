@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from pipeline.config import Config, load_config
 
@@ -102,9 +102,9 @@ def _commands() -> list[list[str]]:
 
 @pytest.mark.parametrize("argv", _commands(), ids=lambda a: " ".join(a)[:60])
 def test_readme_commands_parse(argv, tmp_path):
-    from pipeline.cli import build_parser
+    from pipeline.cli import parse_argv
 
-    args = build_parser().parse_intermixed_args(argv)
+    args = parse_argv(argv)
     if args.cmd == "run":
         overrides = [o.replace("/path/to/hf_model_dir", str(tmp_path))
                      .replace("/path/to/train.parquet", str(tmp_path / "t.parquet"))

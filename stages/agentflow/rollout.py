@@ -95,8 +95,10 @@ class RolloutConfig:
     proxy_host: str = key("127.0.0.1", "black-box proxy bind address (loopback unless you mean it)")
     proxy_port: int = key(0, "black-box proxy port; 0 = any free port", between(0, 65535))
     proxy_max_body_mb: float = key(8.0, "larger request bodies get 413", POSITIVE)
-    proxy_force_sampling: bool = key(False, "True: the rollout's temperature/top_p override an agent's request")
-    seed: int = key(0, "sampling seed (per sample: seed, group, index; per turn within it)", NONNEG)
+    proxy_force_sampling: bool = key(False, "True: the rollout's temperature/top_p and seeds override an agent's "
+                                            "request")
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key; per sample: (seed, group, index); "
+                       "per turn within it", NONNEG)
     train_segments: tuple = key(("main", "compaction", "subagent"), "segment kinds that become training rows "
                                                                     "(stages/agentflow/session.py): each segment of "
                                                                     "these kinds is its own row")

@@ -67,7 +67,7 @@ class ToolServiceConfig:
     url: str = key("", '"" = start a local service process (ToolService) with the settings below')
     p50_s: float = key(0.2, "median service time (see the module docstring for where it comes from)", POSITIVE)
     p99_s: float = key(1.5, "99th percentile service time (>= p50_s)", POSITIVE)
-    seed: int = key(0, "seed of the local service's latency and errors", NONNEG)
+    seed: int = key(0, "in a run: set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
     error_rate: float = key(0.0, "fraction of requests the local service answers 500", UNIT)
     timeout_s: float = key(5.0, "seconds per call, on the client", POSITIVE)
     on_error: str = key("observe", 'observe: an "error: ..." observation | fail: the trajectory fails',

@@ -45,7 +45,7 @@ class TrainerConfig:
     ppo_epochs: int = key(1, "passes over a step's samples", POSITIVE)
     fused_optimizer: bool = key(True, "torch's fused AdamW where it covers the parameters (else its loop)")
     num_threads: int = key(0, "torch threads in the trainer actor; 0 = pipeline/resources.py decides", NONNEG)
-    seed: int = key(0, "seed of the trainer (mini-batch order, dropout)", NONNEG)
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
     backend: str = key("torch", "torch (this module) | megatron (stages/update/megatron, `megatron:` section)",
                                 one_of("torch", "megatron"))
     lr_schedule: str = key("constant", "constant | linear | cosine: decay from lr to lr * lr_min_ratio",
