@@ -284,6 +284,17 @@ def task_advantages(algo: AlgorithmConfig, b: Batch, max_new_tokens: int = 0) ->
     return compute_advantages(algo.advantage, rewards, b.group_ids, mask, weights=b.weights), mask
 
 
+def skipped_step(n: int, lr: float, version: int, skipped_steps: int, t0: float) -> dict:
+    """The metrics of a step with no trainable token (every row failed before its first model
+    call, or every token was masked out): nothing to forward and no optimizer step. The caller
+    still advances the version (the clock counts steps; the weights are unchanged), so the
+    window moves on, the lr schedule keeps its place and the run goes on to its end.
+    `skipped_steps` counts such steps over the run, this one included."""
+    return {"train/skipped_steps": skipped_steps, "train/tokens": 0, "train/samples": n,
+            "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
+            "train/lr": lr, "version": version}
+
+
 def mini_batches(cfg: TrainerConfig, rng: np.random.Generator, b: Batch, n: int, mb: int) -> list[np.ndarray]:
     """Row indices of each mini-batch: n // mb of them, of random rows or of whole random groups."""
     if cfg.mini_batch_split == "rows":
@@ -328,6 +339,7 @@ class TorchTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, cfg)
         self.version = 0
+        self.skipped_steps = 0      # steps with no trainable token over the run (skipped_step)
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
 
@@ -387,7 +399,8 @@ class TorchTrainer:
             load_tokenizer(tokenizer_dir).save_pretrained(path)
         if with_state:
             torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version},
+                        "np_rng": self.rng.bit_generator.state, "version": self.version,
+                        "skipped_steps": self.skipped_steps},
                        os.path.join(path, "trainer_state.pt"))
         return path
 
@@ -400,6 +413,7 @@ class TorchTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
         self.version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         return self.version
 
     def _load_adapter(self, path: str) -> None:
@@ -470,6 +484,10 @@ class TorchTrainer:
         b = to_batch(table, self.pad_id)
         algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        if not mask.any():      # every row failed or was masked out: nothing to train on
+            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
+            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
+                                self.skipped_steps, t0)
         with torch.no_grad():
             with self._no_dropout():
                 recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
@@ -539,7 +557,7 @@ class TorchTrainer:
             metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
             metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms))}
         metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/rows_not_forwarded": not_forwarded,
+                    "train/rows_not_forwarded": not_forwarded, "train/skipped_steps": self.skipped_steps,
                     "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
                     "train/lr": lr, "version": self.version}
