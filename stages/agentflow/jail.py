@@ -182,17 +182,22 @@ HIDDEN = ("/tmp", "/var/tmp", "/run", "/dev/shm")
 HOME_IN_JAIL = "/tmp/home"
 
 
-def agent_argv(argv: list[str], cwd: str, home: str | None, binds: tuple[str, ...], seccomp: int | None) -> list[str]:
+def agent_argv(argv: list[str], cwd: str, home: str | None, binds: tuple[str, ...], seccomp: int | None,
+               rw: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> list[str]:
     """bwrap around a black-box agent command (see the module docstring). `home`: a host directory bound
-    writable as the agent's HOME (/tmp/home), or None for an empty one; `binds`: more host paths, read-only."""
+    writable as the agent's HOME (/tmp/home), or None for an empty one; `binds`: more host paths, read-only;
+    `rw`: host directories bound writable at the same path (the zygote's socket directory); `also`: the
+    command line of what will run in it besides `argv` (the zygote's agent), whose files are bound too."""
     real_home = os.path.expanduser("~")
     hidden = [*HIDDEN, *([real_home] if real_home not in ("/", "") else [])]
     args = [bwrap(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for d in hidden:
         if os.path.isdir(d) and not os.path.islink(d):
             args += ["--tmpfs", d]
-    for p in _rebinds(argv, cwd, binds, hidden):
+    for p in _rebinds([*argv, *also], cwd, binds, hidden):
         args += ["--ro-bind", p, p]
+    for p in rw:
+        args += ["--bind", p, p]
     args += ["--bind", home, HOME_IN_JAIL] if home else ["--dir", HOME_IN_JAIL]
     args += ["--setenv", "HOME", HOME_IN_JAIL, "--setenv", "TMPDIR", "/tmp",
              "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",

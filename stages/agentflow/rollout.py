@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -70,6 +71,13 @@ class RolloutConfig:
     agent: str = key("single_turn", 'built-in name | dotted path | "cmd:<command>" (subprocess black-box)')
     agent_preload: tuple = key((), 'modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a zygote'
                                    " that forks each trajectory's process (stages/agentflow/zygote.py)")
+    agent_sandbox: str = key("auto", '"cmd:" agents in a bubblewrap jail of their own (stages/agentflow/jail.py): '
+                                     "auto: where bwrap runs (else a warning) | strict: refuse without | none",
+                             one_of("auto", "strict", "none"))
+    agent_home: str = key("", "a directory copied into each jailed agent's fresh HOME (harness config); "
+                              '"" = an empty HOME')
+    agent_binds: tuple = key((), "more host paths a jailed agent may read (its file system is the host's, read-only, "
+                                 "less /tmp, /run and the user's home)")
     max_turns: int = key(8, "model turns (proxy calls) per trajectory; 0 = unlimited", NONNEG)
     max_agents: int = key(0, "agents running at once per worker; 0 = all of a batch", NONNEG)
     num_engines: int = key(1, "rollout engine actors", POSITIVE)
@@ -141,6 +149,15 @@ class RolloutConfig:
         if preload and not self.agent.startswith("cmd:"):
             raise ValueError(f"rollout.agent_preload is for 'cmd:python SCRIPT.py' agents, not {self.agent!r}")
         object.__setattr__(self, "agent_preload", preload)
+        if self.agent_sandbox not in ("auto", "strict", "none"):
+            raise ValueError(f"rollout.agent_sandbox must be auto, strict or none, got {self.agent_sandbox!r}")
+        if self.agent_home and not os.path.isdir(self.agent_home):
+            raise ValueError(f"rollout.agent_home {self.agent_home!r} is not a directory")
+        binds = (self.agent_binds,) if isinstance(self.agent_binds, str) else tuple(self.agent_binds)
+        missing = [b for b in binds if not (isinstance(b, str) and os.path.isabs(b) and os.path.exists(b))]
+        if missing:
+            raise ValueError(f"rollout.agent_binds: {missing[0]!r} is not an absolute path that exists")
+        object.__setattr__(self, "agent_binds", binds)
         if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
             raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
 
