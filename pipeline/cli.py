@@ -1,6 +1,6 @@
 """`loongsage` command line: run a recipe, replay a recording, profile a run.
 
-    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--verbose]
+    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--resume | --overwrite] [--verbose]
     loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
     loongsage profile RUN [--out DIR]
     loongsage make-teacher --task addition --out DIR
@@ -89,12 +89,15 @@ def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
 
 
 def cmd_run(args) -> int:
+    from pipeline.checkpoint import CheckpointError
     from pipeline.cluster import ray_output_to
     from pipeline.config import ConfigError, load_config
     from pipeline.controller import run
+    from pipeline.rundir import RunDirError, claim
 
+    overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -103,11 +106,13 @@ def cmd_run(args) -> int:
     ray_log = run_dir / "ray.log"
     quiet = contextlib.nullcontext() if args.verbose else ray_output_to(ray_log)
     try:
-        with quiet:
-            bar, on_step, say = _progress(cfg.run.steps)
-            with bar:
-                summary = run(cfg, run_dir, on_step=on_step, log=say)
-    except (ValueError, ConfigError) as e:
+        # the run directory is claimed before anything (ray.log included) is written into it
+        with claim(run_dir, bool(cfg.run.resume_from), args.overwrite, log=lambda m: print(m, file=sys.stderr)):
+            with quiet:
+                bar, on_step, say = _progress(cfg.run.steps)
+                with bar:
+                    summary = run(cfg, run_dir, on_step=on_step, log=say)
+    except (ValueError, ConfigError, CheckpointError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -156,6 +161,10 @@ def parse_argv(argv: list[str]) -> argparse.Namespace:
     r.add_argument("config", help="recipe YAML, e.g. configs/quickstart.yaml")
     r.add_argument("overrides", nargs="*", help="section.key=value overrides")
     r.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the run directory's newest intact checkpoint (run.resume_from=latest)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds a finished run (its files are removed)")
     r.add_argument("--verbose", action="store_true",
                    help="show Ray's own logs on the terminal (by default they go to RUN_DIR/ray.log)")
     r.set_defaults(fn=cmd_run)

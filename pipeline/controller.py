@@ -29,6 +29,8 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from pipeline import seeds
+from pipeline import checkpoint as ckpt
+from pipeline import rundir
 from pipeline.builder import Pipeline, Stage, set_stream_poll, stream_poll_internals
 from pipeline.cluster import init_ray
 from pipeline.config import Config, ConfigError, dump_config, to_dict
@@ -70,7 +72,8 @@ class Controller:
         self.model_path = resolve_model_path(cfg.model, log=log)
         self._check_lora()
         self.done_seqs: set[int] = set()        # groups trained or dropped: never dispatched again
-        self.resume_state = self._load_resume(cfg.run.resume_from) if cfg.run.resume_from else None
+        self.resume_path = ckpt.resolve(cfg.run.resume_from, self.run_dir, log) if cfg.run.resume_from else None
+        self.resume_state = self._load_resume(str(self.resume_path)) if self.resume_path else None
         self.tok = load_tokenizer(self.model_path)
         self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
         self.test = self._load_test()
@@ -122,7 +125,7 @@ class Controller:
 
     def _load_resume(self, path: str) -> dict:
         """A checkpoint holds HF weights (with LoRA: a peft adapter naming its base), trainer_state.pt and
-        controller.json (clock + consumed groups)."""
+        controller.json (clock + consumed groups); pipeline/checkpoint.py has verified it."""
         p = Path(path)
         lora = self.cfg.trainer.lora.enabled
         for f in ("adapter_config.json" if lora else "config.json", "trainer_state.pt", "controller.json"):
@@ -177,7 +180,7 @@ class Controller:
             self.pipeline.profiler = self.profiler
             self._open_early_stream()
         if self.resume_state:
-            ray.get(self.trainer.load_state.remote(self.cfg.run.resume_from))
+            ray.get(self.trainer.load_state.remote(str(self.resume_path)))
             if not c.trainer.lora.enabled:      # LoRA: the adapter is published below, with the clock
                 ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
         infos = ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
@@ -232,6 +235,10 @@ class Controller:
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> dict:
         """Evaluate, run the step loop, evaluate again, checkpoint; returns the run's summary."""
+        with rundir.locked(self.run_dir, self.log):      # the CLI holds it already; a Python caller takes it here
+            return self._run()
+
+    def _run(self) -> dict:
         c = self.cfg
         self._open_run_dir()
         self.loop = StepLoop(self._step_parts(), c.run.steps, step=self.step, version=self.version,
@@ -568,13 +575,14 @@ class Controller:
         Groups in flight are not saved: they were never trained, so a resumed run dispatches
         them again; `done_seqs` makes sure no trained or dropped group comes back. Groups of
         a batch already taken for the next step (`untrained`) are not done yet either."""
-        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        ray.get(self.trainer.save.remote(str(path), self.model_path))
-        with self._seqs_lock:
-            done = sorted(self.done_seqs - set(untrained))
-        (path / "controller.json").write_text(json.dumps(
-            {"step": self.step, "version": self.version, "done_seqs": done}))
-        return str(path)
+        def fill(tmp: Path) -> None:
+            ray.get(self.trainer.save.remote(str(tmp), self.model_path))
+            with self._seqs_lock:
+                done = sorted(self.done_seqs - set(untrained))
+            (tmp / "controller.json").write_text(json.dumps(
+                {"step": self.step, "version": self.version, "done_seqs": done}))
+
+        return str(ckpt.write(self.run_dir / "checkpoints" / f"step_{self.step:06d}", fill))
 
 
 class _StateView:
