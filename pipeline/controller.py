@@ -28,9 +28,8 @@ import pyarrow as pa
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from pipeline import seeds
 from pipeline import checkpoint as ckpt
-from pipeline import rundir
+from pipeline import rundir, seeds
 from pipeline.builder import Pipeline, Stage, set_stream_poll, stream_poll_internals
 from pipeline.cluster import init_ray
 from pipeline.config import Config, ConfigError, dump_config, to_dict
