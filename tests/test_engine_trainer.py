@@ -89,7 +89,7 @@ def test_decoupled_trainer_skips_the_recompute_and_still_measures_the_gap(tiny_m
         tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
                           AlgorithmConfig(decoupled=decoupled))
         calls = []      # per forward pass of the policy: was autograd on
-        tr.model.register_forward_pre_hook(lambda _mod, _args, seen=calls: seen.append(torch.is_grad_enabled()))
+        tr.model.model.register_forward_pre_hook(lambda _mod, _args, seen=calls: seen.append(torch.is_grad_enabled()))
         out[decoupled] = tr.train_step(table)
         assert calls.count(False) == (0 if decoupled else 1)      # the no-grad recompute over the whole step
         assert calls.count(True) == 2                               # one forward per mini-batch
@@ -116,8 +116,9 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(t
                                                         skip_zero_advantage=skip),
                           AlgorithmConfig(decoupled=True, loss_agg=loss_agg, **extra))
         rows_seen = []
-        tr.model.register_forward_pre_hook(lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]),
-                                           with_kwargs=True)
+        # the base model's forward (the LM head then runs on response positions only)
+        tr.model.model.register_forward_pre_hook(
+            lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
         out[skip] = [tr.train_step(table) for _ in range(2)]
         weights[skip], forwards[skip] = tr.model.state_dict(), sum(rows_seen)
     assert forwards[False] == 32 and forwards[True] < 32          # 16 rows x 2 steps; fewer with the skip

@@ -44,7 +44,7 @@ from stages.update.trainer import (
 from . import parallel
 from .config import MegatronConfig
 from .convert import Arch, to_megatron
-from .logprobs import token_logprobs
+from .logprobs import chunked_token_logprobs, defer_head, token_logprobs
 from .model import HFReader, build_gpt, hf_config, layer_index, transformer_config
 
 
@@ -103,6 +103,8 @@ class MegatronTrainer:
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.module = self._load_gpt()
         self.ref = self._load_gpt().eval().requires_grad_(False) if self.algo.kl_coef > 0 else None
+        # the last stage's models hand back hidden states; the loss applies their heads in chunks
+        self._heads = {id(g): h for g in (self.module, self.ref) if g is not None and (h := defer_head(g))}
         self.model = DistributedDataParallel(
             self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=m.use_distributed_optimizer),
@@ -351,10 +353,19 @@ class MegatronTrainer:
             forward_step_func=forward_step, data_iterator=iter(items), model=[model], num_microbatches=len(items),
             seq_length=L, micro_batch_size=items[0]["ids"].shape[0], forward_only=forward_only)
 
-    def _token_lp(self, logits: torch.Tensor, item: dict, with_entropy: bool = False):
+    def _token_lp(self, out: torch.Tensor, item: dict, with_entropy: bool = False, model=None):
+        """Log-probs [m, T] (and entropy) of the response tokens. `out` is the model's output: its
+        last hidden states when its head was deferred (the head then runs on response positions
+        only, trainer.logprob_chunk at a time), else full logits [m, L, V/tp] (sequence parallel)."""
         pos = item["resp_pos"]
-        picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))   # [m, T, V/tp]
-        return token_logprobs(picked, item["resp_ids"], self.arch.vocab, self.temperature, with_entropy)
+        picked = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))   # [m, T, H] or [m, T, V/tp]
+        head = self._heads.get(id(model if model is not None else self.module))
+        if head is None:
+            return token_logprobs(picked, item["resp_ids"], self.arch.vocab, self.temperature, with_entropy)
+        m, T = pos.shape
+        lp, ent = chunked_token_logprobs(picked.reshape(m * T, -1), head, item["resp_ids"].reshape(-1),
+                                         self.arch.vocab, self.temperature, self.cfg.logprob_chunk, with_entropy)
+        return lp.view(m, T), None if ent is None else ent.view(m, T)
 
     def logprobs(self, model, b: Batch) -> torch.Tensor | None:
         """No-grad log-probs [B, T] of every row, on the last stage (None elsewhere): each
@@ -362,8 +373,8 @@ class MegatronTrainer:
         rows = list(range(b.input_ids.shape[0]))
         items = self._micro_batches(rows, self._inputs(b))
 
-        def keep_lp(item, logits):
-            lp, _ = self._token_lp(logits, item)
+        def keep_lp(item, out):
+            lp, _ = self._token_lp(out, item, model=model)
             return lp.sum() * 0, torch.tensor(0, dtype=torch.int, device=self.device), {"lp": lp.detach()}
 
         with torch.no_grad():
