@@ -27,7 +27,8 @@ SEGMENT = pa.struct([("id", pa.int32()), ("kind", pa.string()), ("parent", pa.in
 # per trajectory (black-box): segments by kind, prompt tokens reused from recorded streams vs tokenized fresh,
 # bytes of prompt text the proxy had recorded already (history re-sent)
 SEGMENT_STATS = pa.struct([("main", pa.int32()), ("compaction", pa.int32()), ("subagent", pa.int32()),
-                           ("reused_tokens", pa.int64()), ("fresh_tokens", pa.int64()), ("resent_bytes", pa.int64())])
+                           ("reused_tokens", pa.int64()), ("fresh_tokens", pa.int64()), ("resent_bytes", pa.int64()),
+                           ("side", pa.int32())])      # side calls (a harness's title calls), last: older files lack it
 
 FIELDS: list[pa.Field] = [
     # identity: a group is N samples of one prompt; seq orders groups in the data stream
@@ -64,6 +65,8 @@ FIELDS: list[pa.Field] = [
     pa.field("teacher_topk_logprobs", pa.list_(_f32_list)),   # [T][K] their log-probs
     pa.field("segment", SEGMENT),             # null: the trajectory's only row (no agent, or before schema 3)
     pa.field("segment_stats", SEGMENT_STATS),
+    pa.field("proxy_notes", pa.list_(pa.string())),   # black-box: what its requests asked that the proxy accepted
+                                                      # without honouring (unknown fields, hosted tools, our cuts)
 ]
 
 TRAJECTORY_SCHEMA = pa.schema(FIELDS, metadata={b"loongsage.schema_version": str(SCHEMA_VERSION).encode()})
@@ -99,7 +102,7 @@ def with_columns(table: pa.Table, columns: dict[str, list]) -> pa.Table:
 
 # Columns only some pipelines produce (no teacher stage -> no teacher columns): null when absent.
 OPTIONAL = ("teacher_id", "teacher_logprobs", "agent_reward", "agent_info", "transcript", "agent_stats",
-            "teacher_topk_ids", "teacher_topk_logprobs", "segment", "segment_stats")
+            "teacher_topk_ids", "teacher_topk_logprobs", "segment", "segment_stats", "proxy_notes")
 
 
 def conform(table: pa.Table) -> pa.Table:

@@ -140,13 +140,16 @@ def test_a_prompt_over_the_context_by_exact_count_gets_400(ep):
     assert ep.session.calls == 0
 
 
-def test_max_tokens_is_checked_against_the_room_left(ep):
-    """60 prompt tokens leave 4: an explicit max_tokens of 6 is a 400; the default budget is clipped."""
+def test_max_tokens_is_clamped_to_the_room_left(ep):
+    """60 prompt tokens leave 4: an explicit max_tokens of 6 (or of a million) is clamped to them, never a 400;
+    a completion cut there ran out of context, and says so (finish_reason length)."""
     client = oai(ep)
     prompt = "1" * 60
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="m", prompt=prompt, max_tokens=6)
-    assert err.value.code == "context_length_exceeded" and "66 tokens (60 in the prompt, 6" in err.value.message
+    for asked in (6, 10 ** 6):
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=asked)
+        assert r.usage.prompt_tokens == 60 and r.usage.completion_tokens <= 4
+        assert len(ep.session.final.stream.ids) <= 64
+        assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 4 else "stop")
     r = client.completions.create(model="m", prompt=prompt)
     assert r.usage.prompt_tokens == 60 and r.usage.completion_tokens <= 4
     assert len(ep.session.final.stream.ids) <= 64      # prompt + completion inside the context

@@ -20,7 +20,8 @@ import ray
 from stages.agentflow.chat import FALLBACK_TEMPLATE, encode, parse_tool_calls, render
 from stages.agentflow.client import EngineClient
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.openai_api import Request, assistant_message
+from stages.agentflow.openai_api import assistant_message
+from stages.agentflow.protocol import Request
 from stages.agentflow.proxy import Proxy
 from stages.agentflow.session import Choice
 from stages.agentflow.stream import TokenStream
@@ -284,19 +285,32 @@ def test_auth_routes_and_limits(ep):
 @pytest.mark.parametrize("body, fragment", [
     (b"{not json", "not valid JSON"),
     ({"messages": USER, "seed": 1.5}, "'seed'"),
-    ({"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": USER, "n": 0}, "'n' must be an integer"),
     ({"messages": USER, "temperature": "hot"}, "'temperature'"),
+    ({"messages": USER, "max_tokens": 0}, "'max_tokens'"),
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "'stop'"),
-    ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER, "stop": ["a", ""]}, "'stop'"),
 ])
 def test_malformed_requests_get_400_with_a_message(ep, body, fragment):
     status, err = post(ep.base_url + "/chat/completions", body, ep.api_key)
     assert status == 400 and fragment in err["error"]["message"]
     assert ep.client.calls == []
+
+
+@pytest.mark.parametrize("extra, note", [
+    ({"frequency_penalty": 0.5}, "'frequency_penalty'=0.5 accepted but not honoured"),
+    ({"top_logprobs": 3}, "'top_logprobs'=3 accepted but not honoured"),
+    ({"tool_choice": "required"}, "'tool_choice'='required' served as auto"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, None),
+    ({"max_tokens": 10 ** 6}, None),
+    ({"reasoning_effort": "high", "x_vendor_knob": {"a": 1}}, "ignored unknown field 'x_vendor_knob'"),
+])
+def test_fields_that_cannot_be_honoured_are_accepted_and_recorded(ep, extra, note):
+    status, body = post(ep.base_url + "/chat/completions", {"messages": USER} | extra, ep.api_key)
+    assert status == 200 and body["choices"][0]["message"]["content"] is not None
+    assert any(note in n for n in ep.session.notes) if note else ep.session.notes == []
+    assert len(ep.client.calls) == 1
 
 
 def test_turn_limit_and_closed_endpoint(ep, server):

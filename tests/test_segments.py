@@ -112,7 +112,7 @@ def test_headers_build_the_tree_and_each_segment_row_trains_its_own_tokens(loop,
     assert main2.stream.prompt_ids == req4["prompt_ids"] and main2.stream.response_ids == out4["response_ids"]
     assert _model_tokens(sub.stream) == out5["response_ids"] + out6["response_ids"]
     assert sub.stream.prompt_ids == req5["prompt_ids"] and sub.start == 0
-    assert s.kind_counts() == {"main": 2, "compaction": 1, "subagent": 1} and s.calls == 6
+    assert s.kind_counts() == {"main": 2, "compaction": 1, "subagent": 1, "side": 0} and s.calls == 6
     assert [g.id for g in s.rows()] == [0, 1, 2, 3]
     plain.close(ep)
 
@@ -180,6 +180,31 @@ def test_the_rollout_makes_a_row_per_trained_segment(ray_session, engine, tiny_m
     assert out.num_rows == 2 and [g["kind"] for g in out.column("segment").to_pylist()] == ["main", "main"]
     rollout.close()
     only_main.close()
+
+
+@openai_agent
+async def until_refused(base_url, api_key, sample):
+    """Calls the model until the proxy refuses (the trajectory token budget), then exits with an error."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    history = [{"role": "user", "content": sample["prompt"]}]
+    while True:
+        r = await client.chat.completions.create(model="policy", messages=history, max_tokens=1000)
+        history += [{"role": "assistant", "content": r.choices[0].message.content}, U1]
+
+
+def test_the_trajectory_token_budget_ends_a_trajectory_cleanly(ray_session, engine, tiny_model_dir):
+    from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+    from stages.schema import table_from_columns
+
+    cfg = RolloutConfig(n_samples=1, max_new_tokens=4, temperature=0.0, max_turns=0, max_trajectory_tokens=5,
+                        agent="tests.test_segments.until_refused")
+    rollout = AgentFlowRollout(cfg, [engine], model_path=tiny_model_dir)
+    out = rollout(table_from_columns({"prompt_id": ["p"], "group_id": [0], "sample_idx": [0], "prompt": ["37+48="]}))
+    rollout.close()
+    (row,) = out.to_pylist()
+    assert row["status"] == "truncated" and "token budget spent" in row["error"]
+    assert sum(row["loss_mask"]) <= 5 and row["agent_stats"]["turns"] >= 2       # up to 4, then what was left
+    assert any("rollout.max_trajectory_tokens" in n for n in row["proxy_notes"])
 
 
 def test_a_sample_of_several_rows_counts_once_in_its_group():

@@ -59,8 +59,10 @@ class AgentContext:
 
     def __init__(self, client, tokenizer, prompt_ids: list[int], sampling: dict, *, prompt_text: str = "",
                  messages: list[dict] | None = None, max_turns: int = 0, tools: ToolRegistry | None = None,
-                 proxy=None, limit: PromptLimit | None = None):
+                 proxy=None, limit: PromptLimit | None = None, max_tokens: int = 0):
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
+        self.max_tokens = max_tokens        # black-box: completion tokens the trajectory may generate (0 = no budget)
+        self.proxy_notes: list[str] = []    # black-box: what its requests asked that the proxy did not honour
         self.limit = limit or PromptLimit()     # the model's context and rollout.max_prompt_tokens
         self.stream = TokenStream(list(prompt_ids), prompt_text)
         self.messages = messages            # chat history when the prompt is chat messages, else None
@@ -179,7 +181,7 @@ class AgentContext:
         calls become the trajectory; an agent that never called the model fails."""
         if self.proxy is None:
             raise RuntimeError("this context has no proxy: black-box agents run inside AgentFlowRollout")
-        ep = await self.proxy.open(self.client, self.sampling, self.max_turns)
+        ep = await self.proxy.open(self.client, self.sampling, self.max_turns, self.max_tokens)
         try:
             yield ep
         finally:
@@ -191,6 +193,7 @@ class AgentContext:
     def _adopt(self, session) -> None:
         self.turns, self.gen_s = session.calls, self.gen_s + session.gen_s
         self.turn_limited = session.truncated
+        self.proxy_notes = list(session.notes)
         self.segment_stats = session.kind_counts() | {"reused_tokens": session.reused_tokens,
                                                       "fresh_tokens": session.fresh_tokens,
                                                       "resent_bytes": session.resent_bytes}

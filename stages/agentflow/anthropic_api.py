@@ -13,15 +13,22 @@ trajectory's Session, exactly like /chat/completions (same recording, same prefi
                                       prefixes the result with "Error: "; its tool_use_id must name a
                                       tool_use of the previous assistant message
 
-Supported: `system` (string or text blocks), `messages`, `tools` (custom tools with
-`input_schema`), `tool_choice` auto | none | any | {"type": "tool", "name"} (any / tool are
+Honoured: `system` (string or text blocks) and `role: "system"` messages inside `messages`
+(rendered as the template's system turns, where they stand), `messages`, `tools` (custom tools
+with `input_schema`), `tool_choice` auto | none | any | {"type": "tool", "name"} (any / tool are
 honoured by ending the prompt with the template's tool-call opening: the model must continue a
-call), `stop_sequences` (the one matched is `stop_sequence`), `max_tokens` (required; prompt +
-max_tokens over the model's context is a 400, as Anthropic answers; the rollout's per-call budget
-caps it), `temperature`, `top_p`, `stream`. Accepted with no effect: `model`, `metadata`,
-`thinking` (the model thinks or not as it was trained), `service_tier`, `cache_control` on blocks.
-Refused with a 400 naming the field: `top_k`, non-text blocks (image, document, redacted_thinking,
-server tools' blocks), server tools, a final assistant message (prefill), unknown block types.
+call), `stop_sequences` (the one matched is `stop_sequence`), `max_tokens` (required; clamped to
+what the rollout and the context allow, never refused: stages/agentflow/limits.py),
+`temperature`, `top_p`, `stream`.
+Accepted and recorded as notes, not honoured: `top_k`, `output_config` (effort, format),
+`context_management` (the history is served as sent), `thinking` (the model thinks or not as it
+was trained), `container`, `mcp_servers`, `inference_geo`, `speed`, any field this proxy does not
+know; blocks a text model cannot read (image, document, search_result, redacted_thinking, server
+tools' blocks, unknown block types) are dropped from the prompt; tools other than custom ones
+(server tools such as web_search, Anthropic-defined client tools) are dropped from the prompt.
+Accepted silently: `model`, `metadata`, `service_tier`, `cache_control` on blocks.
+Refused with a 400 naming the field: a malformed value of a known field, a final assistant message
+(prefill).
 
 Errors use Anthropic's body {"type": "error", "error": {"type", "message"}}, the message prefixed with
 the field at fault; an over-long prompt reads "prompt is too long: N tokens > M maximum" and prompt +
@@ -35,13 +42,15 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from stages.agentflow.openai_api import APIError, Generation, Request, _number, span_pieces, with_reasoning
+from stages.agentflow.protocol import APIError, Generation, Request, number, span_pieces, unknown_fields, with_reasoning
 
-PARAMS = {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "metadata", "thinking", "service_tier"}
-COUNT_PARAMS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
-NOT_TEXT = {"image", "document", "search_result", "redacted_thinking", "server_tool_use", "web_search_tool_result",
-            "container_upload", "mcp_tool_use", "mcp_tool_result"}
+SILENT = {"model", "metadata", "service_tier", "stream"}      # accepted: nothing about generation to honour
+PARAMS = SILENT | {"messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "tools",
+                   "tool_choice", "thinking", "output_config", "context_management", "container", "mcp_servers",
+                   "inference_geo", "speed"}
+COUNT_PARAMS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
+                "context_management", "mcp_servers"}
+OBJECTS = ("metadata", "thinking", "output_config", "context_management")   # must be objects when given
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                529: "overloaded_error"}
@@ -79,36 +88,47 @@ class MessagesRequest:
 def parse_messages(body, defaults: dict, count_only: bool = False) -> MessagesRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - (COUNT_PARAMS if count_only else PARAMS))
-    if unknown:
-        raise _bad("Extra inputs are not permitted", unknown[0])
-    if count_only:
-        max_tokens = 1
-    elif body.get("max_tokens") is None:
+    notes = unknown_fields(body, COUNT_PARAMS if count_only else PARAMS)
+    requested = 1 if count_only else number(body, "max_tokens", None, 1, 1 << 62, integer=True)
+    if requested is None:
         raise _bad("Field required", "max_tokens")
-    else:
-        max_tokens = _number(body, "max_tokens", None, 1, 1 << 20, integer=True)
-    if body.get("top_k") is not None:
-        raise _bad("top_k is not supported: the engine samples with temperature and top_p only", "top_k")
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise _bad("must be a list of non-empty strings", "stop_sequences")
     stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    if not isinstance(stream, (bool, type(None))):
         raise _bad("must be a boolean", "stream")
-    for key in ("metadata", "thinking"):
+    for key in OBJECTS:
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise _bad("must be an object", key)
-    tools = _tools(body.get("tools"))
-    forced = _tool_choice(body.get("tool_choice"), tools)
-    messages = to_messages(_system(body.get("system")), body.get("messages"))
-    call = Request(n=1, max_tokens=max_tokens, temperature=float(_number(body, "temperature", defaults["temperature"],
-                                                                         0, 1)),
-                   top_p=float(_number(body, "top_p", defaults["top_p"], 1e-6, 1)), stop=stops, logprobs=False,
-                   stream=stream, include_usage=False, model=str(body.get("model") or "loongsage"),
-                   max_tokens_set=True, messages=messages,
+    notes += _not_honoured(body)
+    tools = _tools(body.get("tools"), notes)
+    forced = _tool_choice(body.get("tool_choice"), tools, notes)
+    messages = to_messages(_system(body.get("system")), body.get("messages"), notes)
+    call = Request(n=1, max_tokens=requested, temperature=float(number(body, "temperature", defaults["temperature"],
+                                                                       0, 1)),
+                   top_p=float(number(body, "top_p", defaults["top_p"], 1e-6, 1)), stop=stops, logprobs=False,
+                   stream=bool(stream), include_usage=False, model=str(body.get("model") or "loongsage"),
+                   requested=requested, messages=messages, notes=notes,
                    tools=None if forced == "none" else [_chat_tool(t) for t in tools] or None)
     return MessagesRequest(call, None if forced == "none" else forced, tools)
+
+
+def _not_honoured(body: dict) -> list[str]:
+    """Notes for the fields that would change generation here but cannot (recorded with the trajectory)."""
+    notes = []
+    if body.get("top_k") is not None:
+        notes.append(f"'top_k'={body['top_k']!r} not honoured: the engine samples with temperature and top_p")
+    for key, what in (("output_config", "output_config"), ("context_management", "context_management edits"),
+                      ("container", "container"), ("mcp_servers", "mcp_servers")):
+        if body.get(key):
+            notes.append(f"{what} {_brief(body[key])} accepted, not applied")
+    return notes
+
+
+def _brief(v) -> str:
+    text = json.dumps(v, separators=(",", ":"))
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _system(system) -> str | None:
@@ -119,31 +139,26 @@ def _system(system) -> str | None:
     raise _bad("must be a string or a list of text blocks", "system")
 
 
-def _texts(blocks: list, where: str) -> str:
-    out = []
-    for j, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise _bad(f"only text blocks are supported here, got {kind!r}", f"{where}[{j}]")
-        out.append(b["text"])
-    return "".join(out)
-
-
-def _tools(tools) -> list[dict]:
+def _tools(tools, notes: list[str]) -> list[dict]:
+    """The custom tools (the only ones a text model can be told about); others are dropped, noted."""
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise _bad("must be a list of tools", "tools")
+    kept = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise _bad(f"only custom tools (name, description, input_schema) are supported, got {kind!r}",
-                       f"tools[{i}].type")
+        if not isinstance(t, dict):
+            raise _bad("a tool must be an object", f"tools[{i}]")
+        if t.get("type", "custom") != "custom":
+            notes.append(f"tools[{i}]: a {t.get('type')!r} tool ({t.get('name')!r}) cannot be served here: "
+                         f"dropped from the prompt")
+            continue
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise _bad("must be a non-empty string", f"tools[{i}].name")
         if not isinstance(t.get("input_schema"), dict):
             raise _bad("Field required (a JSON schema object)", f"tools[{i}].input_schema")
-    return tools
+        kept.append(t)
+    return kept
 
 
 def _chat_tool(t: dict) -> dict:
@@ -151,9 +166,13 @@ def _chat_tool(t: dict) -> dict:
                                              "parameters": t["input_schema"]}}
 
 
-def _tool_choice(choice, tools: list[dict]) -> str | None:
+def _tool_choice(choice, tools: list[dict], notes: list[str]) -> str | None:
     """None (auto), "none", "" (any tool) or the forced tool's name."""
     if choice is None:
+        return None
+    if isinstance(choice, dict) and choice.get("type") == "tool" and not any(t["name"] == choice.get("name")
+                                                                             for t in tools):
+        notes.append(f"tool_choice names {choice.get('name')!r}, a tool not served here: served as auto")
         return None
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind in ("auto", "none"):
@@ -170,22 +189,26 @@ def _tool_choice(choice, tools: list[dict]) -> str | None:
 
 
 # ---- messages -> chat messages ----------------------------------------------------------------------------------
-def to_messages(system: str | None, messages) -> list[dict]:
+def to_messages(system: str | None, messages, notes: list[str]) -> list[dict]:
+    """Chat messages for Messages' `system` and `messages`; a `role: "system"` message (Claude Code sends
+    them mid-conversation) becomes a system turn where it stands."""
     if not isinstance(messages, list) or not messages:
         raise _bad("must be a non-empty list of messages", "messages")
     out = [{"role": "system", "content": system}] if system else []
     open_calls: set[str] = set()        # tool_use ids of the previous assistant message
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise _bad("role must be 'user' or 'assistant'", f"{where}.role")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise _bad("role must be 'user', 'assistant' or 'system'", f"{where}.role")
         blocks = _blocks(m.get("content"), f"{where}.content")
-        if m["role"] == "assistant":
-            msg = _assistant(blocks, f"{where}.content")
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _texts(blocks, f"{where}.content", notes)})
+        elif m["role"] == "assistant":
+            msg = _assistant(blocks, f"{where}.content", notes)
             out.append(msg)
             open_calls = {c["id"] for c in msg.get("tool_calls", [])}
         else:
-            out += _user(blocks, f"{where}.content", open_calls)
+            out += _user(blocks, f"{where}.content", open_calls, notes)
             open_calls = set()
     if messages[-1]["role"] == "assistant":
         raise _bad("a final assistant message (prefill) is not supported: the last message must be the user's",
@@ -204,10 +227,9 @@ def _blocks(content, where: str) -> list[dict]:
     return content
 
 
-def _unsupported(b: dict, where: str, allowed: str) -> APIError:
-    kind = b.get("type")
-    why = "is not supported by this text model" if kind in NOT_TEXT else "is not a known content block type"
-    return _bad(f"{kind!r} {why}; this role accepts {allowed} blocks", f"{where}.type")
+def _dropped(b: dict, where: str, notes: list[str]) -> None:
+    """A block a text model cannot read (image, document, server tool blocks, an unknown type): noted, dropped."""
+    notes.append(f"{where}: a {b.get('type')!r} block dropped from the prompt (a text model reads text)")
 
 
 def _field(b: dict, key: str, kind, where: str):
@@ -218,7 +240,21 @@ def _field(b: dict, key: str, kind, where: str):
     return v
 
 
-def _assistant(blocks: list[dict], where: str) -> dict:
+def _texts(blocks: list, where: str, notes: list[str] | None = None) -> str:
+    """The text of text blocks; with `notes`, other blocks are dropped and noted, else refused."""
+    out = []
+    for j, b in enumerate(blocks):
+        if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
+            out.append(b["text"])
+        elif notes is not None and isinstance(b, dict):
+            _dropped(b, f"{where}[{j}]", notes)
+        else:
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise _bad(f"only text blocks are supported here, got {kind!r}", f"{where}[{j}]")
+    return "".join(out)
+
+
+def _assistant(blocks: list[dict], where: str, notes: list[str]) -> dict:
     thinking, texts, calls = [], [], []
     for j, b in enumerate(blocks):
         at, kind = f"{where}[{j}]", b.get("type")
@@ -230,14 +266,14 @@ def _assistant(blocks: list[dict], where: str) -> dict:
             call_id, name, args = _field(b, "id", str, at), _field(b, "name", str, at), _field(b, "input", dict, at)
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}})
         else:
-            raise _unsupported(b, at, "text, thinking and tool_use")
+            _dropped(b, at, notes)
     msg = {"role": "assistant", "content": with_reasoning("".join(thinking) if thinking else None, "".join(texts))}
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def _user(blocks: list[dict], where: str, open_calls: set[str]) -> list[dict]:
+def _user(blocks: list[dict], where: str, open_calls: set[str], notes: list[str]) -> list[dict]:
     results, texts = [], []
     for j, b in enumerate(blocks):
         at, kind = f"{where}[{j}]", b.get("type")
@@ -250,13 +286,13 @@ def _user(blocks: list[dict], where: str, open_calls: set[str]) -> list[dict]:
                            f"(assistant) message", f"{at}.tool_use_id")
             content = b.get("content")
             text = content if isinstance(content, str) else "" if content is None else \
-                _texts(content, f"{at}.content") if isinstance(content, list) else None
+                _texts(content, f"{at}.content", notes) if isinstance(content, list) else None
             if text is None:
                 raise _bad("must be a string or a list of text blocks", f"{at}.content")
             results.append({"role": "tool", "tool_call_id": call_id,
                             "content": "Error: " + text if b.get("is_error") else text})
         else:
-            raise _unsupported(b, at, "text and tool_result")
+            _dropped(b, at, notes)
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
@@ -291,10 +327,15 @@ def reply(gen: Generation, pieces: list[str], offset: int) -> Reply:
         except ValueError:
             args = c["function"]["arguments"]
         # tool input must be an object: a call whose arguments are not one keeps them under "arguments"
-        blocks.append({"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
+        blocks.append({"type": "tool_use", "id": tool_use_id(c["id"]),
                        "name": c["function"]["name"], "input": args if isinstance(args, dict) else {"arguments": args}})
         deltas.append([(json.dumps(blocks[-1]["input"]), -1)])
     return Reply(blocks, deltas)
+
+
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as a tool_use block carries it."""
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def stop_reason(gen: Generation, finish: str, stop_sequence: str | None) -> str:

@@ -135,8 +135,10 @@ class MessageError(ValueError):
         self.param = param
 
 
-def normalise_messages(messages) -> list[dict]:
-    """OpenAI chat messages -> plain dicts with string content. Raises MessageError naming the bad field."""
+def normalise_messages(messages, notes: list[str] | None = None) -> list[dict]:
+    """OpenAI chat messages -> plain dicts with string content (and an assistant turn's `reasoning_content`).
+    Raises MessageError naming the bad field. With `notes`, content parts a text model cannot read (images,
+    audio, files) are dropped and noted there; without, they are an error."""
     if not isinstance(messages, list) or not messages:
         raise MessageError("'messages' must be a non-empty list")
     out = []
@@ -151,24 +153,29 @@ def normalise_messages(messages) -> list[dict]:
         if content is None and role != "assistant":  # only an assistant turn (e.g. tool calls alone) may be empty
             raise MessageError(f"messages[{i}].content must be a string or a list of text parts, got null "
                                f"(only an assistant message may omit its content)", f"messages[{i}].content")
-        msg = {"role": "system" if role == "developer" else role, "content": _content_text(content, i)}
+        msg = {"role": "system" if role == "developer" else role, "content": _content_text(content, i, notes)}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _check_tool_calls(m["tool_calls"], i)
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         out.append(msg)
     return out
 
 
-def _content_text(content, i: int) -> str:
+def _content_text(content, i: int, notes: list[str] | None = None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):  # content parts: only text parts can reach a text model
         texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif notes is not None and isinstance(part, dict) and isinstance(part.get("type"), str):
+                notes.append(f"messages[{i}].content[{j}]: a {part['type']!r} part dropped (a text model reads text)")
+            else:
                 raise MessageError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            texts.append(part["text"])
         return "".join(texts)
     raise MessageError(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}",
                        f"messages[{i}].content")
@@ -185,8 +192,9 @@ def _check_tool_calls(calls, i: int) -> list[dict]:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split generated text into (content before the first call, OpenAI tool_calls). Unparseable
-    blocks stay in the content: the agent then sees what the model actually wrote."""
+    """Split generated text into (content before the first call, as written, OpenAI tool_calls). Unparseable
+    blocks stay in the content: the agent then sees what the model actually wrote. A call's arguments
+    are the model's own text of them (its spacing kept: rendered back, they spell the same tokens)."""
     calls = []
     for m in _TOOL_CALL.finditer(text):
         try:
@@ -194,12 +202,40 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
             name, args = obj["name"], obj.get("arguments", {})
         except (ValueError, KeyError, TypeError):
             continue
-        args = args if isinstance(args, str) else json.dumps(args)
+        args = args if isinstance(args, str) else _written_arguments(m.group(1), args)
         calls.append({"id": "call_" + secrets.token_hex(8), "type": "function",
                       "function": {"name": str(name), "arguments": args}})
     if not calls:
         return text, []
-    return text[: text.index("<tool_call>")].strip(), calls
+    return text[: text.index("<tool_call>")], calls     # byte for byte: the template writes it back
+
+
+_ARGUMENTS_KEY = re.compile(r'"arguments"\s*:\s*')
+
+
+def _written_arguments(block: str, args) -> str:
+    """`args` as the model wrote them inside a tool-call block, else re-serialised."""
+    for m in _ARGUMENTS_KEY.finditer(block):
+        try:
+            value, end = json.JSONDecoder().raw_decode(block, m.end())
+        except ValueError:
+            continue
+        if value == args:
+            return block[m.end():end]
+    return json.dumps(args)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(content: str, reasoning: str | None) -> tuple[str | None, str]:
+    """(reasoning, visible text) of an assistant turn, both stripped, however it was sent: reasoning inline
+    as `<think>R</think>A` or apart (`reasoning_content`). Empty reasoning is None."""
+    if reasoning is None and THINK_CLOSE in content:
+        head, _, content = content.partition(THINK_CLOSE)
+        reasoning = head.split(THINK_OPEN)[-1]
+    reasoning = reasoning.strip() if reasoning is not None else ""
+    return reasoning or None, content.strip()
 
 
 def decode_continuation(tok, context_ids: list[int], new_ids: list[int], skip_special: bool = False) -> str:

@@ -12,9 +12,11 @@ before tokenizing a long text or decoding anything:
   rest of the batch is served; every row's `max_new_tokens` is clipped to the room its
   context leaves, so one call's decode work is at most rows x context tokens.
 
-An explicit completion budget that does not fit (the agent's own `max_tokens`, a
-white-box `max_new_tokens` override) is an error, as in the OpenAI API; the default
-budget is clipped to the room left, and the completion ends `length` / `truncated`.
+A proxy call's completion budget is clamped, never refused (`PromptLimit.clamp`: the least of the
+harness's own max_tokens, rollout.max_new_tokens, what is left of rollout.max_trajectory_tokens and
+the room the context leaves; docs/harnesses.md says what the harness then sees). A white-box
+`max_new_tokens` override that does not fit is an error; the default budget is clipped to the room
+left, and the completion ends `length` / `truncated`.
 
 The cheap bound: in a vocabulary whose longest token is spelled with L characters, no
 token stands for more than L characters of text (byte-level BPE spells one character per
@@ -113,6 +115,22 @@ class PromptLimit:
                 f"{prompt_tokens + max_new} tokens ({prompt_tokens} in the prompt, {max_new} for the completion). "
                 f"Please reduce the length of the prompt or the completion.", param)
         return self.context - prompt_tokens
+
+
+    # what bounds a proxy call's completion, when several bounds tie: the harness's own limit first (its cut is
+    # its own), then the context (the model really ran out of room), then the trajectory budget, then the cap
+    BOUNDS = ("request", "context", "budget", "rollout")
+
+    def clamp(self, prompt_tokens: int, requested: int | None, rollout: int,
+              left: int | None = None) -> tuple[int, str]:
+        """A proxy call's completion budget and what bound it (one of BOUNDS): the least of the harness's own
+        limit (`requested`, None if it set none), the rollout's per-call cap, the trajectory's token budget
+        `left` (None: no budget) and the room the context leaves. Never an error: a harness asking for more
+        than can be served (Claude Code asks 32k-128k) gets what can be."""
+        room = self.context - prompt_tokens if self.context else None
+        limits = {"request": requested, "context": room, "budget": left, "rollout": rollout}
+        n = min(v for v in limits.values() if v is not None)
+        return max(n, 1), next(b for b in self.BOUNDS if limits[b] == n)
 
 
 # ---- the engines' side: one row at a time -----------------------------------------------------

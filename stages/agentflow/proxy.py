@@ -21,25 +21,33 @@ subagent among several): see stages/agentflow/session.py.
 
 Every call is forwarded token-in/token-out to the trajectory's engine (the rollout's
 session affinity) and recorded by its Session (stages/agentflow/session.py), which builds
-the trajectory in token space. Responses and Messages calls are converted to chat messages
-and rendered with the chat template, so they are checked, admitted and recorded exactly like
-chat calls (`_prompt`, then `Session.complete`). The proxy keeps a trajectory's stored
-Responses (for previous_response_id) until its endpoint closes.
+the trajectory in token space. Each protocol is an adapter at the edge (openai_api.py,
+responses_api.py, anthropic_api.py, sharing protocol.py): it turns a request into ONE internal
+call (stages/agentflow/protocol.py `Request`: chat messages, tools, limits, notes), rendered with
+the chat template, checked, admitted and recorded exactly like a chat call (`_prompt`, then
+`Session.complete`), and turns the generation back into its own reply and events. Harness quirks
+live in stages/agentflow/harness.py (request kinds from their headers and prompts) and in
+`Session.restore` (a history sent back re-serialised). What a request asked that the proxy
+accepts without honouring (an unknown field, a hosted tool, an image) is served without it and
+noted with the trajectory (docs/harnesses.md). The proxy keeps a trajectory's stored Responses
+(for previous_response_id) until its endpoint closes.
 
 Errors use the protocol's own body: OpenAI's {"error": {message, type, param, code}} on the
 OpenAI paths, Anthropic's {"type": "error", "error": {type, message}} on /messages (the message
 prefixed with the field at fault). 401 missing or wrong key, 404 unknown path or route (a
-trajectory that ended), 413 body over the limit, 400 malformed JSON / a body that is not
-`Content-Type: application/json` (Responses, Messages) / unsupported parameter / invalid message,
-item, content block or token id (`param` names the field) / a tool result without its call /
-unknown previous_response_id (400 previous_response_not_found, as OpenAI answers) / turn limit
-reached, 400 `context_length_exceeded` (Anthropic: invalid_request_error, "prompt is too long"
-or "input length and `max_tokens` exceed context limit") for a prompt over the model's context or
-rollout.max_prompt_tokens (checked before the prompt is tokenized, see stages/agentflow/limits.py)
-or an explicit max_tokens / max_output_tokens that does not fit after it, 503 (Anthropic: 529
-overloaded_error) request aborted by the engine (the run is stopping) or the engine restarting.
+trajectory that ended), 413 body over the limit, 400 malformed JSON or JSON nested deeper than
+protocol.MAX_JSON_DEPTH / a body that is not `Content-Type: application/json` (Responses,
+Messages) / a malformed value of a known parameter, message, item, content block or token id
+(`param` names the field) / a tool result without its call / unknown previous_response_id (400
+previous_response_not_found, as OpenAI answers) / turn limit reached / trajectory token budget
+spent, 400 `context_length_exceeded` (Anthropic: invalid_request_error, "prompt is too long") for
+a prompt over the model's context or rollout.max_prompt_tokens (checked before the prompt is
+tokenized, see stages/agentflow/limits.py); a completion budget is clamped, never refused
+(limits.PromptLimit.clamp), 503 (Anthropic: 529 overloaded_error) request aborted by the engine
+(the run is stopping) or the engine restarting.
 Anything else is a generic 500 carrying a request id (also in the `x-request-id` header); its
-detail goes to the `loongsage.proxy` logger, never to the client.
+detail goes to the `loongsage.proxy` logger, never to the client. A client that goes away
+mid-stream is noted with the trajectory, not an error.
 
 Each response carries `x-loongsage-engine-ms`: the time the call waited on the engine,
 so a client can measure the proxy's own overhead (benchmarks/agentflow.py does).
@@ -57,14 +65,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 from stages.agentflow import anthropic_api, responses_api
 from stages.agentflow.chat import decode_continuation, encode, ensure_chat_template, render
 from stages.agentflow.client import ENGINE_LOST
 from stages.agentflow.limits import PromptLimit, RequestRejected, longest_token_chars
 from stages.agentflow.openai_api import (
-    APIError,
-    Request,
     assistant_message,
     chat_body,
     chat_chunks,
@@ -72,14 +79,20 @@ from stages.agentflow.openai_api import (
     completion_chunks,
     parse_chat,
     parse_completion,
+    token_pieces,
+)
+from stages.agentflow.protocol import (
+    APIError,
+    Request,
+    call_separator,
     read_generation,
+    read_json,
     sse,
     sse_event,
-    token_pieces,
     tool_call_opening,
     with_reasoning,
 )
-from stages.agentflow.session import KindError, Session, TurnLimitReached, request_kind
+from stages.agentflow.session import BudgetSpent, KindError, Session, TurnLimitReached, request_kind
 
 SESSION = web.RequestKey("session", Session)
 log = logging.getLogger("loongsage.proxy")
@@ -130,6 +143,7 @@ class Proxy:
         self.sessions: dict[str, tuple[str, Session]] = {}
         self.stored: dict[str, OrderedDict[str, list[dict]]] = {}   # route -> response id -> its items
         self._opening: str | None = None
+        self._sep: str | None = None            # what the template writes between content and a tool call
         self._runner: web.AppRunner | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -154,11 +168,12 @@ class Proxy:
             await self._runner.cleanup()
             self._runner = None
 
-    async def open(self, client, sampling: dict, max_turns: int = 0) -> Endpoint:
-        """A fresh endpoint for one trajectory; its calls go to `client` (one engine)."""
+    async def open(self, client, sampling: dict, max_turns: int = 0, max_tokens: int = 0) -> Endpoint:
+        """A fresh endpoint for one trajectory; its calls go to `client` (one engine). `max_tokens`: the
+        completion tokens the trajectory may generate in all (rollout.max_trajectory_tokens; 0 = no budget)."""
         await self.start()
         route, key = secrets.token_urlsafe(18), "sk-loongsage-" + secrets.token_urlsafe(24)
-        session = Session(_Tap(client), self.tok, sampling, max_turns)
+        session = Session(_Tap(client), self.tok, sampling, max_turns, max_tokens)
         self.sessions[route] = (key, session)
         self.stored[route] = OrderedDict()
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
@@ -218,11 +233,7 @@ class Proxy:
         if strict and request.content_type != "application/json":
             raise APIError(400, f"the request body must be JSON sent with 'Content-Type: application/json', "
                                 f"got {request.content_type!r}", "content-type")
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        return read_json(await request.read())
 
     def _defaults(self, session: Session) -> dict:
         return {"temperature": session.sampling.get("temperature", 1.0), "top_p": session.sampling.get("top_p", 1.0)}
@@ -230,11 +241,14 @@ class Proxy:
     # ---- endpoints ------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         session: Session = request[SESSION]
-        req = parse_chat(await self._json(request), self._defaults(session), session.sampling["max_new_tokens"])
+        req = parse_chat(await self._json(request), self._defaults(session))
+        req.messages = session.restore(req.messages)
         base = await self._prompt(request, req, text=self._render(req.messages, req.tools, "messages"),
                                   param="messages")
         choices = await self._complete(session, base, req)
-        msgs = [assistant_message(req, c) for c in choices]
+        msgs = [assistant_message(req, c, self._separator()) for c in choices]
+        for msg, _ in msgs:
+            session.remember(msg["content"], msg.get("tool_calls", []))
         if not session.closed:
             session.transcript = req.messages + [msgs[0][0]]
         pieces = self._pieces(req, base, choices)
@@ -245,7 +259,7 @@ class Proxy:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         session: Session = request[SESSION]
-        req = parse_completion(await self._json(request), self._defaults(session), session.sampling["max_new_tokens"])
+        req = parse_completion(await self._json(request), self._defaults(session))
         if isinstance(req.prompt, list):
             base = await self._prompt(request, req, ids=req.prompt, param="prompt")
         else:
@@ -272,14 +286,14 @@ class Proxy:
                                                               "owned_by": "loongsage"}]})
 
     async def _prompt(self, request: web.Request, req, text: str | None = None, ids: list[int] | None = None,
-                      param: str = "messages", budget_param: str | None = None):
-        """The call's prompt stream, checked against the context before anything long is tokenized
-        (req.max_tokens becomes the budget that fits; one set explicitly must fit, else a 400 naming
-        `budget_param`), then admitted as one of the trajectory's calls (of the kind its request-kind
-        header names: session.request_kind)."""
+                      param: str = "messages"):
+        """The call's prompt stream, checked against the context before anything long is tokenized, its
+        completion budget clamped (limits.PromptLimit.clamp: never a 400 for asking too much), then admitted
+        as one of the trajectory's calls (of the kind its request-kind header names: session.request_kind).
+        What the request asked that is not honoured is recorded with the trajectory (req.notes)."""
         session: Session = request[SESSION]
         try:
-            kind, agent = request_kind(request.headers)
+            kind, agent = request_kind(request.headers, getattr(req, "messages", None))
         except KindError as e:
             raise APIError(400, str(e), "headers") from None
         count = 0       # the prompt's tokens (a lower bound until it is tokenized): for Anthropic's wording
@@ -293,6 +307,9 @@ class Proxy:
                 self.limit.budget(len(ids), 0, param=param)     # the length alone, before the ids are decoded
                 base = session.base_for_ids(ids)
             else:
+                if not text:
+                    raise APIError(400, "the prompt is empty: nothing in this request is text the model can read",
+                                   param)
                 count = math.ceil(len(text) / self.limit.longest) if self.limit.longest else 0
                 self.limit.check_text(text, param=param)        # cheap: no tokenizing of a hopeless text
                 if len(text) > THREAD_CHARS:
@@ -301,13 +318,16 @@ class Proxy:
                     base = session.base_for_text(text)
             count = len(base.ids)
             self.limit.budget(count, 0, param=param)
-            req.max_tokens = self.limit.budget(count, req.max_tokens, req.max_tokens_set, budget_param or param)
         except RequestRejected as e:
-            raise APIError(400, str(e), e.param, e.code, tokens=(count, req.max_tokens)) from None
+            raise APIError(400, str(e), e.param, e.code, tokens=(count, req.requested or 0)) from None
+        req.max_tokens, req.bound = self.limit.clamp(count, req.requested, session.sampling["max_new_tokens"],
+                                                     session.tokens_left())
         try:
             session.admit(base, kind, agent)
         except TurnLimitReached as e:
-            raise APIError(400, str(e), code="turn_limit_reached") from None
+            code = "trajectory_budget_spent" if isinstance(e, BudgetSpent) else "turn_limit_reached"
+            raise APIError(400, str(e), code=code) from None
+        session.note(*req.notes)
         return base
 
     async def _complete(self, session: Session, base, req):
@@ -319,6 +339,15 @@ class Proxy:
         if any(c.status == "aborted" for c in choices):
             raise APIError(503, "the engine aborted this request (the run is stopping or the window closed)",
                            kind="server_error")
+        if req.bound in ("rollout", "budget") and any(c.finish_reason == "length" for c in choices):
+            # the cut is ours, not the model's context nor the harness's own limit: the harness is told the
+            # completion stopped (it would otherwise ask the model to "resume"); the trajectory keeps the
+            # truth (status truncated, and this note)
+            what = "rollout.max_new_tokens" if req.bound == "rollout" else "rollout.max_trajectory_tokens"
+            session.note(f"a completion was cut at {req.max_tokens} tokens by {what}: reported to the harness "
+                         f"as stopped")
+            for c in choices:
+                c.finish_reason = "stop" if c.finish_reason == "length" else c.finish_reason
         return choices
 
     def _reply(self, choices, body: dict) -> web.Response:
@@ -327,10 +356,14 @@ class Proxy:
     async def _sse(self, request, choices, data: bytes) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **_timing(choices)})
-        await resp.prepare(request)
-        # the whole completion exists already: one write keeps the per-call cost flat in its length
-        await resp.write(data)
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            # the whole completion exists already: one write keeps the per-call cost flat in its length
+            await resp.write(data)
+            await resp.write_eof()
+        except (ConnectionError, ClientConnectionResetError):
+            # the client went away mid-stream: the call is recorded already; the trajectory says so, no 500
+            request[SESSION].note("a client closed its connection before a streamed reply was written")
         return resp
 
     # ---- Responses and Messages: chat calls underneath -------------------------------------------
@@ -339,6 +372,11 @@ class Proxy:
             return render(self.tok, messages, tools)
         except Exception as e:  # noqa: BLE001 - jinja raises template-specific errors for unsupported histories
             raise APIError(400, f"the chat template cannot render these messages: {e}", param) from None
+
+    def _separator(self) -> str:
+        if self._sep is None:
+            self._sep = call_separator(self.tok)
+        return self._sep
 
     def _prefill(self, forced: str | None, param: str) -> str:
         """The prompt's ending that makes the model call a tool ("" = any tool, else the named one)."""
@@ -351,14 +389,14 @@ class Proxy:
                                 "forced; use auto", param)
         return self._opening + (json.dumps(forced) if forced else "")
 
-    async def _generate(self, request: web.Request, call: Request, forced: str | None, param: str,
-                        budget_param: str):
-        """One chat-shaped call of a Responses / Messages request: (prompt, choice, prefill, engine rows)."""
+    async def _generate(self, request: web.Request, call: Request, forced: str | None, param: str, call_id=None):
+        """One chat-shaped call of a Responses / Messages request: (prompt, choice, prefill, engine rows).
+        `call_id`: how the protocol names a tool call given its chat id (remembered to restore the history)."""
         session: Session = request[SESSION]
         prefill = self._prefill(forced, "tool_choice")
+        call.messages = session.restore(call.messages)
         text = self._render(call.messages, call.tools, param) + prefill
-        base = await self._prompt(request, call, text=text, param=param, budget_param=budget_param)
-        call.max_tokens = min(call.max_tokens, session.sampling["max_new_tokens"])   # the rollout's per-call cap
+        base = await self._prompt(request, call, text=text, param=param)
         rows: list[dict] = []
         token = _RAW.set(rows)
         try:
@@ -366,6 +404,9 @@ class Proxy:
         finally:
             _RAW.reset(token)
         gen = read_generation(prefill + choice.text, call.tools is not None, reasoning=not prefill)
+        ids = [call_id(c["id"]) for c in gen.calls] if call_id else None
+        content = gen.raw[:gen.raw.index("<tool_call>")].removesuffix(self._separator()) if gen.calls else gen.raw
+        session.remember(content, gen.calls, ids)
         if not session.closed:
             turn = {"role": "assistant", "content": with_reasoning(gen.reasoning, gen.text)}
             session.transcript = call.messages + [turn | ({"tool_calls": gen.calls} if gen.calls else {})]
@@ -373,8 +414,7 @@ class Proxy:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         session: Session = request[SESSION]
-        req = responses_api.parse_responses(await self._json(request, strict=True), self._defaults(session),
-                                            session.sampling["max_new_tokens"])
+        req = responses_api.parse_responses(await self._json(request, strict=True), self._defaults(session))
         store = self.stored.get(request.match_info["route"], OrderedDict())
         prior = []
         if req.previous_response_id is not None:
@@ -384,8 +424,7 @@ class Proxy:
                                "previous_response_id", "previous_response_not_found")
         items = prior + req.items
         req.call.messages = responses_api.to_messages(req.instructions, items, first_new=len(prior))
-        base, choice, prefill, gen, _ = await self._generate(request, req.call, req.forced, "input",
-                                                             "max_output_tokens")
+        base, choice, prefill, gen, _ = await self._generate(request, req.call, req.forced, "input")
         need = req.call.stream or req.logprobs or gen.reasoning is not None
         pieces = token_pieces(self.tok, base.ids, choice.ids, choice.text) if need else []
         status = "incomplete" if choice.finish_reason == "length" else "completed"
@@ -408,7 +447,7 @@ class Proxy:
         req = anthropic_api.parse_messages(await self._json(request, strict=True), self._defaults(session))
         try:
             base, choice, prefill, gen, rows = await self._generate(request, req.call, req.forced, "messages",
-                                                                    "max_tokens")
+                                                                    anthropic_api.tool_use_id)
         except APIError as e:
             if e.code == "context_length_exceeded" and e.tokens:
                 raise anthropic_api.context_error(e, self.limit.prompt_cap, self.limit.context) from None

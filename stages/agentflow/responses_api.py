@@ -11,18 +11,30 @@ exactly like /chat/completions (same recording, same prefix reuse).
     function_call {call_id, name, ...}  a tool call of the assistant turn it follows (or a new one)
     function_call_output {call_id, ...} tool message (its call_id must name an earlier function_call)
 
-Supported: `input` (string or items), `instructions` (a leading system message, not carried over by
-`previous_response_id`, as documented), function `tools`, `tool_choice` auto | none | required |
-{"type": "function", "name"} (a forced choice is honoured by ending the prompt with the template's
-tool-call opening), `max_output_tokens`, `temperature`, `top_p`, `stream`, `previous_response_id`
-(this trajectory's stored responses; an unknown id is 400 previous_response_not_found, as OpenAI
-answers), `store` (default true), `include` of `reasoning.encrypted_content` (the reasoning text,
-opaque to the client, read back when a client resends it without content) and
-`message.output_text.logprobs`. Accepted with no effect: `model`, `metadata`, `user`,
-`parallel_tool_calls`, `reasoning`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
-`max_tool_calls`, `stream_options`, text verbosity. Refused with a 400 naming the parameter:
-built-in tools, non-text content, non-text output formats, `truncation: auto`, `background`,
-`top_logprobs`, and any other item type.
+Honoured: `input` (string or items), `instructions` (a leading system message, not carried over by
+`previous_response_id`, as documented), `tools`, `tool_choice` auto | none | required |
+{"type": "function" | "custom", "name"} (a forced choice is honoured by ending the prompt with the
+template's tool-call opening), `max_output_tokens` (clamped, never refused:
+stages/agentflow/limits.py), `temperature`, `top_p`, `stream`, `previous_response_id` (this
+trajectory's stored responses; an unknown id is 400 previous_response_not_found, as OpenAI answers),
+`store` (default true), `include` of `reasoning.encrypted_content` (the reasoning text, opaque to
+the client, read back when a client resends it without content) and `message.output_text.logprobs`.
+
+Tools (`Toolset`): `function` tools as they are; `namespace` tools (Codex) flattened to function
+tools (named `namespace.name` where another tool has the name), the namespace given back on the call
+(`function_call.namespace`);
+`custom` tools (Codex's freeform tools, e.g. apply_patch) as a function of one string argument
+`input`, grammar-free: the model's text is the input, given back as a `custom_tool_call`; hosted
+tools (web_search, file_search, code_interpreter, image_generation, local_shell, mcp, ...) are not
+servable here: dropped from the prompt with a note, never a 400. An `additional_tools` input item
+adds its tools the same way.
+
+Accepted and recorded as notes, not honoured: any field this proxy does not know (`client_metadata`,
+...), `text.format` other than text, `truncation: auto`, `background`, `top_logprobs`, input items a
+text model cannot use (web_search_call, image and file parts, compaction, ...: dropped from the
+prompt). Accepted silently: `model`, `metadata`, `user`, `parallel_tool_calls`, `reasoning`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `max_tool_calls`, `stream_options`, text
+verbosity. A malformed value of a known field is a 400 naming it.
 
 Model output becomes output items: a `reasoning` item when the text opens with `<think>`, a
 `message`, then one `function_call` per `<tool_call>` block. A completion cut by the token budget
@@ -32,17 +44,20 @@ is `status: incomplete` (`incomplete_details.reason: max_output_tokens`; the str
 from __future__ import annotations
 
 import base64
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
 
-from stages.agentflow.openai_api import (
+from stages.agentflow.protocol import (
     APIError,
     Generation,
     Request,
-    _number,
+    custom_input,
+    number,
     span_pieces,
     tokens_before,
+    unknown_fields,
     with_reasoning,
 )
 
@@ -50,6 +65,8 @@ PARAMS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_
           "stream", "previous_response_id", "store", "include", "metadata", "user", "parallel_tool_calls",
           "reasoning", "text", "truncation", "background", "service_tier", "prompt_cache_key", "safety_identifier",
           "max_tool_calls", "stream_options", "top_logprobs"}
+CUSTOM_PARAMS = {"type": "object", "required": ["input"],       # a custom tool, as a function the model can call
+                 "properties": {"input": {"type": "string", "description": "the tool's input, as text"}}}
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
 ENCRYPTED = "loongsage:"   # our reasoning.encrypted_content: the reasoning text, base64
@@ -57,6 +74,42 @@ ENCRYPTED = "loongsage:"   # our reasoning.encrypted_content: the reasoning text
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+@dataclass
+class Toolset:
+    """The tools a text model is told about, as chat function tools, and how each prompt name maps back:
+    prompt name -> (kind: function | custom, namespace or None, the name as the client knows it). A
+    namespace's tool keeps its own name in the prompt unless another tool has it (then `namespace.name`)."""
+    chat: list[dict] = field(default_factory=list)
+    served: dict[str, tuple[str, str | None, str]] = field(default_factory=dict)
+    names: dict[tuple[str | None, str], str] = field(default_factory=dict)   # (namespace, name) -> prompt name
+
+    def add(self, tools, where: str, notes: list[str], namespace: str | None = None) -> None:
+        if not isinstance(tools, list):
+            raise _bad(f"'{where}' must be a list", where)
+        for i, t in enumerate(tools):
+            at = f"{where}[{i}]"
+            kind = t.get("type") if isinstance(t, dict) else None
+            if kind not in ("function", "custom", "namespace"):
+                if not isinstance(kind, str):
+                    raise _bad(f"{at} must be a tool object with a 'type'", f"{at}.type")
+                notes.append(f"{at}: the hosted tool {kind!r} cannot be served here: dropped from the prompt")
+                continue
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise _bad(f"{at}.name must be a non-empty string", f"{at}.name")
+            if kind == "namespace":
+                self.add(t.get("tools") or [], f"{at}.tools", notes, namespace=t["name"])
+                continue
+            name = t["name"] if t["name"] not in self.served else f"{namespace}.{t['name']}"
+            self.names[(namespace, t["name"])] = name
+            params = CUSTOM_PARAMS if kind == "custom" else t.get("parameters") or {"type": "object", "properties": {}}
+            self.served[name] = (kind, namespace, t["name"])
+            self.chat.append({"type": "function", "function": {"name": name, "description": t.get("description") or "",
+                                                                "parameters": params}})
+
+    def prompt_name(self, name: str, namespace: str | None = None) -> str:
+        return self.names.get((namespace, name)) or (f"{namespace}.{name}" if namespace else name)
 
 
 @dataclass
@@ -73,18 +126,16 @@ class ResponsesRequest:
     logprobs: bool = False                          # include message.output_text.logprobs
     max_output_tokens: int | None = None
     metadata: dict = field(default_factory=dict)
+    toolset: Toolset = field(default_factory=Toolset)
 
 
-def parse_responses(body, defaults: dict, max_tokens_cap: int) -> ResponsesRequest:
+def parse_responses(body, defaults: dict) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - PARAMS)
-    if unknown:
-        raise _bad(f"Unknown parameter: '{unknown[0]}'.", unknown[0], "unknown_parameter")
-    _refuse(body)
-    limit = _number(body, "max_output_tokens", None, 1, 1 << 20, integer=True)
+    notes = unknown_fields(body, PARAMS) + _not_honoured(body)
+    limit = number(body, "max_output_tokens", None, 1, 1 << 62, integer=True)
     stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    if not isinstance(stream, (bool, type(None))):
         raise _bad("'stream' must be a boolean", "stream")
     store = body.get("store", True)
     if not isinstance(store, (bool, type(None))):
@@ -101,73 +152,72 @@ def parse_responses(body, defaults: dict, max_tokens_cap: int) -> ResponsesReque
     metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise _bad("'metadata' must be an object", "metadata")
-    tools, chat_tools = _tools(body.get("tools"))
-    choice, forced = _tool_choice(body.get("tool_choice"), tools)
-    call = Request(n=1, max_tokens=limit if limit is not None else max_tokens_cap,
-                   temperature=float(_number(body, "temperature", defaults["temperature"], 0, 2)),
-                   top_p=float(_number(body, "top_p", defaults["top_p"], 1e-6, 1)), stop=[], logprobs=False,
-                   stream=stream, include_usage=False, model=str(body.get("model") or "loongsage"),
-                   max_tokens_set=limit is not None, tools=None if choice == "none" else chat_tools or None)
-    return ResponsesRequest(call, _items(body.get("input")), instructions or None, tools, choice, forced, prev,
+    toolset = Toolset()
+    if body.get("tools") is not None:
+        toolset.add(body["tools"], "tools", notes)
+    items = _items(body.get("input"), toolset, notes)     # additional_tools items add to the toolset
+    choice, forced = _tool_choice(body.get("tool_choice"), toolset, notes)
+    call = Request(n=1, max_tokens=limit or 0,
+                   temperature=float(number(body, "temperature", defaults["temperature"], 0, 2)),
+                   top_p=float(number(body, "top_p", defaults["top_p"], 1e-6, 1)), stop=[], logprobs=False,
+                   stream=bool(stream), include_usage=False, model=str(body.get("model") or "loongsage"),
+                   requested=limit, notes=notes, tools=None if choice == "none" else toolset.chat or None)
+    return ResponsesRequest(call, items, instructions or None, body.get("tools") or [], choice, forced, prev,
                             store is not False, "reasoning.encrypted_content" in include,
-                            "message.output_text.logprobs" in include, limit, metadata)
+                            "message.output_text.logprobs" in include, limit, metadata, toolset)
 
 
-def _refuse(body: dict) -> None:
-    """Parameters whose only value we can honour is their default."""
+def _not_honoured(body: dict) -> list[str]:
+    """Notes for parameters whose only value we can honour is their default."""
+    notes = []
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
     if fmt not in (None, {"type": "text"}):
-        raise _bad("only text output is supported ('text.format' must be {\"type\": \"text\"})", "text.format")
+        notes.append("'text.format' other than text accepted; the output is not constrained")
     for key, ok in (("truncation", ("disabled", None)), ("background", (False, None)), ("top_logprobs", (0, None))):
         if body.get(key) not in ok:
-            raise _bad(f"'{key}'={body[key]!r} is not supported by this endpoint", key)
+            notes.append(f"'{key}'={body[key]!r} accepted but not honoured")
+    return notes
 
 
-def _tools(tools) -> tuple[list[dict], list[dict]]:
-    """(tools as sent, chat-form tools for the template). Only function tools reach a text model."""
-    if tools is None:
-        return [], []
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
-    chat = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise _bad(f"tools[{i}]: only function tools are supported, got {kind!r}", f"tools[{i}].type")
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise _bad(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
-        fn = {"name": t["name"], "description": t.get("description") or "",
-              "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
-        chat.append({"type": "function", "function": fn})
-    return tools, chat
-
-
-def _tool_choice(choice, tools: list[dict]) -> tuple[str | dict, str | None]:
+def _tool_choice(choice, toolset: Toolset, notes: list[str]) -> tuple[str | dict, str | None]:
+    """(the choice as echoed, the forced prompt name: "" any tool, None auto)."""
     if choice in (None, "auto", "none"):
         return choice or "auto", None
-    if not tools:
-        raise _bad("'tool_choice' other than auto/none needs 'tools'", "tool_choice")
     if choice == "required":
+        if not toolset.chat:
+            raise _bad("'tool_choice' other than auto/none needs 'tools'", "tool_choice")
         return choice, ""
-    names = {t["name"] for t in tools}
-    if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name") in names:
-        return choice, choice["name"]
-    raise _bad(f"'tool_choice' must be auto, none, required or {{\"type\": \"function\", \"name\": <one of "
-               f"{sorted(names)}>}}, got {choice!r}", "tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("function", "custom") and isinstance(choice.get("name"), str):
+        name = toolset.prompt_name(choice["name"], choice.get("namespace"))
+        if name in toolset.served:
+            return choice, name
+        raise _bad(f"'tool_choice' names {choice['name']!r}, which is not one of the tools", "tool_choice")
+    if isinstance(kind, str):       # allowed_tools, a hosted tool's type, mcp: served as auto
+        notes.append(f"'tool_choice' {kind!r} served as auto")
+        return "auto", None
+    raise _bad(f"'tool_choice' must be auto, none, required or {{\"type\": \"function\", \"name\": ...}}, "
+               f"got {choice!r}", "tool_choice")
 
 
 # ---- input items -------------------------------------------------------------------------------------
-def _items(value) -> list[dict]:
+def _items(value, toolset: Toolset, notes: list[str]) -> list[dict]:
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list):
         raise _bad("'input' must be a string or a list of input items", "input")
-    return [_item(it, f"input[{i}]") for i, it in enumerate(value)]
+    out = []
+    for i, it in enumerate(value):
+        item = _item(it, f"input[{i}]", toolset, notes)
+        if item is not None:
+            out.append(item)
+    return out
 
 
-def _item(it, where: str) -> dict:
+def _item(it, where: str, toolset: Toolset, notes: list[str]) -> dict | None:
     """One input item, normalised: {type: message, role, content: str} | {type: function_call, call_id,
-    name, arguments} | {type: function_call_output, call_id, output} | {type: reasoning, text}."""
+    name (the prompt name), arguments} | {type: function_call_output, call_id, output} | {type: reasoning,
+    text}; None for an item that only adds tools or that a text model cannot use (noted)."""
     if not isinstance(it, dict):
         raise _bad(f"{where} must be an object", where)
     kind = it.get("type", "message" if "role" in it else None)
@@ -175,23 +225,32 @@ def _item(it, where: str) -> dict:
         role = it.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
-        return {"type": "message", "role": ROLES[role], "content": _text(it.get("content"), f"{where}.content")}
-    if kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
+        return {"type": "message", "role": ROLES[role], "content": _text(it.get("content"), f"{where}.content", notes)}
+    if kind in ("function_call", "custom_tool_call"):
+        keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "name", "input")
+        for key in keys:
             if not isinstance(it.get(key), str):
                 raise _bad(f"{where}.{key} must be a string", f"{where}.{key}")
-        return {"type": kind, "call_id": it["call_id"], "name": it["name"], "arguments": it["arguments"]}
-    if kind == "function_call_output":
+        name = toolset.prompt_name(it["name"], it.get("namespace"))
+        args = it["arguments"] if kind == "function_call" else json.dumps({"input": it["input"]})
+        return {"type": "function_call", "call_id": it["call_id"], "name": name, "arguments": args}
+    if kind in ("function_call_output", "custom_tool_call_output"):
         if not isinstance(it.get("call_id"), str):
             raise _bad(f"{where}.call_id must be a string", f"{where}.call_id")
-        return {"type": kind, "call_id": it["call_id"], "output": _text(it.get("output"), f"{where}.output")}
+        return {"type": "function_call_output", "call_id": it["call_id"],
+                "output": _text(it.get("output"), f"{where}.output", notes)}
     if kind == "reasoning":
         return {"type": kind, "text": _reasoning_text(it, where)}
-    raise _bad(f"{where}: unsupported input item type {kind!r}; this endpoint accepts message, function_call, "
-               f"function_call_output and reasoning items", f"{where}.type")
+    if kind == "additional_tools":
+        toolset.add(it.get("tools") or [], f"{where}.tools", notes)
+        return None
+    if not isinstance(kind, str):
+        raise _bad(f"{where}.type must be a string", f"{where}.type")
+    notes.append(f"{where}: a {kind!r} item dropped from the prompt (not servable by a text model here)")
+    return None
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, notes: list[str]) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -199,10 +258,13 @@ def _text(content, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}]: only text parts (input_text, output_text) are supported, got {kind!r}",
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(kind, str) and kind not in TEXT_PARTS:
+            notes.append(f"{where}[{j}]: a {kind!r} part dropped from the prompt (a text model reads text)")
+        else:
+            raise _bad(f"{where}[{j}] must be a content part with a 'type' (input_text, output_text, ...)",
                        f"{where}[{j}].type")
-        texts.append(part["text"])
     return "".join(texts)
 
 
@@ -298,11 +360,22 @@ def output(gen: Generation, pieces: list[str], offset: int, logprobs: list[float
         deltas.append(parts if not gen.calls else [(gen.text, -1)])
     for c in gen.calls:
         call_id, fn = c["id"], c["function"]
-        wire.append({"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call_id,
-                     "name": fn["name"], "arguments": fn["arguments"]})
+        wire.append(_call_item(call_id, fn["name"], fn["arguments"], req.toolset))
         items.append({"type": "function_call", "call_id": call_id, "name": fn["name"], "arguments": fn["arguments"]})
-        deltas.append([(fn["arguments"], -1)])
+        deltas.append([(wire[-1].get("arguments", wire[-1].get("input")), -1)])
     return Output(wire, items, deltas)
+
+
+def _call_item(call_id: str, name: str, arguments: str, toolset: Toolset) -> dict:
+    """A tool call as the client knows its tool: a function_call (with its namespace, for a namespace's
+    tool) or, for a custom tool, a custom_tool_call whose input is the model's text."""
+    kind, namespace, bare = toolset.served.get(name, ("function", None, name))
+    if kind == "custom":
+        return {"id": new_id("ctc"), "type": "custom_tool_call", "status": "completed", "call_id": call_id,
+                "name": bare, "input": custom_input(arguments)}
+    item = {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call_id, "name": bare,
+            "arguments": arguments}
+    return item | ({"namespace": namespace} if namespace else {})
 
 
 def _lp(piece: str, lp: float) -> dict:
@@ -349,6 +422,11 @@ def stream_events(body: dict, out: Output, logprobs: list[float]):
             for d, _ in deltas:
                 yield ev("response.function_call_arguments.delta", **at, delta=d)
             yield ev("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
+        elif item["type"] == "custom_tool_call":
+            yield ev("response.output_item.added", output_index=n, item=item | {"input": "", "status": "in_progress"})
+            for d, _ in deltas:
+                yield ev("response.custom_tool_call_input.delta", **at, delta=d)
+            yield ev("response.custom_tool_call_input.done", **at, input=item["input"])
         else:
             part = item["content"][0]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"

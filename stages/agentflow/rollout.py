@@ -79,6 +79,9 @@ class RolloutConfig:
     agent_binds: tuple = key((), "more host paths a jailed agent may read (its file system is the host's, read-only, "
                                  "less /tmp, /run and the user's home)")
     max_turns: int = key(8, "model turns (proxy calls) per trajectory; 0 = unlimited", NONNEG)
+    max_trajectory_tokens: int = key(0, "black-box: completion tokens a trajectory may generate in all (a call's "
+                                        "budget is clamped to what is left; spent, it ends as the turn limit ends "
+                                        "it); 0 = off", NONNEG)
     max_agents: int = key(0, "agents running at once per worker; 0 = all of a batch", NONNEG)
     num_engines: int = key(1, "rollout engine actors", POSITIVE)
     engine: str = key("hf", "hf (embedded torch engine, any CPU) | sglang (GPU; `sglang:` section)",
@@ -122,7 +125,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{k} must be > 0, got {getattr(self, k)}")
         if self.engine_restarts < -1:
             raise ValueError(f"rollout.engine_restarts must be >= -1, got {self.engine_restarts}")
-        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port", "engine_retries", "max_prompt_tokens"):
+        for k in ("groups_per_batch", "max_turns", "max_agents", "proxy_port", "engine_retries", "max_prompt_tokens",
+                  "max_trajectory_tokens"):
             if getattr(self, k) < 0:
                 raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
@@ -181,7 +185,8 @@ def load_agent(name: str, preload: tuple = ()):
 
 
 ENCODE_CACHE_ROWS = 4096    # prompts kept tokenized per rollout worker
-EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats", "segment", "segment_stats")  # optional
+EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats", "segment", "segment_stats",  # optional
+               "proxy_notes")
 
 
 class AgentFlowRollout:
@@ -238,7 +243,8 @@ class AgentFlowRollout:
         self.limit.check_text(text)     # a hopeless prompt fails its row before it is tokenized
         return AgentContext(self.affinity.for_group(row["group_id"]), self.tok, self._encode(text),
                             dict(self.sampling, seed=self._seed(row)), prompt_text=text, messages=messages,
-                            max_turns=self.cfg.max_turns, proxy=self.proxy, limit=self.limit)
+                            max_turns=self.cfg.max_turns, proxy=self.proxy, limit=self.limit,
+                            max_tokens=self.cfg.max_trajectory_tokens)
 
     def _encode(self, text: str) -> list[int]:
         ids = self._encoded.get(text)
@@ -311,7 +317,8 @@ def _agent_columns(ctx, fail: str, wall_s: float) -> dict:
             "agent_stats": {"turns": ctx.turns if ctx else 0, "tool_calls": ctx.tool_calls if ctx else 0,
                             "segments": ctx.segments if ctx else 0, "wall_s": wall_s,
                             "gen_s": ctx.gen_s if ctx else 0.0, "fail": fail},
-            "segment_stats": (ctx.segment_stats or None) if ok else None}
+            "segment_stats": (ctx.segment_stats or None) if ok else None,
+            "proxy_notes": (ctx.proxy_notes or None) if ctx else None}
 
 
 def _failed(error: str, status: str = "failed") -> dict:

@@ -10,14 +10,22 @@ run of a tip's recorded tokens whose text starts the prompt is kept as it was re
 only the rest is tokenized: the call starts a new segment from there.
 
 Segments form a tree (`Session.tree`). A call says what it is with the request-kind header
-`x-loongsage-request-kind: main | compaction | subagent` (KIND_HEADER; absent = main) and,
-for one subagent among several, `x-loongsage-agent-id: NAME`. A call continues the segment
-whose tip it extends if it is of the same kind and agent; otherwise it starts one:
+`x-loongsage-request-kind: main | compaction | subagent | side` (KIND_HEADER) and, for one
+subagent among several, `x-loongsage-agent-id: NAME`; without it, the harness's own signals say
+(stages/agentflow/harness.py: Claude Code's agent id, Codex's turn metadata, title and summary
+prompts); without either, the call is main. A call continues the segment whose tip it extends if
+it is of the same kind and agent; otherwise it starts one:
 
     compaction   the agent asks for a summary of its history: a child of the segment it extends
     main after a compaction   follows the compaction segment (its prompt holds the summary)
     subagent     its first call hangs off the latest main segment; later calls extend it
+    side         a call the harness makes for itself (a title): its own segment, not trained by default
     a branch     (history not an extension) a child of the segment it branched from
+
+Harnesses send the history back re-serialised (tool-call arguments as `{"command":"x"}` where the
+model wrote `{"command": "x"}`; reasoning split into `reasoning_content`; an Anthropic tool_use's
+input as an object). `restore` puts back what the proxy sent, per tool-call id and per reply, where
+it means the same, so the history still extends the recorded tokens.
 
 Each segment records its parent, kind, agent and token span (`start`: tokens shared with
 the stream it branched from); its row is its last call's stream (choice 0), whose prompt is
@@ -29,33 +37,50 @@ it admits (`admit`) counts as a turn and takes its place in the tree.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
-from stages.agentflow.chat import cut_at_stop, decode, decode_continuation, encode
+from stages.agentflow.chat import cut_at_stop, decode, decode_continuation, encode, split_reasoning
+from stages.agentflow.harness import harness_kind
 from stages.agentflow.limits import raise_if_failed
+from stages.agentflow.protocol import custom_input
 from stages.agentflow.stream import TokenStream
 
 MAX_TIPS = 64   # recent streams kept as extension candidates; older ones are dropped
 KIND_HEADER = "x-loongsage-request-kind"   # main | compaction | subagent: what a call is part of
 AGENT_HEADER = "x-loongsage-agent-id"      # names one subagent among several (optional)
-KINDS = ("main", "compaction", "subagent")
+KINDS = ("main", "compaction", "subagent", "side")
+MAX_SAID = 4096     # tool calls and replies remembered per trajectory, to restore a re-serialised history
 
 
 class KindError(ValueError):
     """A request-kind header with a value this proxy does not know."""
 
 
-def request_kind(headers) -> tuple[str, str]:
-    """(kind, agent id) of a call, from its headers; no header means the main agent."""
-    kind = (headers.get(KIND_HEADER) or "main").strip().lower()
+def request_kind(headers, messages: list[dict] | None = None) -> tuple[str, str]:
+    """(kind, agent id) of a call: its request-kind header, else the harness's own signals, else main."""
+    kind = (headers.get(KIND_HEADER) or "").strip().lower()
+    agent = (headers.get(AGENT_HEADER) or "").strip()
+    if not kind:
+        found = harness_kind(headers, messages)
+        if found is not None:
+            return found[0], agent or found[1]
+        kind = "main"
     if kind not in KINDS:
         raise KindError(f"header {KIND_HEADER}: {kind!r} is not one of {', '.join(KINDS)}")
-    return kind, (headers.get(AGENT_HEADER) or "").strip()
+    return kind, agent
 
 
 class TurnLimitReached(RuntimeError):
     pass
+
+
+class BudgetSpent(TurnLimitReached):
+    """The trajectory's token budget (rollout.max_trajectory_tokens) is spent: it ends as the turn limit ends it."""
+
+
+MAX_NOTES = 64  # notes kept per trajectory (the same note is kept once)
 
 
 def turn_seed(seed: int, turn: int, choice: int = 0) -> int:
@@ -103,8 +128,13 @@ class Segment:
 
 
 class Session:
-    def __init__(self, client, tok, sampling: dict, max_turns: int = 0):
+    def __init__(self, client, tok, sampling: dict, max_turns: int = 0, max_tokens: int = 0):
         self.client, self.tok, self.sampling, self.max_turns = client, tok, sampling, max_turns
+        self.max_tokens = max_tokens    # completion tokens this trajectory may generate in all; 0 = no budget
+        self.generated = 0              # completion tokens generated so far (every choice)
+        self.notes: list[str] = []      # what its requests asked that was accepted, not honoured (recorded)
+        self.said_args: dict[str, str] = {}                 # tool-call id -> its arguments as the model wrote them
+        self.said: dict[tuple[str | None, str], str] = {}   # (reasoning, text) of a reply -> its content as sent
         self.tips: list[TokenStream] = []
         self.tip_segs: list[int] = []         # the segment each tip belongs to
         self.tree: list[Segment] = []
@@ -119,6 +149,55 @@ class Session:
     @property
     def segments(self) -> int:
         return len(self.tree)
+
+    def note(self, *notes: str) -> None:
+        """Record what a request asked that the proxy accepted without honouring (each note once)."""
+        for n in notes:
+            if n not in self.notes and len(self.notes) < MAX_NOTES:
+                self.notes.append(n)
+
+    # ---- a history sent back re-serialised ------------------------------------------------------
+    def remember(self, content: str | None, calls: list[dict], ids: list[str] | None = None) -> None:
+        """What a reply gave the harness: its content (as sent) and each tool call's arguments as the model
+        wrote them, under the ids the harness knows them by (`ids`, default the calls' own)."""
+        if len(self.said_args) > MAX_SAID or len(self.said) > MAX_SAID:
+            self.said_args.clear()
+            self.said.clear()
+        for c, cid in zip(calls, ids or [c["id"] for c in calls]):
+            self.said_args[cid] = c["function"]["arguments"]
+        if content:
+            self.said[split_reasoning(content, None)] = content
+
+    def restore(self, messages: list[dict]) -> list[dict]:
+        """The history with the proxy's own replies put back as sent where the harness re-serialised them:
+        a tool call's arguments (same JSON value, other spacing), an assistant turn's content (the same
+        reasoning and text, reasoning sent apart as `reasoning_content` or the text trimmed)."""
+        out = []
+        for m in messages:
+            if m.get("role") == "assistant":
+                m = self._restored(m)
+            out.append(m)
+        return out
+
+    def _restored(self, m: dict) -> dict:
+        sent = self.said.get(split_reasoning(m.get("content") or "", m.get("reasoning_content")))
+        if sent is not None and (sent != m.get("content") or "reasoning_content" in m):
+            m = {k: v for k, v in m.items() if k != "reasoning_content"} | {"content": sent}
+        if m.get("tool_calls"):
+            m = m | {"tool_calls": [self._restored_call(c) for c in m["tool_calls"]]}
+        return m
+
+    def _restored_call(self, call: dict) -> dict:
+        fn = call.get("function") or {}
+        raw = self.said_args.get(call.get("id"))
+        args = fn.get("arguments")
+        if raw is None or raw == args or not (_same_json(raw, args) or _same_custom_input(raw, args)):
+            return call
+        return call | {"function": fn | {"arguments": raw}}
+
+    def tokens_left(self) -> int | None:
+        """Completion tokens left in the trajectory's budget (None: no budget)."""
+        return max(self.max_tokens - self.generated, 0) if self.max_tokens else None
 
     # ---- prompt assembly -----------------------------------------------------------
     def base_for_text(self, text: str) -> Prompt:
@@ -189,6 +268,10 @@ class Session:
         if self.max_turns and self.calls >= self.max_turns:
             self.truncated = True
             raise TurnLimitReached(f"turn limit reached: this trajectory may make {self.max_turns} model calls")
+        if self.tokens_left() == 0:
+            self.truncated = True
+            raise BudgetSpent(f"token budget spent: this trajectory may generate {self.max_tokens} tokens "
+                              f"(rollout.max_trajectory_tokens)")
         self.calls += 1
         origin = getattr(base, "origin", -1)
         shared = getattr(base, "shared", 0) if origin >= 0 else 0
@@ -235,13 +318,15 @@ class Session:
         engine_s = time.perf_counter() - t0
         self.gen_s += engine_s
         choices = [self._choice(base, out, stop, engine_s) for out in outs]
+        self.generated += sum(len(c.ids) for c in choices)
         sid = getattr(base, "segment", -1)
         if sid < 0:         # a caller that skipped admit(): the call continues the latest segment
             sid = self.tree[-1].id if self.tree else self.admit(base)
         self.tips = (self.tips + [c.stream for c in choices])[-MAX_TIPS:]
         self.tip_segs = (self.tip_segs + [sid] * len(choices))[-MAX_TIPS:]
         if not self.closed:
-            self.final = choices[0]
+            if self.tree[sid].kind != "side" or self.final is None:    # a title call is not the trajectory's end
+                self.final = choices[0]
             self.tree[sid].stream = choices[0].stream
         return choices
 
@@ -271,6 +356,26 @@ class Session:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _same_json(a, b) -> bool:
+    """Whether two tool-call arguments (JSON texts, or a decoded value) mean the same JSON value."""
+    try:
+        a = json.loads(a) if isinstance(a, str) else a
+        b = json.loads(b) if isinstance(b, str) else b
+    except ValueError:
+        return False
+    return a == b
+
+
+def _same_custom_input(raw: str, args) -> bool:
+    """A custom tool's call sent back as {"input": X} (stages/agentflow/responses_api.py) for a call whose
+    input we read as X from the model's own arguments `raw`."""
+    try:
+        value = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return False
+    return isinstance(value, dict) and list(value) == ["input"] and value["input"] == custom_input(raw)
 
 
 def _common_chars(a: str, b: str) -> int:
