@@ -8,6 +8,8 @@ once per trajectory with
                                            without the trailing /v1 (the SDK appends /v1/messages),
                                            the same key (sent as x-api-key)
     LOONGSAGE_SAMPLE                       the row as JSON (prompt, answer, data_source, ids)
+    LOONGSAGE_SEED                         the trajectory's seed (from run.seed, its group and sample): an
+                                           agent that draws random numbers seeds them with it to repeat a run
 
 and ends by exiting. An agent written with either official SDK finds the proxy with no
 configuration (`openai.OpenAI()`, `anthropic.Anthropic()`), and so does a harness that reads
@@ -402,6 +404,8 @@ class SubprocessAgent:
         async with ctx.openai_endpoint() as ep:
             env = {k: v for k, v in os.environ.items() if k not in SHADOWED}
             env |= agent_env(ep.base_url, ep.api_key, sample)
+            if "seed" in ctx.sampling:
+                env["LOONGSAGE_SEED"] = str(ctx.sampling["seed"])
             proc = await self._start(env, home)
             out, err = _Tail(), _Tail()
             readers = [asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.keys import NONNEG, POSITIVE, key, one_of
 from stages.agentflow import jail
 from stages.agentflow.tools import Tool
 
@@ -72,22 +73,24 @@ UID_END = UID_BASE + 4096 * UID_SLOTS
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    workers: int = 2              # sandboxes started ahead of need (each serves one trajectory, then ends)
-    cpu_s: float = 2.0            # CPU seconds per snippet
-    timeout_s: float = 5.0        # wall seconds per snippet (the worker is killed past it)
-    memory_mb: int = 512          # address space of a worker
-    output_bytes: int = 4096      # stdout + stderr per snippet
-    nproc: int = 8                # processes + threads of the worker's uid (binds only when it has its own uid)
-    file_mb: int = 16             # largest file a snippet may write
-    tmp_mb: int = 32              # size of each private tmpfs
-    calls_per_worker: int = 1000  # a worker is replaced after this many calls (its lifetime CPU budget)
-    max_sandboxes: int = 64       # live sandboxes per pool (trajectories at once); more wait for one to end
-    isolation: str = "auto"       # auto: bubblewrap, else unshare, else limits only (a warning names what is
-                                  # missing) | strict: refuse to start without every isolation | none: limits only
-    python: str = ""              # interpreter for the workers; "" = this one
-    preload: tuple = PRELOAD      # modules imported before the uid drop (see sandbox_worker.setup)
-    remote: bool = False          # True: snippets run in a remote sandbox service (rollout.tool_service: a local
-                                  # service process per rollout worker when its url is ""), with its latency
+    workers: int = key(2, "sandboxes started ahead of need (each serves one trajectory, then ends)", POSITIVE)
+    cpu_s: float = key(2.0, "CPU seconds per snippet", POSITIVE)
+    timeout_s: float = key(5.0, "wall seconds per snippet (the worker is killed past it)", POSITIVE)
+    memory_mb: int = key(512, "address space of a worker, MiB", POSITIVE)
+    output_bytes: int = key(4096, "stdout + stderr per snippet", POSITIVE)
+    nproc: int = key(8, "processes + threads of the worker's uid (binds only when it has its own uid; 0 = no limit)",
+                        NONNEG)
+    file_mb: int = key(16, "largest file a snippet may write, MiB", POSITIVE)
+    tmp_mb: int = key(32, "size of each private tmpfs, MiB", POSITIVE)
+    calls_per_worker: int = key(1000, "a worker is replaced after this many calls (its lifetime CPU budget)", POSITIVE)
+    max_sandboxes: int = key(64, "live sandboxes per pool (trajectories at once); more wait for one to end", POSITIVE)
+    isolation: str = key("auto", "auto: bubblewrap, else unshare, else limits only (a warning names what is missing) "
+                                 "| strict: refuse to start without every isolation | none: limits only",
+                         one_of("auto", "strict", "none"))
+    python: str = key("", 'interpreter for the workers; "" = this one')
+    preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox_worker.setup)")
+    remote: bool = key(False, "True: snippets run in a remote sandbox service (rollout.tool_service: a local service "
+                              'process per rollout worker when its url is ""), with its latency')
 
     def __post_init__(self):
         for k in ("workers", "memory_mb", "output_bytes", "file_mb", "tmp_mb", "calls_per_worker", "max_sandboxes"):

@@ -54,6 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pipeline.keys import NONNEG, POSITIVE, UNIT, key, one_of
 from stages.agentflow.tools import Tool, ToolFatalError
 
 Z99 = 2.3263478740408408   # the standard normal's 99th percentile
@@ -63,13 +64,14 @@ SESSION_IDLE_S = 600.0     # a /run session not used for this long is closed (it
 
 @dataclass(frozen=True)
 class ToolServiceConfig:
-    url: str = ""              # "" = start a local service process (ToolService) with the settings below
-    p50_s: float = 0.2         # median service time (see the module docstring for where it comes from)
-    p99_s: float = 1.5         # 99th percentile service time
-    seed: int = 0
-    error_rate: float = 0.0    # fraction of requests the local service answers 500
-    timeout_s: float = 5.0     # per call, on the client
-    on_error: str = "observe"  # observe: an "error: ..." observation | fail: the trajectory fails
+    url: str = key("", '"" = start a local service process (ToolService) with the settings below')
+    p50_s: float = key(0.2, "median service time (see the module docstring for where it comes from)", POSITIVE)
+    p99_s: float = key(1.5, "99th percentile service time (>= p50_s)", POSITIVE)
+    seed: int = key(0, "in a run: set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
+    error_rate: float = key(0.0, "fraction of requests the local service answers 500", UNIT)
+    timeout_s: float = key(5.0, "seconds per call, on the client", POSITIVE)
+    on_error: str = key("observe", 'observe: an "error: ..." observation | fail: the trajectory fails',
+                                   one_of("observe", "fail"))
 
     def __post_init__(self):
         if not self.p50_s > 0:
