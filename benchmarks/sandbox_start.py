@@ -9,7 +9,8 @@ issue 39), loaded from git; after = this tree's SandboxPool, a session (a jail) 
 Prints, per implementation: sandboxes started, ms of start per sandbox (spawn -> ready, wall), ms of
 start per trajectory (the sum of starts / trajectories), CPU ms per trajectory of all sandbox
 processes (their rusage, snippets included), the wall time of a step, and the mean wait of a
-trajectory's first call.
+trajectory's first call. Last, the start of a black-box agent process (`python -c pass`), unjailed and
+in its jail (stages/agentflow/jail.py agent_argv).
 
     python benchmarks/sandbox_start.py [--steps 3] [--trajectories 64] [--before 93f8b01]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import random
 import resource
 import statistics
@@ -123,6 +125,29 @@ def main() -> None:
     for row in (measure("before", old, step_before, args),
                 measure("after", SandboxPool(SandboxConfig(**RECIPE)), step_after, args)):
         print(row)
+    print({"impl": "black-box agent process start, median ms", **agent_start_ms()})
+
+
+def agent_start_ms(runs: int = 20) -> dict:
+    """A black-box agent process (`python -c pass`) started and waited for, unjailed and in its jail: median ms."""
+    from stages.agentflow.blackbox import make_jail
+
+    argv = [sys.executable, "-c", "pass"]
+    jail = make_jail("auto")
+    out = {}
+    for name, wrap in (("unjailed", None), ("jailed", jail)):
+        times = []
+        for _ in range(runs):
+            cmd, fds = (argv, ()) if wrap is None else wrap.wrap(argv, None)
+            t0 = time.perf_counter()
+            subprocess.run(cmd, pass_fds=fds, check=True)
+            times.append(time.perf_counter() - t0)
+            for fd in fds:
+                os.close(fd)
+        out[name] = round(1000 * statistics.median(times), 1)
+    if jail is not None:
+        jail.close()
+    return out
 
 
 def _old_start_ms(before) -> float:

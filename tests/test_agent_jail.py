@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 
 import pytest
@@ -94,7 +95,12 @@ def test_a_jailed_agent_that_hunts_for_other_keys_finds_none(engine, tiny_model_
     infos = _hunt(engine, tiny_model_dir, tmp_path, **cfg)
     assert all(i["first"] == 200 for i in infos), infos
     assert [i["found"] for i in infos] == [0] * 4, infos
-    assert all(i["user_home"] == [] for i in infos), infos      # the user's home (credentials) is hidden
+    # the user's home (credentials) is hidden: only the way to the interpreter, if it lives there, is bound back
+    home = os.path.expanduser("~root")
+    allowed = {os.path.relpath(p, home).split(os.sep)[0] for p in (sys.prefix, sys.base_prefix,
+                                                                   os.path.realpath(sys.executable))
+               if p.startswith(home.rstrip("/") + "/")}
+    assert all(isinstance(i["user_home"], list) and set(i["user_home"]) <= allowed for i in infos), infos
     if not preload:                                              # a fresh HOME, the template copied in
         assert all(i["home"] == ["config.json"] for i in infos), infos
 

@@ -339,6 +339,7 @@ class SubprocessAgent:
         self.argv = resolve_command(cmd)
         self.zygote = None
         self.jail: AgentJail | None = None
+        self._configured = False    # configure() not called (an agent made outside a rollout): the defaults
         if preload:
             if self.argv[0] != sys.executable or len(self.argv) < 2 or not self.argv[1].endswith(".py"):
                 raise ValueError(f"rollout.agent_preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
@@ -358,6 +359,9 @@ class SubprocessAgent:
 
     def configure(self, rollout_cfg) -> None:
         """rollout.agent_sandbox / agent_home / agent_binds: the jail each agent process runs in."""
+        self._configured = True
+        if self.jail is not None:
+            self.jail.close()
         mode = getattr(rollout_cfg, "agent_sandbox", "auto")
         if mode == "strict" and self.zygote is not None:
             raise ValueError("rollout.agent_sandbox=strict: agents forked by rollout.agent_preload's zygote share "
@@ -387,6 +391,8 @@ class SubprocessAgent:
                 os.close(fd)
 
     async def run(self, ctx, sample: dict) -> None:
+        if not self._configured:
+            self.configure(None)
         home = self.jail.home() if self.jail is not None and self.zygote is None else None
         try:
             await self._run(ctx, sample, home)
