@@ -108,7 +108,7 @@ def write(final: Path, fill: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(e):
             before = newest_intact(final.parent, verify_weights=False)
-            kept = f"; the previous checkpoint {before} is intact" if before else ""
+            kept = f"; the previous checkpoint {before} is intact (run.resume_from={before})" if before else ""
             raise CheckpointError(f"checkpoint {final}: no space left on device (ENOSPC); nothing of it was "
                                   f"kept{kept}") from None
         raise

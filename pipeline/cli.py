@@ -95,7 +95,11 @@ def cmd_run(args) -> int:
     from pipeline.controller import run
     from pipeline.rundir import RunDirError, claim
 
+    if args.resume and not args.run_dir:
+        print("error: --resume continues the run in --run-dir DIR: name it", file=sys.stderr)
+        return 2
     overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
+    one_line = (ValueError, ConfigError, CheckpointError, RunDirError)     # errors that are their message
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -111,8 +115,12 @@ def cmd_run(args) -> int:
             with quiet:
                 bar, on_step, say = _progress(cfg.run.steps)
                 with bar:
-                    summary = run(cfg, run_dir, on_step=on_step, log=say)
-    except (ValueError, ConfigError, CheckpointError, RunDirError) as e:
+                    try:
+                        summary = run(cfg, run_dir, on_step=on_step, log=say)
+                    except one_line:
+                        bar.live.transient = True       # the terminal keeps the error's one line, not the bar
+                        raise
+    except one_line as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 import textwrap
+import types
 import typing
 
 from pipeline.keys import check_of, default_of, doc_of
@@ -49,7 +50,8 @@ def rows(cls=None, prefix: str = "") -> list[Row]:
             out += rows(typ, name + ".")
         else:
             check = check_of(f)
-            finite = "finite" if float in (typ, *typing.get_args(typ)) else ""
+            optional = typing.get_origin(typ) in (typing.Union, types.UnionType)
+            finite = "finite" if typ is float or (optional and float in typing.get_args(typ)) else ""
             accepts = " ".join(x for x in (finite, str(check) if check else "") if x) or "any"
             out.append(Row(name, _type_name(typ), _shown(default_of(f)), accepts, doc_of(f)))
     return out
@@ -88,7 +90,7 @@ def text(section: str | None = None) -> str:
 
 
 def _cell(s: str) -> str:
-    return s.replace("|", "\\|")
+    return s.replace("|", "\\|").replace("<", "&lt;")
 
 
 def markdown() -> str:
