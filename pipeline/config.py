@@ -21,6 +21,7 @@ from pipeline.recorder import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.rollout import RolloutConfig
 from stages.agentflow.sglang_engine import SGLangConfig
+from stages.agentflow.vllm_engine import VLLMConfig
 from stages.batcher import BatcherConfig
 from stages.model import ModelConfig
 from stages.prompts import DataConfig
@@ -82,6 +83,7 @@ class Config:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)        # teachers for on-policy distillation
     megatron: MegatronConfig = field(default_factory=MegatronConfig)     # used when trainer.backend=megatron
     sglang: SGLangConfig = field(default_factory=SGLangConfig)           # used when rollout.engine=sglang
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)                 # used when rollout.engine=vllm
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # Ray placement groups on a cluster
 
 

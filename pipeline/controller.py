@@ -42,6 +42,7 @@ from pipeline.window import Gate, capacity, make_strategy
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
 from stages.agentflow.sglang_engine import SGLangEngine
+from stages.agentflow.vllm_engine import VLLMEngine
 from stages.batcher import WindowedBatcher, mask_old_versions
 from stages.lora import LoraTargetError, base_of, check_targets, is_adapter_dir
 from stages.model import load_tokenizer, resolve_model_path
@@ -671,6 +672,7 @@ def _placement(c: Config) -> Placement | None:
 # rollout.engine -> (engine class, extra constructor arguments from the config)
 ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
                                         c.rollout.engine_max_rows)),
+           "vllm": (VLLMEngine, lambda c: (c.vllm, c.trainer.lora)),
            "sglang": (SGLangEngine, lambda c: (c.sglang, c.trainer.lora))}
 
 

@@ -60,7 +60,8 @@ from functools import lru_cache
 from pathlib import Path
 
 NAME = "qwen-vocab-tiny"          # model.path: builtin:qwen-vocab-tiny
-FORMAT = 2                        # 2: 2 heads of 32 (vLLM's CPU attention takes no 16). Bump when the tokenizer, template or model layout changes: new cache key
+FORMAT = 2                        # bump when the tokenizer, template or model layout changes: new cache key
+                                  # (2: 2 heads of 32, as vLLM's CPU attention takes no 16)
 
 # Qwen's pre-tokenization split (Qwen2.5 / Qwen3, as in the package's legacy encoder).
 SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"

@@ -70,7 +70,8 @@ class RolloutConfig:
     max_turns: int = 8                 # model turns (proxy calls) per trajectory; 0 = unlimited
     max_agents: int = 0                # agents running at once per worker; 0 = all of a batch
     num_engines: int = 1
-    engine: str = "hf"                 # hf (embedded torch engine, any CPU) | sglang (GPU; `sglang:` section)
+    engine: str = "hf"                 # hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:`
+                                       # section) | sglang (GPU; `sglang:` section)
     engine_threads: int = 0            # torch threads per engine; 0 = decided by pipeline/resources.py
     engine_batching: str = "continuous"  # hf engine: continuous (rows join/leave the running batch between decode
                                        # steps) | static (one decode loop per call); stages/agentflow/engine.py
@@ -108,8 +109,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
-        if self.engine not in ("hf", "sglang"):
-            raise ValueError(f"rollout.engine must be hf or sglang, got {self.engine!r}")
+        if self.engine not in ("hf", "vllm", "sglang"):
+            raise ValueError(f"rollout.engine must be hf, vllm or sglang, got {self.engine!r}")
         if self.engine_batching not in ("continuous", "static"):
             raise ValueError(f"rollout.engine_batching must be continuous or static, got {self.engine_batching!r}")
         if self.engine_max_rows < 1:
