@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -97,6 +98,8 @@ class Controller:
                               f"rollout.n_samples = {step_samples}")
         if c.run.steps <= 0:
             raise ConfigError(f"run.steps must be > 0, got {c.run.steps}")
+        if c.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e '.[vllm]' (docs/vllm.md)")
         check_recipe(c.teacher, c.algorithm)
         if c.algorithm.distill_coef and c.trainer.backend != "torch":
             raise ConfigError("algorithm.distill_coef > 0 needs trainer.backend=torch (the Megatron trainer has no "
@@ -111,6 +114,13 @@ class Controller:
             targets = check_targets(lora, self.model_path)
         except LoraTargetError as e:
             raise ConfigError(str(e)) from e
+        if self.cfg.rollout.engine == "vllm":
+            from stages.agentflow.vllm_engine import check_lora
+
+            try:
+                check_lora(lora)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         if self.cfg.rollout.engine == "sglang":
             from stages.agentflow.sglang_engine import check_lora_targets
 

@@ -102,13 +102,22 @@ class _Row:
 
 def _reload(worker, named: dict) -> None:
     """In the worker (this process): load a complete HF state dict into the running model."""
-    runner = worker.model_runner
-    runner.reload_weights(weights_iterator=iter(named.items()))
-    model = runner.get_model()
+    worker.reload_weights(weights_iterator=iter(named.items()))
+    model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
     method = getattr(head, "quant_method", None)
     if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)   # the tied head's packed weight, from the new embedding
+
+
+def check_lora(lora: LoraConfig) -> None:
+    """ValueError naming the key when vLLM cannot serve trainer.lora's adapters as the trainer trains them."""
+    if lora.target_regex:
+        raise ValueError("trainer.lora.target_regex: rollout.engine=vllm reads adapters whose targets are module "
+                         "names; use trainer.lora.target_modules")
+    if lora.modules_to_save:
+        raise ValueError("trainer.lora.modules_to_save: rollout.engine=vllm serves LoRA adapters only (no module "
+                         "trained in full beside them); leave it empty")
 
 
 def weight_specs_of(model_path: str, dtype: str) -> dict:
@@ -126,6 +135,8 @@ class VLLMEngine:
         cfg = cfg or VLLMConfig()
         self.engine_id, self.model_path, self.dtype, self.cfg = engine_id, model_path, dtype, cfg
         self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            check_lora(self.lora)
         self.tok = load_tokenizer(model_path)
         self.eos_id = self.tok.eos_token_id
         self.context, self.vocab = model_limits(model_path)
@@ -163,6 +174,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")     # a shared machine: no core pinning
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)    # else vLLM drops torch to 1 thread for serving
         torch.set_num_threads(self.threads)
         from vllm import EngineArgs, LLMEngine
 
@@ -177,7 +189,18 @@ class VLLMEngine:
         if self.lora is not None:
             args |= dict(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=c.max_loras)
         args |= dict(c.engine_args)
-        return LLMEngine.from_engine_args(EngineArgs(**args))
+        engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        self._warm_up(engine)
+        return engine
+
+    def _warm_up(self, engine) -> None:
+        """One token through the engine at start: its first step builds kernels and buffers (seconds
+        on CPU), which the first rollout would wait for otherwise."""
+        from vllm import SamplingParams
+
+        engine.add_request("warm-up", {"prompt_token_ids": [self.eos_id]}, SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
 
     @staticmethod
     def _fresh_stats() -> dict:
@@ -306,7 +329,11 @@ class VLLMEngine:
             if refused:
                 out[i] = failed_row(*refused)
                 continue
-            row = self._row(r, t0, hold)
+            try:
+                row = self._row(r, t0, hold)
+            except ValueError as e:     # a setting vLLM refuses (e.g. temperature > 2): this row alone fails
+                out[i] = failed_row("invalid_request", f"vLLM refused the request: {e}")
+                continue
             if row.status:
                 out[i] = row.result()
             else:
