@@ -320,6 +320,8 @@ class VLLMEngine:
         if not self._synced.wait(timeout=RESYNC_TIMEOUT_S):
             raise RuntimeError(f"{self.engine_id} restarted and was not re-sent the current weights within "
                                f"{RESYNC_TIMEOUT_S:.0f}s")
+        from vllm.exceptions import VLLMValidationError
+
         t0 = time.time()
         out: list[dict] = [{}] * len(requests)
         rows: list[tuple[int, _Row]] = []
@@ -331,7 +333,7 @@ class VLLMEngine:
                 continue
             try:
                 row = self._row(r, t0, hold)
-            except ValueError as e:     # a setting vLLM refuses (e.g. temperature > 2): this row alone fails
+            except (ValueError, VLLMValidationError) as e:  # a setting vLLM refuses (temperature > 2): this row fails
                 out[i] = failed_row("invalid_request", f"vLLM refused the request: {e}")
                 continue
             if row.status:
