@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "add_tiny.yaml"))
     p.add_argument("--run-dir", default=None)
     p.add_argument("overrides", nargs="*", help="section.key=value, applied after the benchmark paths")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)     # options and overrides in any order
     bench = Path(args.bench_dir).resolve()
     if not (bench / "test.parquet").is_file():
         print(f"error: {bench} is not the add-tiny folder (no test.parquet); pass --bench-dir", file=sys.stderr)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
     p.add_argument("--run-dir", default=None)
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)     # options and overrides in any order
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="quickstart-"))

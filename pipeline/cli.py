@@ -1,12 +1,16 @@
 """`loongsage` command line: run a recipe, replay a recording, profile a run.
 
-    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--verbose]
+    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--resume | --overwrite] [--verbose]
     loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
     loongsage profile RUN [--out DIR]
     loongsage make-teacher --task addition --out DIR
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
+    loongsage config [SECTION] | --check RECIPE [key=value ...] | --markdown
+
+Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
+an option of several values (plan --sweep) takes every word up to the next option.
 """
 from __future__ import annotations
 
@@ -58,6 +62,10 @@ def _progress(total: int):
                     f"loss {_num(line['train/loss'], '+.4f')}  {rate:.1f} samples/s")
             step = line.get("step")
             bar.update(task, info=info, **({"completed": step} if isinstance(step, int) else {}))
+        elif "train/skipped_steps" in line and line.get("train/tokens") == 0:   # skipped: no trainable row
+            step = line.get("step")
+            bar.update(task, info=f"step skipped: no trainable rows ({line['train/skipped_steps']} skipped so far)",
+                       **({"completed": step} if isinstance(step, int) else {}))
 
     return bar, on_step, say
 
@@ -81,12 +89,15 @@ def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
 
 
 def cmd_run(args) -> int:
+    from pipeline.checkpoint import CheckpointError
     from pipeline.cluster import ray_output_to
     from pipeline.config import ConfigError, load_config
     from pipeline.controller import run
+    from pipeline.rundir import RunDirError, claim
 
+    overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -95,11 +106,13 @@ def cmd_run(args) -> int:
     ray_log = run_dir / "ray.log"
     quiet = contextlib.nullcontext() if args.verbose else ray_output_to(ray_log)
     try:
-        with quiet:
-            bar, on_step, say = _progress(cfg.run.steps)
-            with bar:
-                summary = run(cfg, run_dir, on_step=on_step, log=say)
-    except (ValueError, ConfigError) as e:
+        # the run directory is claimed before anything (ray.log included) is written into it
+        with claim(run_dir, bool(cfg.run.resume_from), args.overwrite, log=lambda m: print(m, file=sys.stderr)):
+            with quiet:
+                bar, on_step, say = _progress(cfg.run.steps)
+                with bar:
+                    summary = run(cfg, run_dir, on_step=on_step, log=say)
+    except (ValueError, ConfigError, CheckpointError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -133,12 +146,25 @@ def cmd_profile(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # the terminal carries the run's own lines: no "Writing model shards" bars from transformers (read at its
+    # import, here and in every Ray worker the run starts, which inherit this environment)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    args = parse_argv(sys.argv[1:] if argv is None else list(argv))
+    return args.fn(args)
+
+
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """The command line as every subcommand's parser reads it (nothing is run)."""
     p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a recipe")
     r.add_argument("config", help="recipe YAML, e.g. configs/quickstart.yaml")
     r.add_argument("overrides", nargs="*", help="section.key=value overrides")
     r.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the run directory's newest intact checkpoint (run.resume_from=latest)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds a finished run (its files are removed)")
     r.add_argument("--verbose", action="store_true",
                    help="show Ray's own logs on the terminal (by default they go to RUN_DIR/ray.log)")
     r.set_defaults(fn=cmd_run)
@@ -164,8 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.plan import add_subcommand as add_plan
 
     add_plan(sub)             # loongsage plan: simulate a run on a cluster, calibrated on a run's profile
-    args = p.parse_args(argv)
-    return args.fn(args)
+    from pipeline.config_doc import add_subcommand as add_config
+
+    add_config(sub)           # loongsage config [SECTION] | --check RECIPE | --markdown: the config reference
+    return parse(p, sub, argv)
+
+
+def parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Namespace:
+    """Options and positionals in any order (`run CFG --run-dir D k=v`), for every subcommand: its own
+    parser parses what follows its name intermixed (argparse's intermixed parsing refuses a parser
+    that has subcommands, so the top level only picks the subcommand)."""
+    if argv and argv[0] in sub.choices:
+        return sub.choices[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
+    return parser.parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ import dataclasses
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from pipeline import seeds
+from pipeline.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
 from pipeline.placement import PlacementConfig
 from pipeline.recorder import ReplayConfig
 from pipeline.trackers import TrackerConfig
@@ -39,27 +41,32 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 5                 # evaluate every N steps (0 = only at start and end)
-    num_prompts: int = 200         # held-out prompts per evaluation
-    temperature: float = 1.0       # sampled at the training temperature by default
-    n_samples: int = 1
+    every: int = key(5, "evaluate every N steps (0 = only at start and end)", NONNEG)
+    num_prompts: int = key(200, "held-out prompts per evaluation (0 = no evaluation)", NONNEG)
+    temperature: float = key(1.0, "sampling temperature of evaluation (the training temperature by default)", NONNEG)
+    n_samples: int = key(1, "samples per held-out prompt", POSITIVE)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Run-level settings: where Ray is, how often to checkpoint, the seed."""
-    steps: int = 40                # training steps (weight versions) to run
-    seed: int = 0
-    ray_address: str = ""          # "" = start local Ray; "auto" or "ray://..." joins a cluster
-    ray_num_cpus: int = 0          # logical CPUs for local Ray (0 = this machine's count)
-    checkpoint_every: int = 0      # 0 = only at the end
-    resume_from: str = ""          # a checkpoint dir (RUN/checkpoints/step_N) to continue from
-    log_every: int = 1
-    data_wake: str = "event"       # Ray Data's executor wakes when a task has output (event), every data_poll_s
-    #                                (poll), or as Ray ships it (ray: every 0.1 s, no patch of its internals)
-    data_poll_s: float = 0.01      # poll period (wake=poll, or a task whose output waits); Ray's own: 0.1
+    steps: int = key(40, "training steps (weight versions) to run", POSITIVE)
+    seed: int = key(0, "every random choice of the run derives from it (pipeline/seeds.py)", NONNEG)
+    ray_address: str = key("", '"" = start local Ray; "auto" or "ray://..." joins a cluster')
+    ray_num_cpus: int = key(0, "logical CPUs for local Ray (0 = this machine's count)", NONNEG)
+    checkpoint_every: int = key(0, "write a checkpoint every N steps (0 = only at the end)", NONNEG)
+    resume_from: str = key("", "a checkpoint dir (RUN/checkpoints/step_N) to continue from, or latest: the run dir's "
+                               "newest intact one")
+    log_every: int = key(1, "metrics line period in steps (not read yet: every step writes one)", POSITIVE)
+    data_wake: str = key("event", "Ray Data's executor wakes when a task has output (event), every data_poll_s (poll),"
+                                  " or as Ray ships it (ray: every 0.1 s, no patch of its internals)",
+                                  one_of("event", "poll", "ray"))
+    data_poll_s: float = key(0.01, "poll period in seconds (wake=poll, or a task whose output waits); Ray's own: 0.1",
+                                   POSITIVE)
 
     def __post_init__(self):
+        if self.seed < 0:
+            raise ValueError(f"run.seed must be >= 0, got {self.seed}")
         if not self.data_poll_s > 0:
             raise ValueError(f"run.data_poll_s must be > 0, got {self.data_poll_s}")
         if self.data_wake not in ("event", "poll", "ray"):
@@ -68,23 +75,25 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    batcher: BatcherConfig = field(default_factory=BatcherConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
-    trackers: TrackerConfig = field(default_factory=TrackerConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)        # teachers for on-policy distillation
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)     # used when trainer.backend=megatron
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)           # used when rollout.engine=sglang
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)                 # used when rollout.engine=vllm
-    placement: PlacementConfig = field(default_factory=PlacementConfig)  # Ray placement groups on a cluster
+    run: RunConfig = key(RunConfig, "run-level settings: steps, seed, Ray, checkpoints, resume")
+    model: ModelConfig = key(ModelConfig, "the policy model: a local HF directory or the built-in tiny model")
+    data: DataConfig = key(DataConfig, "the prompt dataset and its columns")
+    rollout: RolloutConfig = key(RolloutConfig, "generation: samples per prompt, agents, engines, asynchrony, the "
+                                                "black-box proxy")
+    reward: RewardConfig = key(RewardConfig, "the reward function and its workers")
+    batcher: BatcherConfig = key(BatcherConfig, "how collected groups become a training step")
+    algorithm: AlgorithmConfig = key(AlgorithmConfig, "the RL objective: preset, advantage, surrogate loss, KL, IS "
+                                                      "corrections, distillation")
+    trainer: TrainerConfig = key(TrainerConfig, "the optimizer, its schedule and the trainer backend")
+    transfer: TransferConfig = key(TransferConfig, "weight transfer from the trainer to the engines (TransferMesh)")
+    eval: EvalConfig = key(EvalConfig, "held-out evaluation during the run")
+    replay: ReplayConfig = key(ReplayConfig, "which recorded groups `loongsage replay` trains on")
+    trackers: TrackerConfig = key(TrackerConfig, "experiment trackers the metrics also go to")
+    teacher: TeacherConfig = key(TeacherConfig, "teachers for on-policy distillation")
+    megatron: MegatronConfig = key(MegatronConfig, "Megatron-core parallelism; used when trainer.backend=megatron")
+    sglang: SGLangConfig = key(SGLangConfig, "SGLang engines; used when rollout.engine=sglang")
+    vllm: VLLMConfig = key(VLLMConfig, "the vLLM engines; used when rollout.engine=vllm (docs/vllm.md)")
+    placement: PlacementConfig = key(PlacementConfig, "Ray placement groups on a cluster")
 
 
 # YAML 1.1 (PyYAML) reads a float only with a dot: `5e-5` and `1e3` come back as strings
@@ -131,6 +140,11 @@ def _build(cls, data, where: str):
         raise ConfigError(f"unknown key {where + '.' if where else ''}{unknown[0]}; valid keys"
                           f"{' of ' + where if where else ''}: {', '.join(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k, v in kwargs.items():
+        why = None if dataclasses.is_dataclass(v) else problem(v, check_of(fields[k]))
+        if why:
+            raise ConfigError(f"{where + '.' if where else ''}{k} must be {why}, got {v!r}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -173,8 +187,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{p}: top level must be a mapping of sections")
     for o in overrides:
         apply_override(tree, o)
-    return _build(Config, tree, "")
+    try:
+        seeds.reject_set(tree)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return seeds.resolve(_build(Config, tree, ""))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(seeds.strip(to_dict(cfg)), sort_keys=False)   # derived seeds: run.seed says it all
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    Path(path).write_text(dump_yaml(cfg))

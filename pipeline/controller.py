@@ -29,6 +29,8 @@ import pyarrow as pa
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from pipeline import checkpoint as ckpt
+from pipeline import rundir, seeds
 from pipeline.builder import Pipeline, Stage, set_stream_poll, stream_poll_internals
 from pipeline.cluster import init_ray
 from pipeline.config import Config, ConfigError, dump_config, to_dict
@@ -65,12 +67,14 @@ CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 2000     # 2,000 steps of add-tiny: ~4,00
 class Controller:
     def __init__(self, cfg: Config, run_dir: str | Path, rows: list[dict] | None = None,
                  on_step: Callable[[dict], None] | None = None, log: Callable[[str], None] = print):
+        cfg = seeds.resolve(cfg)    # a Config built in code, not by load_config, gets its seeds here
         self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
         self.validate()
         self.model_path = resolve_model_path(cfg.model, log=log)
         self._check_lora()
         self.done_seqs: set[int] = set()        # groups trained or dropped: never dispatched again
-        self.resume_state = self._load_resume(cfg.run.resume_from) if cfg.run.resume_from else None
+        self.resume_path = ckpt.resolve(cfg.run.resume_from, self.run_dir, log) if cfg.run.resume_from else None
+        self.resume_state = self._load_resume(str(self.resume_path)) if self.resume_path else None
         self.tok = load_tokenizer(self.model_path)
         self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
         self.test = self._load_test()
@@ -131,7 +135,7 @@ class Controller:
 
     def _load_resume(self, path: str) -> dict:
         """A checkpoint holds HF weights (with LoRA: a peft adapter naming its base), trainer_state.pt and
-        controller.json (clock + consumed groups)."""
+        controller.json (clock + consumed groups); pipeline/checkpoint.py has verified it."""
         p = Path(path)
         lora = self.cfg.trainer.lora.enabled
         for f in ("adapter_config.json" if lora else "config.json", "trainer_state.pt", "controller.json"):
@@ -186,7 +190,7 @@ class Controller:
             self.pipeline.profiler = self.profiler
             self._open_early_stream()
         if self.resume_state:
-            ray.get(self.trainer.load_state.remote(self.cfg.run.resume_from))
+            ray.get(self.trainer.load_state.remote(str(self.resume_path)))
             if not c.trainer.lora.enabled:      # LoRA: the adapter is published below, with the clock
                 ray.get([e.load_weights.remote({}, self.version) for e in self.engines])   # engines report the clock
         infos = ray.get([e.info.remote() for e in self.engines] + [self.trainer.info.remote()])
@@ -241,6 +245,10 @@ class Controller:
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> dict:
         """Evaluate, run the step loop, evaluate again, checkpoint; returns the run's summary."""
+        with rundir.locked(self.run_dir, self.log):      # the CLI holds it already; a Python caller takes it here
+            return self._run()
+
+    def _run(self) -> dict:
         c = self.cfg
         self._open_run_dir()
         self.loop = StepLoop(self._step_parts(), c.run.steps, step=self.step, version=self.version,
@@ -273,7 +281,7 @@ class Controller:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(c, self.run_dir / "config.yaml")
-        self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c))
+        self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c), self.log)
         self.recorder = Recorder(self.run_dir, c.rollout.n_samples)
         if hasattr(self, "pipeline"):       # a caller may start() and swap in its own pipeline first
             self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
@@ -498,12 +506,12 @@ class Controller:
         c, t, step = self.cfg, time.time(), self.step if step is None else step
         if c.rollout.agent == "single_turn":
             m = evaluate(self.engines, self.reward_local, self.test, self.tok, c.eval.temperature,
-                         c.rollout.max_new_tokens, c.eval.n_samples)
+                         c.rollout.max_new_tokens, c.eval.n_samples, seed=seeds.derive(c.run.seed, "eval"))
         else:   # the recipe's agent itself, on the live engines: its accuracy is what training moves
             if getattr(self, "_eval_rollout", None) is None:
                 self._eval_rollout = AgentFlowRollout(_replace(c.rollout, temperature=c.eval.temperature,
-                                                               seed=c.run.seed + 1), self.engines, None,
-                                                      self.model_path)
+                                                               seed=seeds.derive(c.run.seed, "eval")),
+                                                      self.engines, None, self.model_path)
             m = evaluate_agent(self._eval_rollout, self.reward_local, self.test, c.eval.n_samples)
         self.profiler.add("eval", t, time.time(), actor="engines", step=step)
         if write:
@@ -577,13 +585,14 @@ class Controller:
         Groups in flight are not saved: they were never trained, so a resumed run dispatches
         them again; `done_seqs` makes sure no trained or dropped group comes back. Groups of
         a batch already taken for the next step (`untrained`) are not done yet either."""
-        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        ray.get(self.trainer.save.remote(str(path), self.model_path))
-        with self._seqs_lock:
-            done = sorted(self.done_seqs - set(untrained))
-        (path / "controller.json").write_text(json.dumps(
-            {"step": self.step, "version": self.version, "done_seqs": done}))
-        return str(path)
+        def fill(tmp: Path) -> None:
+            ray.get(self.trainer.save.remote(str(tmp), self.model_path))
+            with self._seqs_lock:
+                done = sorted(self.done_seqs - set(untrained))
+            (tmp / "controller.json").write_text(json.dumps(
+                {"step": self.step, "version": self.version, "done_seqs": done}))
+
+        return str(ckpt.write(self.run_dir / "checkpoints" / f"step_{self.step:06d}", fill))
 
 
 class _StateView:
@@ -694,7 +703,7 @@ def _start_engines(c: Config, model_path: str, res, placement: Placement | None)
         gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
         opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
     return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.rollout.engine_restarts).remote(
-        model_path, c.model.dtype, c.run.seed + i, res.engine_threads, f"engine{i}", *extra(c))
+        model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}", *extra(c))
         for i, o in enumerate(opts)]
 
 

@@ -25,6 +25,7 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -
     from dataclasses import replace
 
     from pipeline.evaluate import evaluate_agent as run_eval
+    from pipeline.seeds import derive
     from stages.agentflow.engine import HFEngine
     from stages.agentflow.rollout import AgentFlowRollout
     from stages.prompts import load_prompts
@@ -36,9 +37,9 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -
         raise ValueError("eval_agent needs held-out prompts: set data.test_path (or use a builtin: data.path)")
     prompts = load_prompts(c, path=path, split="test", size=num_prompts).slice(0, num_prompts)
     engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(model_path, cfg.model.dtype,
-                                                                                 cfg.run.seed)
-    stage = AgentFlowRollout(replace(cfg.rollout, temperature=cfg.eval.temperature, seed=cfg.run.seed + 1),
-                             [engine], None, model_path)
+                                                                                 derive(cfg.run.seed, "engine", 0))
+    stage = AgentFlowRollout(replace(cfg.rollout, temperature=cfg.eval.temperature,
+                                     seed=derive(cfg.run.seed, "eval")), [engine], None, model_path)
     try:
         m = run_eval(stage, Reward(cfg.reward, model_path), prompts, n_samples)
     finally:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="", help="HF model directory (default: the recipe's model)")
     p.add_argument("--prompts", type=int, default=200, help="held-out prompts (default 200)")
     p.add_argument("--samples", type=int, default=1, help="samples per prompt (default 1)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         model = args.model or resolve_model_path(cfg.model, log=lambda m: print(m, file=sys.stderr))

@@ -15,11 +15,16 @@ from stages.schema import table_from_columns
 
 
 def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,
-             n_samples: int = 1) -> dict:
+             n_samples: int = 1, seed: int | None = None) -> dict:
+    """`seed`: sample k draws with seed + k, whatever engine and batch it lands in (every evaluation of a
+    run draws the same numbers: accuracy moves with the weights, not with the draws); None: the engines'
+    own streams."""
     t0 = time.time()
     rows = prompts.to_pylist()
     reqs = [{"prompt_ids": tok(r["prompt"], add_special_tokens=False)["input_ids"], "max_new_tokens": max_new_tokens,
              "temperature": temperature, "hold": True} for r in rows for _ in range(n_samples)]
+    if seed is not None:
+        reqs = [r | {"seed": seed + k} for k, r in enumerate(reqs)]
     shards = [reqs[i::len(engines)] for i in range(len(engines))]
     outs = ray.get([e.generate.remote(s) for e, s in zip(engines, shards)])
     results = [None] * len(reqs)

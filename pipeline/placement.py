@@ -33,19 +33,23 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pipeline.keys import NONNEG, POSITIVE, key, one_of
+
 
 @dataclass(frozen=True)
 class PlacementConfig:
     """The `placement:` recipe section. mode none: actors as today (local Ray, no groups)."""
-    mode: str = "none"              # none | disaggregated (own GPUs per role) | colocated (engines on trainer GPUs)
-    trainer_gpus: float = 1.0       # per trainer rank (colocated: its share of the GPU)
-    engine_gpus: float = 1.0        # per engine: GPUs it spans (colocated: its share of the trainer rank's GPU)
-    cpus: float = 1.0               # per worker (fractions allowed)
-    timeout_s: float = 300.0        # how long to wait for the cluster to hold every group
-    # custom Ray resources per trainer rank / per engine, e.g. {trainer_node: 0.01}: only nodes
-    # that carry them host the role (trainer and engines on different nodes, a GPU type, ...)
-    trainer_resources: dict[str, float] = field(default_factory=dict)
-    engine_resources: dict[str, float] = field(default_factory=dict)
+    mode: str = key("none", "none | disaggregated (own GPUs per role) | colocated (engines on trainer GPUs)",
+                            one_of("none", "disaggregated", "colocated"))
+    trainer_gpus: float = key(1.0, "GPUs per trainer rank (colocated: its share of the GPU)", NONNEG)
+    engine_gpus: float = key(1.0, "GPUs per engine: GPUs it spans (colocated: its share of the trainer rank's GPU)",
+                                  NONNEG)
+    cpus: float = key(1.0, "CPUs per worker (fractions allowed)", NONNEG)
+    timeout_s: float = key(300.0, "how long to wait for the cluster to hold every group", POSITIVE)
+    trainer_resources: dict[str, float] = key({}, "custom Ray resources per trainer rank, e.g. {trainer_node: 0.01}: "
+                                                  "only nodes that carry them host the role")
+    engine_resources: dict[str, float] = key({}, "custom Ray resources per engine: only nodes that carry them host the"
+                                                 " role")
 
     def __post_init__(self):
         if self.mode not in ("none", "disaggregated", "colocated"):

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.checkpoint import write as write_checkpoint
 from pipeline.recorder import Recorder, Recording, RecordingError, ReplayConfig, ReplayError, select_groups
 
 CHUNK_STEPS = 50     # recorded steps read per Ray Dataset: memory holds a chunk, never the whole recording
@@ -129,7 +130,8 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
         if left or st.dropped_filter:
             log(f"replay: trained {loop.step} steps of {B} groups; {left} kept group(s) left over, "
                 f"{st.dropped_filter} dropped by batcher.filter_equal_rewards")
-        ckpt = ray.get(trainer.save.remote(str(run_dir / "checkpoints" / f"step_{loop.step:06d}"), model_path))
+        ckpt = str(write_checkpoint(run_dir / "checkpoints" / f"step_{loop.step:06d}",
+                                    lambda tmp: ray.get(trainer.save.remote(str(tmp), model_path))))
     finally:
         loop.close()
         metrics.close()

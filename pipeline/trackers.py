@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.keys import key, one_of
 from pipeline.metrics import MetricsWriter
 
 
@@ -33,13 +34,13 @@ class TrackerError(ValueError):
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "loongsage"
-    wandb_mode: str = "offline"        # offline | online | disabled
-    mlflow: bool = False
-    mlflow_uri: str = ""               # "" = file:RUN_DIR/mlruns
-    mlflow_experiment: str = "loongsage"
+    tensorboard: bool = key(True, "write TensorBoard event files under RUN_DIR")
+    wandb: bool = key(False, "log to Weights & Biases")
+    wandb_project: str = key("loongsage", "W&B project name")
+    wandb_mode: str = key("offline", "offline | online | disabled", one_of("offline", "online", "disabled"))
+    mlflow: bool = key(False, "log to MLflow")
+    mlflow_uri: str = key("", 'MLflow tracking URI; "" = file:RUN_DIR/mlruns')
+    mlflow_experiment: str = key("loongsage", "MLflow experiment name")
 
     def __post_init__(self):
         if self.wandb_mode not in ("offline", "online", "disabled"):
@@ -110,16 +111,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None) -> list:
+def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> list:
     """The enabled sinks. A disabled one is never imported; an enabled one that is missing is an error
-    (TensorBoard, on by default, only warns)."""
+    (TensorBoard, on by default, only says so: one line through `log`, or a warning without one)."""
     run_dir, config, sinks = Path(run_dir), config or {}, []
     if cfg.tensorboard:
         try:
             sinks.append(TensorBoardSink(run_dir, config))
-        except ImportError as e:
-            warnings.warn(f"TensorBoard event files off: {e} (pip install tensorboard); metrics.jsonl only",
-                          stacklevel=2)
+        except ImportError:
+            note = ("TensorBoard event files off: tensorboard is not installed (pip install tensorboard); "
+                    "metrics.jsonl only")
+            log(note) if log else warnings.warn(note, stacklevel=2)
     for enabled, make, pkg in ((cfg.wandb, WandbSink, "wandb"), (cfg.mlflow, MlflowSink, "mlflow")):
         if enabled:
             try:
@@ -152,9 +154,9 @@ class TrackedMetrics:
             s.close()
 
 
-def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None) -> TrackedMetrics:
+def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> TrackedMetrics:
     """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers."""
-    return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config))
+    return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config, log))
 
 
 def export_metrics(run_dir: str | Path, cfg: TrackerConfig = TrackerConfig()) -> int:

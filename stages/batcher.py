@@ -20,14 +20,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.keys import POSITIVE, key, one_of
+
 
 @dataclass(frozen=True)
 class BatcherConfig:
-    groups_per_step: int = 8           # B
-    filter_equal_rewards: bool = False  # dynamic sampling: drop groups whose rewards are all equal
-    stale_policy: str = "drop"         # drop | wait | mask: what to do with a group older than the bound (mask:
-    #                                    its tokens older than the bound leave the loss, kept as context; the group
-    #                                    is dropped only when none is left: long trajectories are not starved)
+    groups_per_step: int = key(8, "B: prompt groups per training step", POSITIVE)
+    filter_equal_rewards: bool = key(False, "dynamic sampling: drop groups whose rewards are all equal")
+    stale_policy: str = key("drop", "drop | wait | mask: what to do with a group older than the bound (mask: its "
+                                    "tokens older than the bound leave the loss, kept as context; the group is dropped"
+                                    " only when none is left: long trajectories are not starved)",
+                                    one_of("drop", "wait", "mask"))
 
     def __post_init__(self):
         if self.groups_per_step <= 0:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.keys import POSITIVE, between, key, one_of
+
 PREFIX = "base_model.model."         # peft's saved-adapter keys start with this, then the module path
 ADAPTER_DTYPE = torch.float32        # peft keeps adapters in float32 even on a bf16 / fp16 base
 SERVE = ("merge", "peft")
@@ -38,15 +40,17 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 @dataclass(frozen=True)
 class LoraConfig:
     """The `trainer.lora:` recipe section."""
-    enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0              # the update is scaled by alpha / rank
-    dropout: float = 0.0             # on the adapter's input, in the trainer's gradient passes only
-    target_modules: tuple[str, ...] = DEFAULT_TARGETS   # module names: every module whose path ends in one
-    target_regex: str = ""           # a regex full-matched against module paths; set, it replaces target_modules
-    modules_to_save: tuple[str, ...] = ()   # modules trained in full beside the adapters (peft's modules_to_save:
-    #                                        every module whose path ends in one), e.g. [model.norm]; sent with them
-    serve: str = "merge"             # how the HF engine applies a version: merge | peft (see the module docstring)
+    enabled: bool = key(False, "train LoRA adapters instead of the full model")
+    rank: int = key(8, "adapter rank", POSITIVE)
+    alpha: float = key(16.0, "the update is scaled by alpha / rank", POSITIVE)
+    dropout: float = key(0.0, "on the adapter's input, in the trainer's gradient passes only",
+                              between(0, 1, hi_open=True))
+    target_modules: tuple[str, ...] = key(DEFAULT_TARGETS, "module names: every module whose path ends in one")
+    target_regex: str = key("", "a regex full-matched against module paths; set, it replaces target_modules")
+    modules_to_save: tuple[str, ...] = key((), "modules trained in full beside the adapters (peft's modules_to_save: "
+                                               "every module whose path ends in one), e.g. [model.norm]; sent with "
+                                               "them")
+    serve: str = key("merge", "how the HF engine applies a version: merge | peft (see stages/lora.py)", one_of(*SERVE))
 
     def __post_init__(self):
         if self.rank <= 0:

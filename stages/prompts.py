@@ -17,21 +17,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.keys import NONNEG, POSITIVE, key
 from stages.schema import table_from_columns
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = "builtin:addition"     # .parquet / .jsonl / .json file, a directory of Parquet, or builtin:TASK
-    test_path: str = ""                # held-out prompts for eval; "" = the built-in task's test split
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    data_source_key: str = "data_source"   # optional column; missing -> `data_source` below
-    data_source: str = ""              # default source name ("" = task name or file stem)
-    builtin_digits: int = 2
-    train_size: int = 0                # 0 = every row
-    shuffle: bool = True
-    seed: int = 0
+    path: str = key("builtin:addition", ".parquet / .jsonl / .json file, a directory of Parquet, or builtin:TASK")
+    test_path: str = key("", "held-out prompts for eval; \"\" = the built-in task's test split")
+    prompt_key: str = key("prompt", "column holding the prompt")
+    answer_key: str = key("answer", "column holding the reference answer")
+    data_source_key: str = key("data_source", "optional column naming each row's data source; missing -> "
+                                              "data.data_source")
+    data_source: str = key("", 'default source name ("" = task name or file stem)')
+    builtin_digits: int = key(2, "builtin:TASK: digits of the task's operands", POSITIVE)
+    train_size: int = key(0, "training prompts to use (0 = every row)", NONNEG)
+    shuffle: bool = key(True, "shuffle prompts, one seeded permutation per epoch")
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: the prompt order", NONNEG)
 
     def __post_init__(self):
         if self.train_size < 0:

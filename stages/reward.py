@@ -10,7 +10,10 @@ signature
     def score(prompt: str, response: str, answer: str, row: dict) -> float | dict
         # dict form: {"reward": float, ...anything else goes to reward_info}
 
-(`async def` works too). A user function runs in a small pool of worker processes
+(`async def` works too). A function that draws random numbers (a sampled judge) seeds them
+from `row["seed"]`: a function of run.seed, the row's group and sample (pipeline/seeds.py).
+
+A user function runs in a small pool of worker processes
 (stages/reward_pool.py, `reward.workers` of them), all rows of a batch queued at once, each
 call with `reward.timeout_s`: an exception, a non-finite reward (NaN, inf) or a timeout
 marks only that row `failed`, with the error and reward 0, and a call past its timeout has
@@ -35,8 +38,10 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
+from pipeline.keys import NONNEG, POSITIVE, at_least, key
 from stages.reward_pool import RewardPool, call_reward, error_text
 from stages.schema import with_columns
 
@@ -63,9 +68,10 @@ BUILTIN = {"exact_match": exact_match, "numeric": numeric}
 
 @dataclass(frozen=True)
 class RewardConfig:
-    fn: str = "exact_match"        # exact_match | numeric | dotted path `pkg.module:function`
-    timeout_s: float = 10.0        # per row of a user fn, from when a worker starts it
-    workers: int = 4               # worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)
+    fn: str = key("exact_match", "exact_match | numeric | dotted path `pkg.module:function`")
+    timeout_s: float = key(10.0, "seconds per row of a user fn, from when a worker starts it", POSITIVE)
+    workers: int = key(4, "worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)", at_least(1))
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: row[\"seed\"] for a user fn", NONNEG)
 
     def __post_init__(self):
         if not self.timeout_s > 0:
@@ -170,4 +176,9 @@ class Reward:
             text = next((m["content"] or "" for m in reversed(transcript) if m["role"] == "assistant"), "")
         else:
             text = self._text(row["response_ids"])
-        return row["prompt"], text, row.get("answer") or "", row
+        return row["prompt"], text, row.get("answer") or "", row | {"seed": self._seed(row)}
+
+    def _seed(self, row: dict) -> int:
+        """The row's own seed: independent across groups and samples, the same for the same run.seed."""
+        key = (int(row.get("group_id") or 0), int(row.get("sample_idx") or 0))
+        return int(np.random.SeedSequence(self.cfg.seed, spawn_key=key).generate_state(1)[0] >> 1)

@@ -222,11 +222,10 @@ def _alive(pid: int, grace_s: float = 5.0) -> bool:
 
 @pytest.mark.parametrize("preload", [(), ("json", "urllib.request")], ids=["spawned", "forked"])
 def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp_path, preload):
-    pids = tmp_path / "pids"
+    marker = f"hang-{os.getpid()}-{len(preload)}"      # found by the host's /proc, jailed or not
     agent = script(tmp_path, f"""
         import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        open({str(pids)!r}, "w").write(f"{{child.pid}}")
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", {marker!r}])
         print("thinking very hard", file=sys.stderr, flush=True)
         time.sleep(600)
     """)
@@ -234,7 +233,16 @@ def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp
     (row,) = out.to_pylist()
     assert row["status"] == "failed" and "timed out after 3.0s" in row["error"]
     assert "thinking very hard" in row["error"] and row["agent_stats"]["fail"] == "timeout"
-    assert not _alive(int(pids.read_text()))
+    children = [int(d) for d in os.listdir("/proc") if d.isdigit() and _cmdline_has(int(d), marker)]
+    assert not [p for p in children if _alive(p)]
+
+
+def _cmdline_has(pid: int, marker: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return marker.encode() in f.read()
+    except OSError:
+        return False
 
 
 def test_an_agent_cut_off_by_the_turn_limit_is_truncated_not_failed(run_stage):

@@ -403,3 +403,30 @@ def test_rollout_nice_lowers_an_actor_once_and_never_the_calling_process(ray_ses
     start, now = ray_session.get(probe.lowered.remote(5))
     assert now == max(start, 5)
     ray_session.kill(probe)
+
+
+def _failed_rows(n: int, group: int = 0) -> list[dict]:
+    """Trajectories that failed before their first model call: no tokens at all."""
+    return [{"prompt_ids": [], "response_ids": [], "response_logprobs": [], "loss_mask": [], "token_versions": [],
+             "reward": 0.0, "group_id": group, "status": "failed"} for _ in range(n)]
+
+
+def test_a_step_with_no_trainable_row_is_skipped_counted_and_the_clock_moves_on(tiny_model_dir, tmp_path):
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=2, lr_warmup_steps=4),
+                      AlgorithmConfig())
+    before = {n: t.clone() for n, t in tr.model.state_dict().items()}
+    for step in (1, 2):
+        m = tr.train_step(pa.Table.from_pylist(_failed_rows(4)))
+        assert m["train/skipped_steps"] == step and m["version"] == step and m["train/tokens"] == 0
+        assert "train/loss" not in m and m["train/lr"] == lr_at(tr.cfg, step - 1)   # the schedule keeps its place
+    assert all(torch.equal(before[n], t) for n, t in tr.model.state_dict().items())   # no update
+    assert not tr.opt.state                                                          # AdamW never stepped
+    # a step with some failed rows and some trained ones trains as usual; the count carries on
+    rows = [{"prompt_ids": [3, 4], "response_ids": [5, 1], "response_logprobs": [-1.0, -1.0], "loss_mask": [1, 1],
+             "token_versions": [2, 2], "reward": float(i), "group_id": 1, "status": "completed"} for i in range(2)]
+    m = tr.train_step(pa.Table.from_pylist(_failed_rows(2) + rows))
+    assert m["version"] == 3 and m["train/skipped_steps"] == 2 and m["train/tokens"] == 4 and "train/loss" in m
+    # a resumed trainer keeps the count
+    tr.save(str(tmp_path / "ck"))
+    again = TorchTrainer(str(tmp_path / "ck"), tr.cfg, AlgorithmConfig())
+    assert again.load_state(str(tmp_path / "ck")) == 3 and again.skipped_steps == 2

@@ -113,7 +113,7 @@ def test_ppo_clip_matches_reference(agg, lo, hi, c, seed):
     np.testing.assert_allclose(grad, W * dtok, rtol=1e-9, atol=1e-12)
     assert 0 < metrics["clipfrac"] < 1
     np.testing.assert_allclose(metrics["clipfrac"], clipped[mask > 0].mean())
-    rho = np.exp(old - lp)[mask > 0]
+    rho = np.exp(lp - old)[mask > 0]          # pi / pi_old on tokens sampled from pi_old
     np.testing.assert_allclose(metrics["approx_kl"], np.mean(rho - 1 - np.log(rho)))
     assert metrics["loss"] == metrics["pg_loss"] == pytest.approx(loss)
 
@@ -282,3 +282,23 @@ def test_overlong_mask_drops_truncated_rows_and_none_is_identity():
     assert torch.equal(r, rewards) and m.sum(1).tolist() == [0.0, 4.0, 4.0]
     r, m = shape_overlong(AlgorithmConfig(), *args)
     assert r is rewards and m is mask
+
+
+def test_approx_kl_estimates_kl_old_to_new_on_tokens_sampled_from_old():
+    """approx_kl on tokens drawn from pi_old converges to the exact KL(pi_old || pi)."""
+    rng = np.random.default_rng(0)
+    old_p = rng.dirichlet(np.ones(8))
+    new_p = rng.dirichlet(np.ones(8))
+    exact = float(np.sum(old_p * (np.log(old_p) - np.log(new_p))))
+    tokens = rng.choice(8, size=(400, 50), p=old_p)
+    lp, old = np.log(new_p)[tokens], np.log(old_p)[tokens]
+    _, metrics = policy_loss(AlgorithmConfig(), torch.tensor(lp, requires_grad=True), torch.tensor(old),
+                             torch.zeros(lp.shape, dtype=torch.float64), torch.ones(lp.shape, dtype=torch.float64))
+    assert metrics["approx_kl"] == pytest.approx(exact, rel=0.05)
+
+
+def test_dr_grpo_norm_length_defaults_to_the_generation_limit():
+    cfg = AlgorithmConfig(name="dr_grpo").resolved()
+    assert cfg.for_generation_limit(64).norm_length == 64           # constant across steps
+    assert AlgorithmConfig(norm_length=9).for_generation_limit(64).norm_length == 9   # an explicit value wins
+    assert cfg.for_generation_limit(0).norm_length == 0             # no limit known: the padded length

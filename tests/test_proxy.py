@@ -205,6 +205,26 @@ def test_a_seeded_trajectory_gives_every_call_and_choice_its_own_stream(server, 
     assert seeds[0] == 5 and len(set(seeds)) == 4
 
 
+def test_forced_sampling_takes_the_rollouts_seeds_over_an_agents_own(server, engine, model_path):
+    """proxy_force_sampling: an agent's fixed seed (and temperature) would give every sample of a group the
+    same answer and ignore run.seed; the trajectory's own per-call seeds are used instead."""
+    from stages.agentflow.session import turn_seed
+
+    loop, _ = server
+    proxy = Proxy(load_tokenizer(model_path), force_sampling=True)
+    loop.run(proxy.start())
+    client = RecordingClient(engine)
+    ep = loop.run(proxy.open(client, dict(GREEDY, temperature=1.0, seed=5)))
+    try:
+        oai(ep).completions.create(model="m", prompt="37+48=", n=2, max_tokens=2, seed=123, temperature=0.0)
+    finally:
+        proxy.close(ep)
+        loop.run(proxy.stop())
+    ((reqs, _),) = client.calls
+    assert [q["seed"] for q in reqs] == [turn_seed(5, 0, 0), turn_seed(5, 0, 1)]
+    assert [q["temperature"] for q in reqs] == [1.0, 1.0]
+
+
 # ---- completions ----------------------------------------------------------------------------
 def test_completions_text_then_token_ids_extend_one_segment(ep):
     client = oai(ep)

@@ -1,11 +1,14 @@
-"""The code sandbox (stages/agentflow/sandbox.py): real worker processes, real limits.
+"""The code sandbox (stages/agentflow/sandbox.py): real worker processes, real limits, one sandbox per trajectory.
 
 Each bad snippet -- a loop that never ends, a 10 GB allocation, a fork bomb, a write outside
 its directory, a stdout flood -- must come back as an error observation within its limit, the
 worker must be replaced by a fresh process, the next call must work, and no process may be
 left behind (counted over this test's descendants and the sandbox uids). The isolation this
 machine allows (network, PID and mount namespaces, own uid) is checked where the probe says
-it holds; the trajectory-level test runs the `sandbox` agent on a real engine.
+it holds; the trajectory-level test runs the `sandbox` agent on a real engine. The attacker-and-victim
+property: whatever one trajectory's code does (poison builtins and modules, plant files, read other
+processes' environment, leave processes), no other trajectory's result changes and nothing it writes
+is visible to another.
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import os
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
-from stages.agentflow.sandbox import UID_BASE, SandboxConfig, SandboxPool, probe_isolation
+from stages.agentflow.sandbox import UID_BASE, UID_END, SandboxConfig, SandboxPool, probe_isolation
 from stages.agentflow.tools import ToolRegistry
 from stages.agentflow.workflows import SandboxAgent
 
@@ -52,7 +57,7 @@ def sandbox_processes() -> list[int]:
                 changed = True
     mine.discard(me)
     mine = {p for p in mine if _is_sandbox(p)}      # not Ray's workers, which come and go on their own
-    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_BASE + 4096 * 16})
+    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_END})
 
 
 def _is_sandbox(pid: int) -> bool:
@@ -61,7 +66,8 @@ def _is_sandbox(pid: int) -> bool:
             argv = f.read().split(b"\0")
     except OSError:
         return False
-    return argv[0].endswith(b"unshare") or any(a.endswith(b"sandbox_worker.py") for a in argv)
+    return argv[0].endswith((b"unshare", b"bwrap")) or any(a.endswith((b"sandbox_worker.py", b"worker.py"))
+                                                           for a in argv)
 
 
 def describe(pids) -> list[str]:
@@ -93,6 +99,8 @@ BAD = {
     "memory_10gb": ("x = bytearray(10 * 2**30)", ("memory",)),
     "fork_bomb": ("import os\nwhile True:\n    os.fork()", ("fork",)),
     "write_outside": ("open('/etc/loongsage-sandbox-test', 'w').write('x')", ("filesystem",)),
+    "file_too_big": ("open('big', 'wb').write(b'x' * (20 << 20))", ("filesystem", "memory")),   # file_mb 16
+    "tmp_full": ("for i in range(5):\n    open(f'f{i}', 'wb').write(b'x' * (10 << 20))", ("filesystem", "memory")),
     "stdout_flood": ("import sys\nwhile True:\n    sys.stdout.write('A' * 4096)", ("output",)),
     "raw_fd_flood": ("import os\nwhile True:\n    os.write(1, b'B' * 4096)", ("output",)),
 }
@@ -106,12 +114,13 @@ def test_bad_snippet_is_killed_replaced_and_leaves_nothing(name):
     async def go():
         pool = SandboxPool(SandboxConfig(**FAST))
         try:
-            assert (await pool.run("6*7")).output.strip() == "42"
-            first = pool.pids()
-            res = await pool.run(code)
-            await _settle(pool)
-            after = await pool.run("6*7")       # the pool still serves, from a fresh worker
-            return res, first, pool.pids(), after, dict(pool.stats)
+            async with pool.session() as s:
+                assert (await s.run("6*7")).output.strip() == "42"
+                first = s.worker.pid
+                res = await s.run(code)
+                await _settle(pool)
+                after = await s.run("6*7")       # the session still serves, from a fresh worker
+                return res, first, s.worker.pid, after, dict(pool.stats)
         finally:
             await pool.close()
 
@@ -147,13 +156,14 @@ def test_snippet_results_and_ordinary_errors_keep_the_worker():
     async def go():
         pool = SandboxPool(SandboxConfig(**FAST))
         try:
-            a = await pool.run("37*48*29")
-            pid = pool.pids()
-            b = await pool.run("print('partial')\n1/0")
-            c = await pool.run("x = 3\nprint(x + 1)")
-            d = await pool.run("x")                      # fresh globals per call
-            e = await pool.run("def f(:\n")
-            return a, b, c, d, e, pid, pool.pids()
+            async with pool.session() as s:
+                a = await s.run("37*48*29")
+                pid = s.worker.pid
+                b = await s.run("print('partial')\n1/0")
+                c = await s.run("x = 3\nprint(x + 1)")
+                d = await s.run("x")                      # fresh globals per call
+                e = await s.run("def f(:\n")
+                return a, b, c, d, e, pid, s.worker.pid
         finally:
             await pool.close()
 
@@ -190,7 +200,7 @@ def test_tool_registry_timeout_kills_the_worker_too():
     assert sandbox_processes() == before
 
 
-def test_concurrent_calls_share_the_pool():
+def test_concurrent_calls_each_get_a_sandbox_of_their_own():
     async def go():
         pool = SandboxPool(SandboxConfig(workers=2, timeout_s=5))
         try:
@@ -199,6 +209,24 @@ def test_concurrent_calls_share_the_pool():
             await pool.close()
 
     assert [r.output.strip() for r in run(go())] == [str(i * i) for i in range(12)]
+
+
+def test_a_session_ends_its_worker_and_the_next_session_gets_another():
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            async with pool.session() as a:
+                await a.run("1")
+                first = a.worker.proc.pid
+            gone = first not in pool.pids()
+            async with pool.session() as b:
+                await b.run("1")
+                return gone, first, b.worker.proc.pid
+        finally:
+            await pool.close()
+
+    gone, first, second = run(go())
+    assert gone and first != second
 
 
 @pytest.mark.skipif(not ISO.network, reason=f"no network namespace here: {ISO.describe()}")
@@ -222,10 +250,11 @@ def test_private_tmp_own_pid_namespace_and_uid():
         async def go():
             pool = SandboxPool(SandboxConfig(**FAST))
             try:
-                a = await pool.run(f"import os\n(os.path.exists({marker!r}), os.getpid(), os.getuid(), os.getcwd())")
-                b = await pool.run("open('left.txt', 'w').write('x')\nimport os\nos.listdir('.')")
-                c = await pool.run("import os\nos.listdir('.')")     # emptied between calls
-                return a, b, c
+                async with pool.session() as s:
+                    a = await s.run(f"import os\n(os.path.exists({marker!r}), os.getpid(), os.getuid(), os.getcwd())")
+                    b = await s.run("open('left.txt', 'w').write('x')\nimport os\nos.listdir('.')")
+                    c = await s.run("import os\nos.listdir('.')")     # emptied between calls
+                    return a, b, c
             finally:
                 await pool.close()
 
@@ -237,6 +266,147 @@ def test_private_tmp_own_pid_namespace_and_uid():
     assert b.output.strip() == "['left.txt']" and c.output.strip() == "[]"
 
 
+# ---- one trajectory's code cannot reach another's ------------------------------------------------
+ATTACK = [
+    # poison what the next caller would use: builtins, a stdlib module, the worker's own json and print
+    "import builtins, json, math, sys\nbuiltins.abs = lambda x: 666\nbuiltins.int = lambda *a: 666\n"
+    "math.sqrt = lambda x: 666\nsys.modules['json'].dumps = lambda *a, **k: '666'\n"
+    "builtins.print = lambda *a, **k: None",
+    # plant answers wherever another trajectory might look
+    "import os\nfor d in ('.', '/tmp', '/dev/shm', '/var/tmp', '/sandbox', '/usr', '/'):\n"
+    "    try:\n        open(os.path.join(d, 'answer.txt'), 'w').write('666')\n    except OSError:\n        pass",
+    # look for other processes and their environment (keys), and the host's
+    "import os\nseen = []\nfor p in [f'/proc/{d}/environ' for d in os.listdir('/proc') if d.isdigit()]:\n"
+    "    try:\n        seen.append((p, len(open(p, 'rb').read())))\n    except OSError:\n        pass\n"
+    "sorted(int(d) for d in os.listdir('/proc') if d.isdigit()), seen",
+    # leave a process behind that plants files later
+    "import os, time\nif os.fork() == 0:\n    time.sleep(1.0)\n"
+    "    for d in ('/tmp', '/dev/shm'):\n        open(d + '/answer.txt', 'w').write('666')\n    os._exit(0)",
+]
+
+
+def victim(k: int) -> list[tuple[str, str]]:
+    """(snippet, the output it must give) for trajectory k: arithmetic through builtins and the stdlib, a
+    file of its own, and a look for anything another trajectory left."""
+    look = "import os\n[sorted(os.listdir(d)) for d in ('.', '/tmp', '/dev/shm')]"
+    return [(f"import math, json\nabs(-{k}) + int(math.sqrt({k * k})), json.dumps([{k}])", f"({2 * k}, '[{k}]')\n"),
+            (look, "[[], [], []]\n"),
+            (f"open('answer.txt', 'w').write('{k}')\nopen('answer.txt').read()", f"'{k}'\n"),
+            (look, "[[], [], []]\n")]
+
+
+async def _trajectory(pool: SandboxPool, calls: list[str], pause: float = 0.0) -> list[str]:
+    async with pool.session() as s:
+        out = []
+        for code in calls:
+            out.append((await s.run(code)).output)
+            await asyncio.sleep(pause)
+        return out
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(attacker=st.integers(0, 3), together=st.booleans())
+def test_no_trajectory_changes_another_ones_result(attacker, together):
+    """N trajectories, one attacker: whatever its code does, before or while the others run, no victim's result
+    changes and nothing it wrote is visible to them."""
+    n = 4
+    before = sandbox_processes()
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**{**FAST, "workers": 2}))
+        try:
+            victims = {k: [c for c, _ in victim(k)] for k in range(n) if k != attacker}
+            if together:        # the victims' calls interleave with the attacker's (its forked child outlives it)
+                runs = [_trajectory(pool, ATTACK, pause=0.3)] + [_trajectory(pool, v, 0.3) for v in victims.values()]
+                outs = await asyncio.gather(*runs)
+                seen = outs[0][2]
+                got = dict(zip(victims, outs[1:]))
+            else:               # the attacker ran first (the contamination a persistent worker let through)
+                seen = (await _trajectory(pool, ATTACK))[2]
+                await asyncio.sleep(1.2)
+                got = {k: await _trajectory(pool, v) for k, v in victims.items()}
+            return seen, got
+        finally:
+            await pool.close()
+
+    seen, got = run(go())
+    for k, outs in got.items():
+        assert outs == [o for _, o in victim(k)], f"trajectory {k}'s results changed: {outs}"
+    if ISO.pid:         # its own PID namespace: the only process it sees is itself, the only environ its own
+        pids, environs = eval(seen)
+        assert pids == [1] and all(p == "/proc/1/environ" for p, _ in environs), seen
+    time.sleep(0.2)
+    assert sandbox_processes() == before
+
+
+@pytest.mark.skipif(not ISO.unix_sockets, reason=f"host Unix sockets reachable here: {ISO.describe()}")
+def test_host_unix_sockets_are_out_of_reach(tmp_path):
+    """A Unix socket the run's user can reach -- a file in /tmp, one elsewhere, an abstract one -- is not
+    reachable from the sandbox: none is accepted a connection."""
+    import socket
+
+    paths = [str(tmp_path / "host.sock"), f"/run/loongsage-test-{os.getpid()}.sock"]
+    abstract = f"\0loongsage-test-{os.getpid()}"
+    servers = []
+    for addr in [*paths, abstract]:
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(addr)
+        os.chmod(addr, 0o777) if not addr.startswith("\0") else None
+        srv.listen(4)
+        srv.setblocking(False)
+        servers.append(srv)
+    probe = "import socket\nres = []\nfor a in {addrs!r}:\n    s = socket.socket(socket.AF_UNIX)\n    try:\n" \
+            "        s.connect(a)\n        res.append('connected')\n    except OSError as e:\n" \
+            "        res.append(type(e).__name__)\nres"
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            return await pool.run(probe.format(addrs=[*paths, abstract]))
+        finally:
+            await pool.close()
+
+    try:
+        res = run(go())
+        accepted = 0
+        for srv in servers:
+            try:
+                srv.accept()
+                accepted += 1
+            except BlockingIOError:
+                pass
+    finally:
+        for srv in servers:
+            srv.close()
+        os.unlink(paths[1])
+    assert res.ok and "connected" not in res.output, res
+    assert accepted == 0
+
+
+@pytest.mark.skipif(not (ISO.seccomp and ISO.no_new_privs), reason=f"no seccomp here: {ISO.describe()}")
+def test_seccomp_filter_and_no_new_privs_hold():
+    code = ("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "st = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+            "def denied(rc):\n    return rc == -1 and ctypes.get_errno() in (1, 38)\n"
+            "out = {'nnp': st['NoNewPrivs'].strip(), 'seccomp': st['Seccomp'].strip(),\n"
+            "       'unshare': denied(libc.unshare(0x10000000)), 'ptrace': denied(libc.ptrace(16, 1, 0, 0)),\n"
+            "       'mount': denied(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))}\n"
+            "try:\n    socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)\n    out['netlink'] = False\n"
+            "except PermissionError:\n    out['netlink'] = True\nout")
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            return await pool.run(code)
+        finally:
+            await pool.close()
+
+    res = run(go())
+    assert res.ok, res
+    assert eval(res.output) == {"nnp": "1", "seccomp": "2", "unshare": True, "ptrace": True, "mount": True,
+                                "netlink": True}
+
+
 def test_bad_config_names_the_key():
     for kw, key in [({"workers": 0}, "sandbox.workers"), ({"timeout_s": 0}, "sandbox.timeout_s"),
                     ({"isolation": "maybe"}, "sandbox.isolation"), ({"nproc": -1}, "sandbox.nproc")]:
@@ -245,7 +415,7 @@ def test_bad_config_names_the_key():
 
 
 def test_strict_isolation_refuses_what_the_machine_lacks():
-    if all((ISO.network, ISO.pid, ISO.private_tmp, ISO.uid)):
+    if ISO.complete:
         run(SandboxPool(SandboxConfig(isolation="strict")).close())     # holds here: starts
     else:
         with pytest.raises(RuntimeError, match="isolation=strict"):
@@ -256,11 +426,14 @@ class BreachThenAnswer(SandboxAgent):
     """The `sandbox` agent's own tool path, with snippets the test picks: each bad one, then a good one,
     then a model turn -- the trajectory must go on past every breach."""
     async def run(self, ctx, sample):
-        self.attach(ctx)
-        for code, _ in BAD.values():
-            await self.run_snippet(ctx, code)
-        await self.run_snippet(ctx, "2+3")
-        await ctx.generate()
+        session = self.attach(ctx)
+        try:
+            for code, _ in BAD.values():
+                await self.run_snippet(ctx, code)
+            await self.run_snippet(ctx, "2+3")
+            await ctx.generate()
+        finally:
+            await session.close()
 
 
 @pytest.mark.slow      # an engine actor on Ray: 25-45 s on 2 busy cores

@@ -139,7 +139,7 @@ def test_remote_sandbox_runs_snippets_after_its_service_time_and_stops_clean():
     svc.start()
 
     async def go():
-        client = ToolServiceClient(svc.url, ToolServiceConfig(timeout_s=10))
+        client = ToolServiceClient(svc.url, ToolServiceConfig(timeout_s=10), key=svc.key)
         try:
             ok = await asyncio.gather(*(client.run(f"{k}*48*29") for k in (37, 12, 99)))
             tool = client.sandbox_tool()
@@ -169,3 +169,61 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_run_needs_the_services_key_and_sessions_keep_trajectories_apart():
+    """/run and /close answer 401 without the service's key (any local process can reach loopback); a session
+    is one trajectory's sandbox: its state stays in it, another session sees none of it, /close ends it."""
+    from stages.agentflow.sandbox import SandboxConfig
+
+    svc = ToolService(ToolServiceConfig(p50_s=0.01, p99_s=0.02, seed=3), sandbox=SandboxConfig(workers=1))
+    svc.start()
+    assert svc.key and svc.key not in " ".join(open(f"/proc/{svc.proc.pid}/cmdline").read().split("\0"))
+
+    async def go():
+        cfg = ToolServiceConfig(timeout_s=10)
+        anon, wrong, client = (ToolServiceClient(svc.url, cfg, key=""), ToolServiceClient(svc.url, cfg, key="x"),
+                               ToolServiceClient(svc.url, cfg, key=svc.key))
+        try:
+            refused = []
+            for c in (anon, wrong):
+                for call in (c.run("6*7"), c._post("s", path="/close", field="session")):
+                    try:
+                        await call
+                        refused.append(False)
+                    except ToolServiceError as e:
+                        refused.append("401" in str(e))
+            a, b = client.session(), client.session()
+            ta, tb = a.tool(), b.tool()
+            planted = await ta.fn(code="import builtins, os\nbuiltins.abs = lambda x: 'pwn'\n"
+                                       "open('/dev/shm/planted', 'w').write('x')\nos.listdir('/dev/shm')")
+            same = await ta.fn(code="import os\n(abs(-1), os.listdir('/dev/shm'))")
+            other = await tb.fn(code="import os\n(abs(-1), os.listdir('/dev/shm'))")
+            await a.close()
+            closed = await client._post(a.id, path="/close", field="session")
+            await b.close()
+            return refused, planted, same, other, closed
+        finally:
+            for c in (anon, wrong, client):
+                await c.close()
+
+    try:
+        refused, planted, same, other, closed = asyncio.run(go())
+    finally:
+        svc.stop()
+    assert refused == [True] * 4
+    assert planted.strip() == "['planted']"
+    assert same.strip() == "('pwn', ['planted'])"         # its own trajectory keeps what it did
+    assert other.strip() == "(1, [])"                    # another trajectory sees none of it
+    assert closed == {"closed": False}                   # already closed by a.close()
+
+
+def test_service_with_a_sandbox_refuses_to_start_without_a_key():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LOONGSAGE_TOOL_SERVICE_KEY"}
+    r = subprocess.run([sys.executable, "-m", "stages.agentflow.tool_service", "--sandbox-json", "{}"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and "LOONGSAGE_TOOL_SERVICE_KEY" in r.stderr, r.stderr

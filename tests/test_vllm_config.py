@@ -19,7 +19,7 @@ def test_without_vllm_the_run_says_what_to_install(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("override,match", [("vllm.kv_cache_mb=0", "vllm.kv_cache_mb must be >= 1"),
-                                            ("rollout.engine=vlm", "rollout.engine must be hf, vllm or sglang")])
+                                            ("rollout.engine=vlm", "rollout.engine must be one of hf, vllm, sglang")])
 def test_bad_vllm_settings_fail_when_the_config_is_read(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config("configs/quickstart.yaml", [override])

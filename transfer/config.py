@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.keys import NONNEG, POSITIVE, key, one_of
+
 # Every transport the mesh knows, fastest first (the order route planning tries them in).
 TRANSPORTS = ("inproc", "cuda_ipc", "nccl", "shm", "gloo", "zmq")
 
@@ -13,31 +15,25 @@ BLOCK_BYTES = 4096
 
 @dataclass(frozen=True)
 class TransferConfig:
-    # "auto" picks the fastest transport per receiver; any name in TRANSPORTS forces it
-    # for every receiver (planning fails loudly if it cannot reach one).
-    transport: str = "auto"
-    # Size of one bucket: the unit that is packed, checksummed and sent while the next
-    # one packs. Large enough to amortise per-message cost, small enough to pipeline.
-    # 16 MiB measured best for the CPU transports here; GPU recipes go larger (~1 GiB).
-    bucket_bytes: int = 16 << 20
-    # The longest any single wait may take (a handshake, one bucket, one load). A
-    # transfer as a whole may take longer; no wait ever blocks past this.
-    timeout_s: float = 60.0
-    # Discovery is the first call an actor answers, so it also waits for the actor to
-    # finish starting (loading a model can take minutes).
-    discover_timeout_s: float = 600.0
-    # Where the sender's shared-memory segment lives (a tmpfs on Linux).
-    shm_dir: str = "/dev/shm"
-    # Receivers whose target offers weights_in_place (the HF engine does) copy each
-    # verified bucket straight into the model while later ones travel, holding the
-    # target's lock for the whole receive; False lands the whole version first, then
-    # loads it (shorter lock hold, one more pass over the bytes).
-    apply_in_place: bool = True
-    # A sender with an adopt_fn (the torch trainer) keeps its weights in the shared
-    # segment when they are at least this big, so publishing copies nothing. Below it the
-    # copy is cheap and keeping the weights private lets the trainer start its next step
-    # while local engines are still reading the version (the step loop overlaps them).
-    adopt_min_bytes: int = 64 << 20
+    transport: str = key("auto", '"auto" picks the fastest transport per receiver; any name in TRANSPORTS forces it '
+                                 "for every receiver (planning fails loudly if it cannot reach one)",
+                                 one_of("auto", *TRANSPORTS))
+    bucket_bytes: int = key(16 << 20, "size of one bucket, a multiple of 4096: the unit packed, checksummed and sent "
+                                      "while the next one packs (16 MiB measured best for the CPU transports here; GPU"
+                                      " recipes go larger, ~1 GiB)", POSITIVE)
+    timeout_s: float = key(60.0, "the longest any single wait may take (a handshake, one bucket, one load); a transfer"
+                                 " as a whole may take longer", POSITIVE)
+    discover_timeout_s: float = key(600.0, "discovery is the first call an actor answers, so it also waits for the "
+                                           "actor to finish starting (loading a model can take minutes)", POSITIVE)
+    shm_dir: str = key("/dev/shm", "where the sender's shared-memory segment lives (a tmpfs on Linux)")
+    apply_in_place: bool = key(True, "receivers whose target offers weights_in_place (the HF engine does) copy each "
+                                     "verified bucket straight into the model while later ones travel, holding the "
+                                     "target's lock for the whole receive; False lands the whole version first, then "
+                                     "loads it (shorter lock hold, one more pass over the bytes)")
+    adopt_min_bytes: int = key(64 << 20, "a sender with an adopt_fn (the torch trainer) keeps its weights in the "
+                                         "shared segment when they are at least this big, so publishing copies "
+                                         "nothing; below it the copy is cheap and private weights let the trainer "
+                                         "start its next step while local engines still read the version", NONNEG)
 
     def __post_init__(self) -> None:
         if self.transport != "auto" and self.transport not in TRANSPORTS:

@@ -8,6 +8,8 @@ once per trajectory with
                                            without the trailing /v1 (the SDK appends /v1/messages),
                                            the same key (sent as x-api-key)
     LOONGSAGE_SAMPLE                       the row as JSON (prompt, answer, data_source, ids)
+    LOONGSAGE_SEED                         the trajectory's seed (from run.seed, its group and sample): an
+                                           agent that draws random numbers seeds them with it to repeat a run
 
 and ends by exiting. An agent written with either official SDK finds the proxy with no
 configuration (`openai.OpenAI()`, `anthropic.Anthropic()`), and so does a harness that reads
@@ -25,10 +27,22 @@ A leading `python`/`python3` in the command means this interpreter (sys.executab
 relative script path that does not exist in the working directory is looked up in the
 project root, so the shipped examples run from anywhere.
 
+Jail (`rollout.agent_sandbox`, auto by default): where bubblewrap runs, each agent process runs
+in a jail of its own (stages/agentflow/jail.py, `agent_argv`): its own PID namespace and /proc, so
+no other trajectory's process -- nor its environment, with its key -- is there to see; the host's
+file system read-only with /tmp, /run and the user's home behind private tmpfs; a fresh HOME
+(`rollout.agent_home` copied into it: a harness's config); no capabilities, no_new_privs, seccomp.
+It shares the host's network namespace: it reaches its endpoint on loopback, and the proxy
+honours its key on that endpoint only. strict refuses to start without bwrap; none, or auto
+without bwrap (with a warning), runs agents as the rollout worker's user, unjailed.
+
 `rollout.agent_preload: [anthropic]` (a `python SCRIPT.py ...` command only): the worker starts
 one zygote process that imports those modules once and forks each trajectory's process from
 it (stages/agentflow/zygote.py), so an agent does not pay its SDK import per trajectory
-(`import anthropic` is ~2.5 s of CPU here). Everything above holds for a forked agent too.
+(`import anthropic` is ~2.5 s of CPU here). Everything above holds for a forked agent too, but
+the jail: the zygote runs in one jail, and the agents it forks share it (its PID namespace, /tmp
+and HOME); each forked agent makes itself non-dumpable, so that its siblings (no capabilities,
+ptrace denied) cannot read its environment or memory. `agent_sandbox: strict` refuses a preload.
 
 In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent`
 and set `rollout.agent: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop
@@ -41,18 +55,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
+
+from stages.agentflow import jail
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TAIL_BYTES = 4096
 # the anthropic SDK would send a token found here as `Authorization: Bearer` next to the run's
 # x-api-key: a real credential of the user's must not reach the agent (or the proxy)
-SHADOWED = ("ANTHROPIC_AUTH_TOKEN",)
+# (and the tool service's key, which runs code: an agent must not get it from the worker's environment)
+SHADOWED = ("ANTHROPIC_AUTH_TOKEN", "LOONGSAGE_TOOL_SERVICE_KEY")
+log = logging.getLogger(__name__)
+_warned = False
 
 
 class AgentExit(RuntimeError):
@@ -140,6 +162,8 @@ class Zygote:
         self.proc = None
         self.dir = None
         self._lock = None
+        self.jail: AgentJail | None = None     # set by SubprocessAgent.configure: the zygote runs in it
+        self.agent_argv: tuple[str, ...] = ()  # the command it forks (its script is bound into the jail)
 
     async def _start(self) -> str:
         import tempfile
@@ -151,9 +175,17 @@ class Zygote:
                 return os.path.join(self.dir, "z.sock")
             self.dir = tempfile.mkdtemp(prefix="loongsage-zygote-")
             path = os.path.join(self.dir, "z.sock")
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(Path(__file__).with_name("zygote.py")), path, *self.modules,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            argv = [sys.executable, str(Path(__file__).with_name("zygote.py")), path, *self.modules]
+            fds: tuple[int, ...] = ()
+            if self.jail is not None:   # its socket's directory is bound in: the worker connects from outside
+                argv, fds = self.jail.wrap(argv, home=None, rw=(self.dir,), also=self.agent_argv)
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, pass_fds=fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             line = await self.proc.stdout.readline()
             if line.strip() != b"ready":
                 err = (await self.proc.stderr.read()).decode(errors="replace").strip()
@@ -174,7 +206,7 @@ class Zygote:
         try:
             sock.setblocking(False)
             await loop.sock_connect(sock, path)
-            req = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+            req = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "private": self.jail is not None}).encode()
             socket.send_fds(sock, [req], [null, out_w, err_w])
             reply = json.loads(await loop.sock_recv(sock, 65536) or b"{}")
         except BaseException:
@@ -190,12 +222,13 @@ class Zygote:
             for fd in (out_r, err_r):
                 os.close(fd)
             raise RuntimeError(f"the agent zygote refused to fork: {reply.get('error', reply)}")
-        return ForkedProcess(reply["pid"], sock, await _reader(out_r), await _reader(err_r))
+        pid = reply["pid"]
+        if self.jail is not None:   # a pid in the jail's PID namespace: the worker kills its group by the host's
+            pid = _host_pid(pid, self.proc.pid)
+        return ForkedProcess(pid, sock, await _reader(out_r), await _reader(err_r))
 
     async def aclose(self) -> None:
         """Stop the zygote (agents it forked are their own sessions: their trajectories end them)."""
-        import shutil
-
         proc, self.proc = self.proc, None
         if proc is not None:
             if proc.returncode is None:
@@ -206,6 +239,29 @@ class Zygote:
             await proc.wait()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _host_pid(inner: int, bwrap_pid: int) -> int:
+    """The host pid of the process that is `inner` in the PID namespace of bwrap_pid's jail (NSpid in
+    /proc/N/status lists a process's pid in each namespace, the host's first), or 0 if it is gone."""
+    try:
+        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
+            ns = os.readlink(f"/proc/{int(f.read().split()[0])}/ns/pid")
+    except (OSError, IndexError, ValueError) as e:
+        raise RuntimeError(f"the agent zygote's jail is gone ({e})") from e
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{d}/ns/pid") != ns:
+                continue
+            with open(f"/proc/{d}/status") as f:
+                nspid = next((ln.split()[1:] for ln in f if ln.startswith("NSpid:")), [])
+        except OSError:
+            continue
+        if len(nspid) >= 2 and int(nspid[-1]) == inner:
+            return int(d)
+    return 0        # it has exited already (and been reaped): there is no group left to kill by its pid
 
 
 async def _reader(fd: int) -> asyncio.StreamReader:
@@ -235,11 +291,54 @@ class ForkedProcess:
         return self.returncode
 
 
+class AgentJail:
+    """How one trajectory's agent process is jailed (stages/agentflow/jail.py): `wrap(argv)` -> (argv, fds)."""
+
+    def __init__(self, home_template: str = "", binds: tuple[str, ...] = ()):
+        self.home_template, self.binds = home_template, tuple(binds)
+        self._root = tempfile.mkdtemp(prefix="loongsage-agent-homes-")    # 0700: only this user reads it
+
+    def home(self) -> str | None:
+        """A fresh HOME for one trajectory (a copy of the template), or None for an empty one in the jail."""
+        if not self.home_template:
+            return None
+        d = tempfile.mkdtemp(dir=self._root)
+        shutil.copytree(self.home_template, d, dirs_exist_ok=True, symlinks=True)
+        return d
+
+    def wrap(self, argv: list[str], home: str | None, rw: tuple[str, ...] = (),
+             also: tuple[str, ...] = ()) -> tuple[list[str], tuple[int, ...]]:
+        fd = jail.seccomp_fd()
+        cmd = jail.agent_argv(argv, os.getcwd(), home, self.binds, fd, rw=rw, also=also)
+        return cmd, (() if fd is None else (fd,))
+
+    def close(self) -> None:
+        shutil.rmtree(self._root, ignore_errors=True)
+
+
+def make_jail(mode: str, home_template: str = "", binds: tuple[str, ...] = ()) -> AgentJail | None:
+    """The jail rollout.agent_sandbox asks for, or None (none; auto where bwrap does not run: with a warning)."""
+    global _warned
+    if mode == "none":
+        return None
+    why = jail.probe()
+    if why and mode == "strict":
+        raise ValueError(f"rollout.agent_sandbox=strict, but agents cannot be jailed here: {why}")
+    if why:
+        if not _warned:
+            _warned = True
+            log.warning("black-box agents run unjailed (%s): every agent process runs as this user and can read "
+                        "other trajectories' keys from /proc/*/environ, the host's /tmp and sockets", why)
+        return None
+    return AgentJail(home_template, binds)
+
+
 class SubprocessAgent:
     def __init__(self, cmd: str, preload: tuple[str, ...] = ()):
         self.cmd = cmd
         self.argv = resolve_command(cmd)
         self.zygote = None
+        self.jail: AgentJail | None = None
         if preload:
             if self.argv[0] != sys.executable or len(self.argv) < 2 or not self.argv[1].endswith(".py"):
                 raise ValueError(f"rollout.agent_preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
@@ -257,20 +356,51 @@ class SubprocessAgent:
                     raise ValueError(f"rollout.agent_preload: module {m!r} is not installed")
             self.zygote = Zygote(tuple(preload))
 
+    def configure(self, rollout_cfg) -> None:
+        """rollout.agent_sandbox / agent_home / agent_binds: the jail each agent process runs in."""
+        mode = getattr(rollout_cfg, "agent_sandbox", "auto")
+        if mode == "strict" and self.zygote is not None:
+            raise ValueError("rollout.agent_sandbox=strict: agents forked by rollout.agent_preload's zygote share "
+                             "its jail; leave agent_preload empty for a jail per trajectory")
+        self.jail = make_jail(mode, getattr(rollout_cfg, "agent_home", ""), getattr(rollout_cfg, "agent_binds", ()))
+        if self.zygote is not None:
+            self.zygote.jail, self.zygote.agent_argv = self.jail, tuple(self.argv)
+
     async def aclose(self) -> None:
         if self.zygote is not None:
             await self.zygote.aclose()
+        if self.jail is not None:
+            self.jail.close()
+
+    async def _start(self, env: dict[str, str], home: str | None):
+        if self.zygote is not None:
+            if self.jail is not None:
+                env = env | {"HOME": jail.HOME_IN_JAIL, "TMPDIR": "/tmp"}
+            return await self.zygote.spawn(self.argv, env)
+        argv, fds = (self.argv, ()) if self.jail is None else self.jail.wrap(self.argv, home)
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=fds)   # own group: killable as one
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     async def run(self, ctx, sample: dict) -> None:
+        home = self.jail.home() if self.jail is not None and self.zygote is None else None
+        try:
+            await self._run(ctx, sample, home)
+        finally:
+            if home:
+                shutil.rmtree(home, ignore_errors=True)
+
+    async def _run(self, ctx, sample: dict, home: str | None) -> None:
         async with ctx.openai_endpoint() as ep:
             env = {k: v for k, v in os.environ.items() if k not in SHADOWED}
             env |= agent_env(ep.base_url, ep.api_key, sample)
-            if self.zygote is not None:
-                proc = await self.zygote.spawn(self.argv, env)
-            else:
-                proc = await asyncio.create_subprocess_exec(
-                    *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own process group: killable as one
+            if "seed" in ctx.sampling:
+                env["LOONGSAGE_SEED"] = str(ctx.sampling["seed"])
+            proc = await self._start(env, home)
             out, err = _Tail(), _Tail()
             readers = [asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
             try:
@@ -291,6 +421,8 @@ class SubprocessAgent:
 
 
 def _kill_group(pgid: int) -> None:
+    if pgid <= 0:       # killpg(0) would be our own group
+        return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

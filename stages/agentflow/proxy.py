@@ -122,7 +122,7 @@ class Proxy:
                  force_sampling: bool = False, limit: PromptLimit | None = None):
         self.tok = ensure_chat_template(tokenizer)
         self.host, self.port, self.max_body = host, port, max_body_bytes
-        self.force_sampling = force_sampling    # True: rollout temperature/top_p override the agent's
+        self.force_sampling = force_sampling    # True: rollout temperature/top_p/seeds override the agent's
         # the model's context and rollout.max_prompt_tokens (PromptLimit.for_model); without one, only the
         # engine's own per-row check bounds a prompt
         self.limit = limit or PromptLimit(longest=longest_token_chars(self.tok))
@@ -311,10 +311,11 @@ class Proxy:
         return base
 
     async def _complete(self, session: Session, base, req):
-        temp, top_p = req.temperature, req.top_p
-        if self.force_sampling:
-            temp, top_p = self._defaults(session).values()
-        choices = await session.complete(base, req.n, req.max_tokens, temp, top_p, req.stop, req.seed)
+        temp, top_p, seed = req.temperature, req.top_p, req.seed
+        if self.force_sampling:     # the rollout's sampling, its per-sample seeds too: an agent's fixed seed
+            temp, top_p = self._defaults(session).values()      # would give a group's samples one answer
+            seed = None
+        choices = await session.complete(base, req.n, req.max_tokens, temp, top_p, req.stop, seed)
         if any(c.status == "aborted" for c in choices):
             raise APIError(503, "the engine aborted this request (the run is stopping or the window closed)",
                            kind="server_error")

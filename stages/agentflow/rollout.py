@@ -33,13 +33,15 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 import ray
 
+from pipeline.keys import NONNEG, POSITIVE, at_least, between, key, one_of
 from stages.agentflow.agent import AgentContext, SingleTurnAgent
 from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
@@ -58,45 +60,61 @@ BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculat
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    n_samples: int = 8                 # N: samples per prompt (a group)
-    max_new_tokens: int = 8            # per model turn (and the cap on a proxy call's max_tokens)
-    max_prompt_tokens: int = 0         # per model call; 0 = the model's context less one. A longer prompt fails its
-                                       # trajectory (white-box) or gets 400 context_length_exceeded (proxy)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    agent: str = "single_turn"         # built-in name | dotted path | "cmd:<command>" (subprocess black-box)
-    agent_preload: tuple = ()          # modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a
-                                       # zygote that forks each trajectory's process (stages/agentflow/zygote.py)
-    max_turns: int = 8                 # model turns (proxy calls) per trajectory; 0 = unlimited
-    max_agents: int = 0                # agents running at once per worker; 0 = all of a batch
-    num_engines: int = 1
-    engine: str = "hf"                 # hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:`
-                                       # section) | sglang (GPU; `sglang:` section)
-    engine_threads: int = 0            # torch threads per engine; 0 = decided by pipeline/resources.py
-    engine_batching: str = "continuous"  # hf engine: continuous (rows join/leave the running batch between decode
-                                       # steps) | static (one decode loop per call); stages/agentflow/engine.py
-    engine_max_rows: int = 256         # hf engine, continuous: rows decoding at once (more wait in its queue)
-    num_workers: int = 1               # rollout worker actors (asyncio inside each)
-    groups_per_batch: int = 0          # groups per worker call; 0 = one step's groups
-    stale_steps: float = 0.0           # 0 = synchronous on-policy
-    window: str = "no-window"          # no-window | window-gated | windowed-fifo | dotted path
-    timeout_s: float = 300.0           # per trajectory
-    engine_restarts: int = 3           # times Ray restarts a dead engine (its groups are re-run); -1 = always
-    engine_retries: int = 3            # re-runs of a trajectory whose engine died under it
-    partial: str = "interrupt"         # at a weight update: interrupt (continue under new weights) | wait
-    partial_mask_old: bool = False     # mask tokens generated before the sample's last update out of the loss
-    proxy_host: str = "127.0.0.1"      # black-box proxy bind address (loopback unless you mean it)
-    proxy_port: int = 0                # 0 = any free port
-    proxy_max_body_mb: float = 8.0     # larger request bodies get 413
-    proxy_force_sampling: bool = False  # True: the rollout's temperature/top_p override an agent's request
-    seed: int = 0                      # sampling seed (per sample: seed, group, index; per turn within it)
-    train_segments: tuple = ("main", "compaction", "subagent")   # segment kinds that become training rows
-                                       # (stages/agentflow/session.py): each segment of these kinds is its own row
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # code sandbox of the `sandbox` agent
-    tool_service: ToolServiceConfig = field(default_factory=ToolServiceConfig)   # the remote tool service (its
-                                       # latency p50/p99): the sandbox agent's with sandbox.remote
-    nice: int = 0                      # niceness of engine and rollout/reward worker processes (0-19; 0 = as started):
-                                       # > 0 lets the trainer, an async run's bottleneck, keep its core
+    n_samples: int = key(8, "N: samples per prompt (a group)", POSITIVE)
+    max_new_tokens: int = key(8, "tokens per model turn (and the cap on a proxy call's max_tokens)", POSITIVE)
+    max_prompt_tokens: int = key(0, "prompt tokens per model call; 0 = the model's context less one. A longer prompt "
+                                    "fails its trajectory (white-box) or gets 400 context_length_exceeded (proxy)",
+                                    NONNEG)
+    temperature: float = key(1.0, "sampling temperature (0 = greedy)", NONNEG)
+    top_p: float = key(1.0, "nucleus sampling: keep the smallest token set with this much probability",
+                            between(0, 1, lo_open=True))
+    agent: str = key("single_turn", 'built-in name | dotted path | "cmd:<command>" (subprocess black-box)')
+    agent_preload: tuple = key((), 'modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a zygote'
+                                   " that forks each trajectory's process (stages/agentflow/zygote.py)")
+    agent_sandbox: str = key("auto", '"cmd:" agents in a bubblewrap jail of their own (stages/agentflow/jail.py): '
+                                     "auto: where bwrap runs (else a warning) | strict: refuse without | none",
+                             one_of("auto", "strict", "none"))
+    agent_home: str = key("", "a directory copied into each jailed agent's fresh HOME (harness config); "
+                              '"" = an empty HOME')
+    agent_binds: tuple = key((), "more host paths a jailed agent may read (its file system is the host's, read-only, "
+                                 "less /tmp, /run and the user's home)")
+    max_turns: int = key(8, "model turns (proxy calls) per trajectory; 0 = unlimited", NONNEG)
+    max_agents: int = key(0, "agents running at once per worker; 0 = all of a batch", NONNEG)
+    num_engines: int = key(1, "rollout engine actors", POSITIVE)
+    engine: str = key("hf", "hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:` section) | "
+                            "sglang (GPU; `sglang:` section)", one_of("hf", "vllm", "sglang"))
+    engine_threads: int = key(0, "torch threads per engine; 0 = decided by pipeline/resources.py", NONNEG)
+    engine_batching: str = key("continuous", "hf engine: continuous (rows join/leave the running batch between decode "
+                                             "steps) | static (one decode loop per call); stages/agentflow/engine.py",
+                                             one_of("continuous", "static"))
+    engine_max_rows: int = key(256, "hf engine, continuous: rows decoding at once (more wait in its queue)",
+                                    at_least(1))
+    num_workers: int = key(1, "rollout worker actors (asyncio inside each)", POSITIVE)
+    groups_per_batch: int = key(0, "groups per worker call; 0 = one step's groups", NONNEG)
+    stale_steps: float = key(0.0, "how many steps a group may lag the trainer's weights (0 = synchronous on-policy)",
+                                  NONNEG)
+    window: str = key("no-window", "no-window | window-gated | windowed-fifo | dotted path")
+    timeout_s: float = key(300.0, "seconds per trajectory", POSITIVE)
+    engine_restarts: int = key(3, "times Ray restarts a dead engine (its groups are re-run); -1 = always", at_least(-1))
+    engine_retries: int = key(3, "re-runs of a trajectory whose engine died under it", NONNEG)
+    partial: str = key("interrupt", "at a weight update: interrupt (continue under new weights) | wait",
+                                    one_of("interrupt", "wait"))
+    partial_mask_old: bool = key(False, "mask tokens generated before the sample's last update out of the loss")
+    proxy_host: str = key("127.0.0.1", "black-box proxy bind address (loopback unless you mean it)")
+    proxy_port: int = key(0, "black-box proxy port; 0 = any free port", between(0, 65535))
+    proxy_max_body_mb: float = key(8.0, "larger request bodies get 413", POSITIVE)
+    proxy_force_sampling: bool = key(False, "True: the rollout's temperature/top_p and seeds override an agent's "
+                                            "request")
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key; per sample: (seed, group, index); "
+                       "per turn within it", NONNEG)
+    train_segments: tuple = key(("main", "compaction", "subagent"), "segment kinds that become training rows "
+                                                                    "(stages/agentflow/session.py): each segment of "
+                                                                    "these kinds is its own row")
+    sandbox: SandboxConfig = key(SandboxConfig, "code sandbox of the `sandbox` agent")
+    tool_service: ToolServiceConfig = key(ToolServiceConfig, "the remote tool service (its latency p50/p99): the "
+                                                             "sandbox agent's with sandbox.remote")
+    nice: int = key(0, "niceness of engine and rollout/reward worker processes (0 = as started): > 0 lets the trainer,"
+                       " an async run's bottleneck, keep its core", between(0, 19))
 
     def __post_init__(self):
         for k in ("n_samples", "max_new_tokens", "num_engines", "num_workers"):
@@ -131,6 +149,15 @@ class RolloutConfig:
         if preload and not self.agent.startswith("cmd:"):
             raise ValueError(f"rollout.agent_preload is for 'cmd:python SCRIPT.py' agents, not {self.agent!r}")
         object.__setattr__(self, "agent_preload", preload)
+        if self.agent_sandbox not in ("auto", "strict", "none"):
+            raise ValueError(f"rollout.agent_sandbox must be auto, strict or none, got {self.agent_sandbox!r}")
+        if self.agent_home and not os.path.isdir(self.agent_home):
+            raise ValueError(f"rollout.agent_home {self.agent_home!r} is not a directory")
+        binds = (self.agent_binds,) if isinstance(self.agent_binds, str) else tuple(self.agent_binds)
+        missing = [b for b in binds if not (isinstance(b, str) and os.path.isabs(b) and os.path.exists(b))]
+        if missing:
+            raise ValueError(f"rollout.agent_binds: {missing[0]!r} is not an absolute path that exists")
+        object.__setattr__(self, "agent_binds", binds)
         if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
             raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
 

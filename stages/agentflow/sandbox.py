@@ -1,42 +1,45 @@
-"""Code sandbox tool: model-written Python snippets run in a pool of persistent worker processes.
+"""Code sandbox tool: model-written Python snippets, each trajectory's in a sandbox of its own.
 
 Why: an agent that computes by writing code needs somewhere to run it that a bad snippet cannot
-take down -- not the rollout worker, not the machine. Each snippet runs in one of
-`sandbox.workers` long-lived processes (stages/agentflow/sandbox_worker.py; starting Python per
-call would cost more than most snippets), under limits:
+take down -- not the rollout worker, not the machine -- and, in RL, that another trajectory's
+code cannot reach: a snippet that poisons a builtin or plants a file for the next caller would
+change other samples' rewards (reward hacking across a group). So:
+
+    one trajectory, one sandbox   `pool.session()` is a sandbox for one trajectory: its own
+        interpreter process in its own namespaces with its own private /tmp (its cwd), started
+        for it (or taken from `sandbox.workers` spares started ahead, which have run nothing)
+        and killed when the trajectory ends. Nothing it can write is shared with another
+        sandbox. `pool.run(code)` and `pool.tool()` are one-call sessions.
+
+The jail (stages/agentflow/jail.py) is bubblewrap where it runs: an empty root with read-only
+binds of /usr and the interpreter, fresh /proc, /dev and size-capped tmpfs /tmp, new network,
+PID, IPC, UTS, mount and cgroup namespaces (no host Unix socket is reachable: no socket file of
+the host is in its file system, and abstract sockets belong to the network namespace), a seccomp
+filter, no_new_privs, capabilities dropped. Where bwrap is missing or fails, the old `unshare`
+sandbox is the fallback (network, PID and mount namespaces, tmpfs over /tmp) and a warning names
+what it lacks: seccomp, no_new_privs, the host's file system (and Unix sockets in it) readable.
+Limits, in either:
 
     cpu_s        CPU seconds per snippet (RLIMIT_CPU soft limit, moved up per call)
     memory_mb    address space of the worker (RLIMIT_AS): a 10 GB allocation is a MemoryError
     timeout_s    wall clock per snippet, enforced here: the worker is killed
     output_bytes stdout+stderr per snippet, counted here as it arrives: past it the worker is killed
     nproc        processes+threads of the worker's own uid (RLIMIT_NPROC): a fork bomb stops there
-    file_mb      largest file it may write (RLIMIT_FSIZE)
+    file_mb      largest file it may write (RLIMIT_FSIZE); tmp_mb: size of its private /tmp
+    uid          running as root: the worker drops to a uid of its own after its imports
 
-and, where this machine allows it (`probe_isolation()` finds out once per process):
-
-    network      `unshare --net`: a fresh network namespace with only a downed loopback
-    pid          `unshare --pid --fork --kill-child`: the worker is PID 1 of its own namespace,
-                 so killing it kills everything it started; without it the pool kills its
-                 process group (a snippet that calls setsid() escapes that)
-    private_tmp  `unshare --mount`: tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock, cwd = /tmp;
-                 without it cwd is a private directory but /tmp is the host's
-    uid          running as root: the worker drops to a uid of its own (no writes to the
-                 project's or the system's files; RLIMIT_NPROC means something -- it does not
-                 bind root)
-
-`SandboxPool.isolation` says which of these hold; anything else (the file system is readable,
-CPU time other processes could use, the kernel itself) is not isolated.
-
-A breach (timeout, cpu, memory, output, fork, filesystem, or the worker dying) ends the call
-with an "error: <kind>: ..." result and the worker is killed and replaced, so the next call
-gets a fresh one; an ordinary exception in the snippet ("error: error: ZeroDivisionError...")
-leaves the worker in service. Every call starts in fresh globals in an emptied directory.
-`pool.tool()` is the registry entry (stages/agentflow/tools.py): `python(code=...)`.
+`SandboxPool.isolation` says which hold; the kernel itself and CPU time other processes could use
+are not isolated. A breach (timeout, cpu, memory, output, fork, filesystem, or the worker dying)
+ends the call with an "error: <kind>: ..." result and the session's worker is killed; the
+session's next call gets a fresh one. An ordinary exception in the snippet ("error:
+ZeroDivisionError...") leaves it in service. Every call starts in fresh globals in an emptied
+directory. `session.tool()` is the registry entry (stages/agentflow/tools.py): `python(code=...)`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -49,8 +52,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.keys import NONNEG, POSITIVE, key, one_of
+from stages.agentflow import jail
 from stages.agentflow.tools import Tool
 
+log = logging.getLogger(__name__)
 WORKER = Path(__file__).with_name("sandbox_worker.py")
 MARKER = b"\x00\x1esandbox-end:"
 BREACHES = ("timeout", "cpu", "memory", "output", "fork", "filesystem", "died")
@@ -58,29 +64,36 @@ BREACHES = ("timeout", "cpu", "memory", "output", "fork", "filesystem", "died")
 # read the interpreter's own files (socket is here so that the network namespace is what stops it)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "functools", "collections",
            "re", "json", "string", "random", "datetime", "heapq", "bisect", "operator", "socket", "encodings.idna")
-UID_BASE = 610_000          # worker uids: UID_BASE + (pid % 4096) * 16 + slot, unused by anything else here
+# worker uids: UID_BASE + (pid % 4096) * UID_SLOTS + (sandbox number % UID_SLOTS), unused by anything else here;
+# live sandboxes of one pool (at most UID_SLOTS) never share a uid, so RLIMIT_NPROC counts each alone
+UID_BASE = 610_000
+UID_SLOTS = 256
+UID_END = UID_BASE + 4096 * UID_SLOTS
 
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    workers: int = 2              # persistent sandbox processes per rollout worker
-    cpu_s: float = 2.0            # CPU seconds per snippet
-    timeout_s: float = 5.0        # wall seconds per snippet (the worker is killed past it)
-    memory_mb: int = 512          # address space of a worker
-    output_bytes: int = 4096      # stdout + stderr per snippet
-    nproc: int = 8                # processes + threads of the worker's uid (binds only when it has its own uid)
-    file_mb: int = 16             # largest file a snippet may write
-    tmp_mb: int = 32              # size of each private tmpfs
-    calls_per_worker: int = 1000  # a worker is replaced after this many calls (its lifetime CPU budget)
-    isolation: str = "auto"       # auto: whatever this machine allows | strict: refuse to start without
-                                  # network, pid, private_tmp and uid isolation | none: limits only
-    python: str = ""              # interpreter for the workers; "" = this one
-    preload: tuple = PRELOAD      # modules imported before the uid drop (see sandbox_worker.setup)
-    remote: bool = False          # True: snippets run in a remote sandbox service (rollout.tool_service: a local
-                                  # service process per rollout worker when its url is ""), with its latency
+    workers: int = key(2, "sandboxes started ahead of need (each serves one trajectory, then ends)", POSITIVE)
+    cpu_s: float = key(2.0, "CPU seconds per snippet", POSITIVE)
+    timeout_s: float = key(5.0, "wall seconds per snippet (the worker is killed past it)", POSITIVE)
+    memory_mb: int = key(512, "address space of a worker, MiB", POSITIVE)
+    output_bytes: int = key(4096, "stdout + stderr per snippet", POSITIVE)
+    nproc: int = key(8, "processes + threads of the worker's uid (binds only when it has its own uid; 0 = no limit)",
+                        NONNEG)
+    file_mb: int = key(16, "largest file a snippet may write, MiB", POSITIVE)
+    tmp_mb: int = key(32, "size of each private tmpfs, MiB", POSITIVE)
+    calls_per_worker: int = key(1000, "a worker is replaced after this many calls (its lifetime CPU budget)", POSITIVE)
+    max_sandboxes: int = key(64, "live sandboxes per pool (trajectories at once); more wait for one to end", POSITIVE)
+    isolation: str = key("auto", "auto: bubblewrap, else unshare, else limits only (a warning names what is missing) "
+                                 "| strict: refuse to start without every isolation | none: limits only",
+                         one_of("auto", "strict", "none"))
+    python: str = key("", 'interpreter for the workers; "" = this one')
+    preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox_worker.setup)")
+    remote: bool = key(False, "True: snippets run in a remote sandbox service (rollout.tool_service: a local service "
+                              'process per rollout worker when its url is ""), with its latency')
 
     def __post_init__(self):
-        for k in ("workers", "memory_mb", "output_bytes", "file_mb", "tmp_mb", "calls_per_worker"):
+        for k in ("workers", "memory_mb", "output_bytes", "file_mb", "tmp_mb", "calls_per_worker", "max_sandboxes"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"sandbox.{k} must be > 0, got {getattr(self, k)}")
         for k in ("cpu_s", "timeout_s"):
@@ -88,23 +101,39 @@ class SandboxConfig:
                 raise ValueError(f"sandbox.{k} must be > 0, got {getattr(self, k)}")
         if self.nproc < 0:
             raise ValueError(f"sandbox.nproc must be >= 0 (0 = no limit), got {self.nproc}")
+        if self.max_sandboxes > UID_SLOTS:
+            raise ValueError(f"sandbox.max_sandboxes must be <= {UID_SLOTS}, got {self.max_sandboxes}")
         object.__setattr__(self, "preload", (self.preload,) if isinstance(self.preload, str) else tuple(self.preload))
         if self.isolation not in ("auto", "strict", "none"):
             raise ValueError(f"sandbox.isolation must be auto, strict or none, got {self.isolation!r}")
 
 
+KINDS = ("network", "pid", "private_tmp", "uid", "unix_sockets", "seccomp", "no_new_privs")
+
+
 @dataclass(frozen=True)
 class Isolation:
-    network: bool = False
-    pid: bool = False
-    private_tmp: bool = False
-    uid: bool = False
+    network: bool = False         # own network namespace: no route anywhere
+    pid: bool = False             # own PID namespace: killing the worker kills all it started
+    private_tmp: bool = False     # /tmp (its cwd) is its own tmpfs
+    uid: bool = False             # a uid of its own
+    unix_sockets: bool = False    # no Unix socket of the host reachable (no host socket file in its file system)
+    seccomp: bool = False         # the jail's seccomp filter
+    no_new_privs: bool = False
+    tool: str = "none"            # bwrap | unshare | none
     notes: tuple = ()
 
+    @property
+    def complete(self) -> bool:
+        return all(getattr(self, k) for k in KINDS)
+
+    def missing(self) -> list[str]:
+        return [k for k in KINDS if not getattr(self, k)]
+
     def describe(self) -> str:
-        held = [k for k in ("network", "pid", "private_tmp", "uid") if getattr(self, k)]
-        return f"isolated: {', '.join(held) or 'nothing but rlimits'}" + (f"; {'; '.join(self.notes)}"
-                                                                         if self.notes else "")
+        held = [k for k in KINDS if getattr(self, k)]
+        return f"isolated ({self.tool}): {', '.join(held) or 'nothing but rlimits'}" + (
+            f"; {'; '.join(self.notes)}" if self.notes else "")
 
 
 UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
@@ -112,31 +141,55 @@ UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--
 
 @lru_cache(maxsize=1)
 def probe_isolation() -> Isolation:
-    """What this machine lets a sandbox have: tries the unshare command once, as the workers run it."""
-    notes = []
+    """What this machine lets a sandbox have: bubblewrap if it runs here, else the unshare command."""
     root = os.geteuid() == 0
+    why = jail.probe()
+    if not why:
+        notes = () if jail.seccomp_bpf() else ("no seccomp filter: no libseccomp binding (pip install pyseccomp, "
+                                               "or Debian's python3-seccomp)",)
+        return Isolation(network=True, pid=True, private_tmp=True, uid=root, unix_sockets=True,
+                         seccomp=bool(jail.seccomp_bpf()), no_new_privs=True, tool="bwrap",
+                         notes=notes + (() if root else ("not root: the worker keeps this user's uid",)))
+    notes = [f"bubblewrap: {why}"]
     if not root:
         notes.append("not root: the workers run as this user (RLIMIT_NPROC counts all of its processes; "
                      "files it can write, a snippet can write)")
-    ok = False
-    if shutil.which("unshare"):
-        try:
-            r = subprocess.run([*UNSHARE, sys.executable, "-I", "-c",
-                                "import socket,os; s=socket.socket(); s.settimeout(0.5)\n"
-                                "try: s.connect(('1.1.1.1', 53)); print('net')\n"
-                                "except OSError: print(os.getpid())"],
-                               capture_output=True, text=True, timeout=20)
-            ok = r.returncode == 0 and r.stdout.strip() == "1"
-            if not ok:
-                notes.append(f"unshare fails here ({(r.stderr or r.stdout).strip()[-200:]})")
-        except (OSError, subprocess.TimeoutExpired) as e:
-            notes.append(f"unshare fails here ({e})")
-    else:
-        notes.append("no unshare command")
+    ok = _unshare_works(notes)
     if not ok:
         notes.append("no network, PID or mount namespace: snippets reach the network and the host's /tmp")
     # tmpfs mounts in the new mount namespace need CAP_SYS_ADMIN there: root, as unshare runs without -U
-    return Isolation(network=ok, pid=ok, private_tmp=ok and root, uid=root, notes=tuple(notes))
+    return Isolation(network=ok, pid=ok, private_tmp=ok and root, uid=root, tool="unshare" if ok else "none",
+                     notes=tuple(notes))
+
+
+def _unshare_works(notes: list) -> bool:
+    if not shutil.which("unshare"):
+        notes.append("no unshare command")
+        return False
+    try:
+        r = subprocess.run([*UNSHARE, sys.executable, "-I", "-c",
+                            "import socket,os; s=socket.socket(); s.settimeout(0.5)\n"
+                            "try: s.connect(('1.1.1.1', 53)); print('net')\n"
+                            "except OSError: print(os.getpid())"],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        notes.append(f"unshare fails here ({e})")
+        return False
+    if r.returncode == 0 and r.stdout.strip() == "1":
+        return True
+    notes.append(f"unshare fails here ({(r.stderr or r.stdout).strip()[-200:]})")
+    return False
+
+
+_warned = False
+
+
+def _warn_once(iso: Isolation) -> None:
+    global _warned
+    if not _warned and iso.missing():
+        _warned = True
+        log.warning("code sandbox: not isolated here: %s (%s). Install bubblewrap (apt-get install bubblewrap) "
+                    "and pyseccomp for the full jail.", ", ".join(iso.missing()), iso.describe())
 
 
 @dataclass
@@ -145,7 +198,7 @@ class SandboxResult:
     output: str
     error: str = ""
     wall_s: float = 0.0
-    replaced: bool = False    # the worker was killed and a fresh one started
+    replaced: bool = False    # the worker was killed (the session's next call gets a fresh one)
 
     @property
     def ok(self) -> bool:
@@ -166,48 +219,117 @@ class _Worker:
     workdir: str
     calls: int = 0
     pgid: int = 0
-    pid: int = 0              # the worker itself (unshare's child, PID 1 of its namespace, when there is one)
+    pid: int = 0              # the worker itself (PID 1 of its namespace, when there is one)
+    start_s: float = 0.0      # wall seconds from spawn to ready
     buf: bytearray = field(default_factory=bytearray)
 
 
+class SandboxSession:
+    """One trajectory's sandbox: its own worker process, used by no one else, killed by close()."""
+
+    def __init__(self, pool: "SandboxPool"):
+        self.pool = pool
+        self.worker: _Worker | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def run(self, code: str) -> SandboxResult:
+        if not isinstance(code, str):
+            return SandboxResult("error", "", f"code must be a string, got {type(code).__name__}")
+        async with self._lock:      # one snippet at a time: the worker reads one request after another
+            if self._closed:
+                raise RuntimeError("sandbox session is closed")
+            if self.worker is None:
+                self.worker = await self.pool._take()
+            res, keep = await self.pool._call(self.worker, code)
+            if not keep:
+                self.worker = None
+            return res
+
+    async def close(self) -> None:
+        self._closed = True
+        w, self.worker = self.worker, None
+        if w is not None:
+            await self.pool._release(w)
+
+    async def __aenter__(self) -> "SandboxSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def tool(self, name: str = "python") -> Tool:
+        async def python(code: str) -> str:
+            return (await self.run(code)).text()
+
+        return self.pool._tool(name, python)
+
+
 class SandboxPool:
-    """`await pool.run(code)` -> SandboxResult. Workers start on first use (on the running loop)."""
+    """Sandboxes for one rollout worker: `async with pool.session() as s: await s.run(code)` per trajectory;
+    `await pool.run(code)` runs one snippet in a sandbox of its own."""
 
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
         self.isolation = Isolation(notes=("sandbox.isolation=none",)) if self.cfg.isolation == "none" \
             else probe_isolation()
-        if self.cfg.isolation == "strict" and not all(
-                (self.isolation.network, self.isolation.pid, self.isolation.private_tmp, self.isolation.uid)):
-            raise RuntimeError(f"sandbox.isolation=strict, but this machine gives only: {self.isolation.describe()}")
-        self._idle: asyncio.Queue | None = None
+        if self.cfg.isolation == "strict" and not self.isolation.complete:
+            raise RuntimeError(f"sandbox.isolation=strict, but this machine lacks {', '.join(self.isolation.missing())}"
+                               f" ({self.isolation.describe()})")
+        if self.cfg.isolation == "auto":
+            _warn_once(self.isolation)
+        self._spares: list[_Worker] = []
         self._all: dict[int, _Worker] = {}
         self._spawning: set[asyncio.Task] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._seq = 0
         self._root = tempfile.mkdtemp(prefix="loongsage-sandbox-")
-        self.stats = {"calls": 0, "replaced": 0, **{k: 0 for k in BREACHES}}
+        self.stats = {"calls": 0, "replaced": 0, "sandboxes": 0, "start_s": 0.0, **{k: 0 for k in BREACHES}}
         self._closed = False
 
     # ---- workers ------------------------------------------------------------------------
-    async def _spawn(self, slot: int) -> _Worker:
-        iso = self.isolation
-        uid = UID_BASE + (os.getpid() % 4096) * 16 + slot if iso.uid else None
+    def _next_slot(self) -> int:
+        live = {w.slot % UID_SLOTS for w in self._all.values()}
+        while True:
+            self._seq += 1
+            if self._seq % UID_SLOTS not in live:
+                return self._seq
+
+    def _command(self, setup: dict) -> tuple[list[str], tuple[int, ...]]:
+        python = self.cfg.python or sys.executable
+        if self.isolation.tool == "bwrap":
+            fd = jail.seccomp_fd()
+            argv = jail.code_argv(str(WORKER), python, self.cfg.tmp_mb << 20, fd, keep_setuid=setup["uid"] is not None)
+            return [*argv, json.dumps(setup)], (() if fd is None else (fd,))
+        cmd = [python, "-I", str(WORKER), json.dumps(setup)]
+        return ([*UNSHARE, *cmd] if self.isolation.pid else cmd), ()
+
+    async def _spawn(self) -> _Worker:
+        iso, slot = self.isolation, self._next_slot()
+        uid = UID_BASE + (os.getpid() % 4096) * UID_SLOTS + slot % UID_SLOTS if iso.uid else None
         workdir = tempfile.mkdtemp(dir=self._root, prefix=f"w{slot}-")
         if uid is not None:
             os.chown(workdir, uid, uid)
         # RLIMIT_NPROC binds a worker with a uid of its own, or any non-root user; root it does not
         nproc = self.cfg.nproc if (uid is not None or os.geteuid() != 0) else 0
-        setup = {"preload": list(self.cfg.preload), "private_tmp": iso.private_tmp, "tmp_mb": self.cfg.tmp_mb,
-                 "workdir": workdir, "uid": uid, "memory_mb": self.cfg.memory_mb, "file_mb": self.cfg.file_mb,
+        jailed = iso.tool == "bwrap"    # bwrap mounts the private /tmp itself and starts the worker in it
+        setup = {"preload": list(self.cfg.preload), "private_tmp": iso.private_tmp and not jailed,
+                 "tmp_mb": self.cfg.tmp_mb, "workdir": "/tmp" if jailed else workdir, "uid": uid,
+                 "memory_mb": self.cfg.memory_mb, "file_mb": self.cfg.file_mb,
                  "nproc": nproc, "cpu_lifetime_s": self.cfg.cpu_s * self.cfg.calls_per_worker + 10}
-        cmd = [self.cfg.python or sys.executable, "-I", str(WORKER), json.dumps(setup)]
-        if iso.pid:
-            cmd = [*UNSHARE, *cmd]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
+        cmd, fds = self._command(setup)
+        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "HOME": "/tmp"}
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-            cwd=workdir, start_new_session=True, limit=2 ** 20)
+        t0 = time.perf_counter()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                cwd=workdir, start_new_session=True, limit=2 ** 20, pass_fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         w = _Worker(proc, slot, workdir, pgid=proc.pid)
+        self._all[slot] = w
         try:
             await asyncio.wait_for(self._read_until(w, b"ready", cap=1 << 16), timeout=30)
         except Exception as e:
@@ -215,7 +337,9 @@ class SandboxPool:
             await self._kill(w)
             raise RuntimeError(f"sandbox worker did not start ({type(e).__name__}: {e}): {tail}") from e
         w.pid = _child_of(proc.pid) if iso.pid else proc.pid
-        self._all[slot] = w
+        w.start_s = time.perf_counter() - t0
+        self.stats["sandboxes"] += 1
+        self.stats["start_s"] += w.start_s
         return w
 
     async def _read_until(self, w: _Worker, tag: bytes, cap: int) -> tuple[bytes, bytes]:
@@ -238,8 +362,8 @@ class SandboxPool:
             w.buf += chunk
 
     async def _kill(self, w: _Worker) -> None:
-        """SIGKILL the worker, then its process group. The worker first: unshare reaps it and exits (had
-        unshare died first, the worker would be reaped later by whoever adopts it); with a PID
+        """SIGKILL the worker, then its process group. The worker first: bwrap/unshare reaps it and exits
+        (had they died first, the worker would be reaped later by whoever adopts it); with a PID
         namespace, everything the snippet started dies with the namespace's PID 1."""
         self._all.pop(w.slot, None)
         for target, kill in ((w.pid, os.kill), (w.pgid, os.killpg)):
@@ -254,33 +378,66 @@ class SandboxPool:
                 pass
         shutil.rmtree(w.workdir, ignore_errors=True)
 
-    def _replace(self, w: _Worker) -> None:
-        """Kill `w` and start its successor in the background; the successor joins the idle queue."""
-        self.stats["replaced"] += 1
-
-        async def go():
-            await self._kill(w)
-            if not self._closed:
-                self._idle.put_nowait(await self._spawn(w.slot))
-
-        t = asyncio.get_running_loop().create_task(go())
+    def _background(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
         self._spawning.add(t)
         t.add_done_callback(self._spawning.discard)
 
-    async def start(self) -> None:
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-            for w in await asyncio.gather(*(self._spawn(i) for i in range(self.cfg.workers))):
-                self._idle.put_nowait(w)
+    async def _refill(self) -> None:
+        """Keep `workers` spares started (in the background: a trajectory that takes one does not wait)."""
+        try:
+            w = await self._spawn()
+        except RuntimeError as e:
+            log.warning("sandbox spare did not start: %s", e)
+            return
+        if self._closed:
+            await self._kill(w)
+        else:
+            self._spares.append(w)
 
-    # ---- calls --------------------------------------------------------------------------
-    async def run(self, code: str) -> SandboxResult:
+    async def _take(self) -> _Worker:
+        """A sandbox for one session: a spare (never used) if one is ready, else a fresh start."""
         if self._closed:
             raise RuntimeError("sandbox pool is closed")
-        await self.start()
-        if not isinstance(code, str):
-            return SandboxResult("error", "", f"code must be a string, got {type(code).__name__}")
-        w = await self._idle.get()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.cfg.max_sandboxes)
+        await self._slots.acquire()
+        try:
+            w = self._spares.pop() if self._spares else await self._spawn()
+        except BaseException:
+            self._slots.release()
+            raise
+        starting = sum(1 for t in self._spawning if not t.done())
+        for _ in range(self.cfg.workers - len(self._spares) - starting):
+            self._background(self._refill())
+        return w
+
+    async def _release(self, w: _Worker) -> None:
+        """A session is done with `w`: kill it (nothing of it serves anyone else)."""
+        await self._kill(w)
+        if self._slots is not None:
+            self._slots.release()
+
+    async def start(self) -> None:
+        """Start the spares now (else they start with the first session)."""
+        if not self._spares and not self._spawning:
+            ws = await asyncio.gather(*(self._spawn() for _ in range(self.cfg.workers)))
+            self._spares.extend(ws)
+
+    # ---- calls --------------------------------------------------------------------------
+    def session(self) -> SandboxSession:
+        if self._closed:
+            raise RuntimeError("sandbox pool is closed")
+        return SandboxSession(self)
+
+    async def run(self, code: str) -> SandboxResult:
+        """One snippet in a sandbox of its own (started for it, killed after it)."""
+        async with self.session() as s:
+            return await s.run(code)
+
+    async def _call(self, w: _Worker, code: str) -> tuple[SandboxResult, bool]:
+        """Run `code` in `w`: (result, whether `w` may serve the session's next call). A worker that may not
+        is already released (killed)."""
         self.stats["calls"] += 1
         t0, nonce = time.perf_counter(), secrets.token_hex(8)
         res, breach = None, True        # a cancelled call (the caller's own timeout) is a breach too
@@ -289,7 +446,7 @@ class SandboxPool:
             await w.proc.stdin.drain()
             out, rest = await asyncio.wait_for(self._read_until(w, nonce.encode(), self.cfg.output_bytes),
                                                timeout=self.cfg.timeout_s)
-            info = json.loads(rest)
+            info = _result_line(rest)
             kind, output = info["kind"], out[: self.cfg.output_bytes].decode(errors="replace")
             if len(out) > self.cfg.output_bytes:
                 kind, info["error"] = "output", f"more than {self.cfg.output_bytes} bytes of output"
@@ -307,16 +464,16 @@ class SandboxPool:
             res = SandboxResult(kind, self._partial(w), f"worker exited ({_describe_exit(code_)})")
         finally:
             w.calls += 1
-            if breach or w.calls >= self.cfg.calls_per_worker:
+            keep = not breach and w.calls < self.cfg.calls_per_worker
+            if not keep:
                 if res is not None and res.kind in BREACHES:
                     self.stats[res.kind] += 1
-                self._replace(w)
+                self.stats["replaced"] += 1
+                self._background(self._release(w))     # not awaited: a cancelled caller must not skip it
                 if res is not None:
                     res.replaced = True
-            else:
-                self._idle.put_nowait(w)
         res.wall_s = time.perf_counter() - t0
-        return res
+        return res, keep
 
     def _partial(self, w: _Worker) -> str:
         out = bytes(w.buf[: self.cfg.output_bytes]).decode(errors="replace")
@@ -335,27 +492,45 @@ class SandboxPool:
         for t in list(self._spawning):
             try:
                 await t
-            except Exception:  # noqa: BLE001 - closing: a failed respawn has nothing left to clean
+            except Exception:  # noqa: BLE001 - closing: a failed start has nothing left to clean
                 pass
         await asyncio.gather(*(self._kill(w) for w in list(self._all.values())))
+        self._spares.clear()
         shutil.rmtree(self._root, ignore_errors=True)
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._all.values()]
 
     def tool(self, name: str = "python") -> Tool:
+        """The `python` tool with a fresh sandbox per call; a trajectory uses `session().tool()` instead."""
         async def python(code: str) -> str:
             return (await self.run(code)).text()
 
-        return Tool(name=name, fn=python, description=(
+        return self._tool(name, python)
+
+    def _tool(self, name: str, fn) -> Tool:
+        return Tool(name=name, fn=fn, description=(
             "Run a Python snippet in a sandbox and return its output (the value of a final expression is "
             "printed). Limits: " f"{self.cfg.cpu_s}s CPU, {self.cfg.timeout_s}s wall, {self.cfg.memory_mb} MB, "
             f"{self.cfg.output_bytes} bytes of output. {self.isolation.describe()}."),
             parameters={"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]})
 
 
+def _result_line(rest: bytes) -> dict:
+    """The worker's {"kind", "error"} after a snippet; a snippet that broke the worker's own json or print
+    makes a line that is not one: that worker is no longer trusted (a breach, "died")."""
+    try:
+        info = json.loads(rest)
+        if isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("error"), str) \
+                and info["kind"] in ("ok", "error", *BREACHES):
+            return info
+    except ValueError:
+        pass
+    return {"kind": "died", "error": f"the worker's result line is garbled ({rest[:80]!r}): the snippet broke it"}
+
+
 def _child_of(pid: int) -> int:
-    """The one child of `pid` (unshare --fork's), or 0."""
+    """The one child of `pid` (bwrap's or unshare --fork's), or 0."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             kids = f.read().split()

@@ -1,13 +1,14 @@
 """One sandbox worker process: reads snippets on stdin, runs each, writes the result after a marker.
 
-Started by stages/agentflow/sandbox.py (`python -I sandbox_worker.py SETUP_JSON`), possibly inside
-`unshare --net --mount --pid --fork` (then it is PID 1 of its own PID namespace). This file imports
-only the standard library: it must start fast and owe nothing to the project.
+Started by stages/agentflow/sandbox.py (`python -I sandbox_worker.py SETUP_JSON`), one per trajectory,
+inside a bubblewrap jail (stages/agentflow/jail.py: it is then PID 1 of its own PID namespace, its
+/tmp already private) or, where bwrap is missing, `unshare --net --mount --pid --fork`. This file
+imports only the standard library: it must start fast and owe nothing to the project.
 
 Setup, once, in this order (each step only where the pool's probe found it works):
   0. import the modules in `preload` (sandbox.preload);
-  1. private tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock (world-writable places), cwd = /tmp;
-     without a mount namespace: cwd = the private directory the pool made;
+  1. under unshare: private tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock (world-writable places),
+     cwd = /tmp; under bwrap: cwd = its private /tmp; with neither: the private directory the pool made;
   2. drop to the worker's own uid/gid (root only): RLIMIT_NPROC then counts this worker alone;
   3. rlimits: address space, processes, file size, open files, no core files.
 Per snippet: RLIMIT_CPU's soft limit is set to the CPU used so far + cpu_s (SIGXCPU -> an

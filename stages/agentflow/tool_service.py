@@ -7,10 +7,17 @@ one that overlaps them with generation does not. This service makes that wait re
 Server (`python -m stages.agentflow.tool_service --port 0 --p50-s 0.2 --p99-s 1.5 --seed 0`):
     GET  /health                      -> {"ok": true}
     POST /lookup {"key": "37"}        -> {"key", "value", "latency_s"}   404 for an unknown key
-    POST /run {"code": "37*48*29"}    -> {"kind", "output", "error", "text", "latency_s"}   (--sandbox-workers N)
+    POST /run {"code": "37*48*29", "session": "S"}  -> {"kind", "output", "error", "text", "latency_s"}
+    POST /close {"session": "S"}      -> {"closed": true|false}
 /run is a remote code sandbox, as hosted sandboxes (E2B, Modal, Daytona) are to an agent: the
 snippet runs in this process's SandboxPool (stages/agentflow/sandbox.py, its limits from
 --sandbox-json) after the drawn service time (the service's network, queueing and start-up).
+A `session` (any id the client picks, one per trajectory) is a sandbox of that trajectory's own,
+kept until /close (or SESSION_IDLE_S without a call); without one, the snippet gets a sandbox
+of its own. /run and /close run code, so they take only requests that carry the service's key
+(`Authorization: Bearer KEY`; 401 otherwise): the service reads it from the environment
+variable LOONGSAGE_TOOL_SERVICE_KEY (never from its command line, which any local process can
+read) and will not serve /run without one; `ToolService` makes a fresh key per service process.
 The built-in corpus is number facts for the keys "0".."9999" (square, cube, digit sum, prime?),
 so answers are exact and checkable. Every request sleeps (asyncio.sleep: wall time, no CPU) for a
 service time drawn from a lognormal with the configured median (p50_s) and 99th percentile (p99_s):
@@ -35,29 +42,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hmac
 import json
 import math
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
+from pipeline.keys import NONNEG, POSITIVE, UNIT, key, one_of
 from stages.agentflow.tools import Tool, ToolFatalError
 
 Z99 = 2.3263478740408408   # the standard normal's 99th percentile
+KEY_ENV = "LOONGSAGE_TOOL_SERVICE_KEY"
+SESSION_IDLE_S = 600.0     # a /run session not used for this long is closed (its client went away)
 
 
 @dataclass(frozen=True)
 class ToolServiceConfig:
-    url: str = ""              # "" = start a local service process (ToolService) with the settings below
-    p50_s: float = 0.2         # median service time (see the module docstring for where it comes from)
-    p99_s: float = 1.5         # 99th percentile service time
-    seed: int = 0
-    error_rate: float = 0.0    # fraction of requests the local service answers 500
-    timeout_s: float = 5.0     # per call, on the client
-    on_error: str = "observe"  # observe: an "error: ..." observation | fail: the trajectory fails
+    url: str = key("", '"" = start a local service process (ToolService) with the settings below')
+    p50_s: float = key(0.2, "median service time (see the module docstring for where it comes from)", POSITIVE)
+    p99_s: float = key(1.5, "99th percentile service time (>= p50_s)", POSITIVE)
+    seed: int = key(0, "in a run: set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
+    error_rate: float = key(0.0, "fraction of requests the local service answers 500", UNIT)
+    timeout_s: float = key(5.0, "seconds per call, on the client", POSITIVE)
+    on_error: str = key("observe", 'observe: an "error: ..." observation | fail: the trajectory fails',
+                                   one_of("observe", "fail"))
 
     def __post_init__(self):
         if not self.p50_s > 0:
@@ -93,12 +107,33 @@ def fact(key: str) -> dict | None:
 
 
 # ---- server -------------------------------------------------------------------------------
-def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, sandbox=None):
-    """`sandbox`: a SandboxConfig to serve /run with (a pool started on first use), or None."""
+def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, sandbox=None, key: str = ""):
+    """`sandbox`: a SandboxConfig to serve /run with (a pool started on first use), or None; `key`: what /run
+    and /close require (a service with a sandbox refuses to start without one)."""
     from aiohttp import web
 
+    if sandbox is not None and not key:
+        raise ValueError(f"the tool service's /run needs a key: set {KEY_ENV}")
     latency, errors = Lognormal(p50_s, p99_s, seed), random.Random(seed + 1)
     pool = None
+    sessions: dict[str, list] = {}     # id -> [SandboxSession, last use (monotonic)]
+
+    def authorized(request) -> bool:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(given.encode(), key.encode())
+
+    def unauthorized():
+        return web.json_response({"error": "missing or wrong key: send Authorization: Bearer <key>"}, status=401)
+
+    async def session_of(sid) -> object:
+        """The sandbox session `sid` (made on first use), after closing those idle past SESSION_IDLE_S."""
+        now = time.monotonic()
+        for old in [k for k, (_, t) in sessions.items() if now - t > SESSION_IDLE_S]:
+            await sessions.pop(old)[0].close()
+        if sid not in sessions:
+            sessions[sid] = [pool.session(), now]
+        sessions[sid][1] = now
+        return sessions[sid][0]
 
     async def health(_request):
         return web.json_response({"ok": True})
@@ -120,22 +155,39 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, san
 
     async def run(request):
         nonlocal pool
+        if not authorized(request):
+            return unauthorized()
         wait = latency.draw()
         failing = errors.random() < error_rate
         await asyncio.sleep(wait)
         if failing:
             return web.json_response({"error": "internal error (injected)"}, status=500)
         try:
-            code = (await request.json())["code"]
-        except (ValueError, KeyError, TypeError):
-            return web.json_response({"error": 'body must be JSON {"code": ...}'}, status=400)
+            body = await request.json()
+            code, sid = body["code"], body.get("session")
+            if sid is not None and not isinstance(sid, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return web.json_response({"error": 'body must be JSON {"code": ..., "session": "<id>"}'}, status=400)
         if pool is None:
             from stages.agentflow.sandbox import SandboxPool
 
             pool = SandboxPool(sandbox)
-        res = await pool.run(code)
+        res = await (await session_of(sid)).run(code) if sid else await pool.run(code)
         return web.json_response({"kind": res.kind, "output": res.output, "error": res.error, "text": res.text(),
                                   "latency_s": wait})
+
+    async def close(request):
+        if not authorized(request):
+            return unauthorized()
+        try:
+            sid = (await request.json())["session"]
+            entry = sessions.pop(sid, None)
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'body must be JSON {"session": "<id>"}'}, status=400)
+        if entry is not None:
+            await entry[0].close()
+        return web.json_response({"closed": entry is not None})
 
     async def close_pool(_app):
         if pool is not None:
@@ -146,6 +198,7 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, san
     app.router.add_post("/lookup", lookup)
     if sandbox is not None:
         app.router.add_post("/run", run)
+        app.router.add_post("/close", close)
         app.on_cleanup.append(close_pool)
     return app
 
@@ -183,8 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         from stages.agentflow.sandbox import SandboxConfig
 
         sandbox = SandboxConfig(**json.loads(a.sandbox_json))
+        if not os.environ.get(KEY_ENV):
+            p.error(f"--sandbox-json serves /run, which needs a key: set {KEY_ENV} (any secret string)")
     asyncio.run(serve(a.host, a.port, p50_s=a.p50_s, p99_s=a.p99_s, seed=a.seed, error_rate=a.error_rate,
-                      sandbox=sandbox))
+                      sandbox=sandbox, key=os.environ.get(KEY_ENV, "")))
 
 
 class ToolService:
@@ -192,6 +247,7 @@ class ToolService:
 
     def __init__(self, cfg: ToolServiceConfig, sandbox=None):
         self.cfg, self.sandbox, self.proc, self.url = cfg, sandbox, None, ""
+        self.key = secrets.token_urlsafe(24)    # what /run takes: this run's clients get it from here
 
     def start(self, timeout_s: float = 30.0) -> str:
         c = self.cfg
@@ -202,6 +258,7 @@ class ToolService:
             [sys.executable, "-m", "stages.agentflow.tool_service", "--p50-s", str(c.p50_s), "--p99-s", str(c.p99_s),
              "--seed", str(c.seed), "--error-rate", str(c.error_rate), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, KEY_ENV: self.key},
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         line = self.proc.stdout.readline()      # the server prints its address first
         if not line.startswith("listening on "):
@@ -228,8 +285,11 @@ class ToolServiceError(RuntimeError):
 
 
 class ToolServiceClient:
-    def __init__(self, url: str, cfg: ToolServiceConfig | None = None):
+    """`key`: the service's /run key (a local ToolService's .key); None = $LOONGSAGE_TOOL_SERVICE_KEY."""
+
+    def __init__(self, url: str, cfg: ToolServiceConfig | None = None, key: str | None = None):
         self.url, self.cfg = url.rstrip("/"), cfg or ToolServiceConfig()
+        self.key = os.environ.get(KEY_ENV, "") if key is None else key
         self._session = None
         self.stats = {"calls": 0, "errors": 0, "wait_s": 0.0}
 
@@ -253,25 +313,27 @@ class ToolServiceClient:
         finally:
             self.stats["wait_s"] += loop.time() - t0
 
-    async def run(self, code: str) -> dict:
-        """A snippet run by the service's sandbox (/run); ToolServiceError as for lookup."""
+    async def run(self, code: str, session: str | None = None) -> dict:
+        """A snippet run by the service's sandbox (/run), in `session`'s sandbox or a fresh one;
+        ToolServiceError as for lookup."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         self.stats["calls"] += 1
         try:
-            return await self._post(code, path="/run", field="code")
+            return await self._post(code, path="/run", field="code", extra={"session": session} if session else {})
         except ToolServiceError:
             self.stats["errors"] += 1
             raise
         finally:
             self.stats["wait_s"] += loop.time() - t0
 
-    async def _post(self, key: str, path: str = "/lookup", field: str = "key") -> dict:
+    async def _post(self, key: str, path: str = "/lookup", field: str = "key", extra: dict | None = None) -> dict:
         import aiohttp
 
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         try:
             session = await self._http()
-            async with session.post(f"{self.url}{path}", json={field: key}) as r:
+            async with session.post(f"{self.url}{path}", json={field: key, **(extra or {})}, headers=headers) as r:
                 body = await r.text()
         except asyncio.TimeoutError as e:
             raise ToolServiceError(f"tool service {self.url} timed out after {self.cfg.timeout_s}s") from e
@@ -293,11 +355,15 @@ class ToolServiceClient:
         return Tool(name=name, fn=lookup, description="Look up facts about an integer 0..9999 (remote service).",
                     parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]})
 
-    def sandbox_tool(self, name: str = "python") -> Tool:
+    def session(self) -> "RemoteSandboxSession":
+        """A sandbox of one trajectory's own on the service: its tool(), then close()."""
+        return RemoteSandboxSession(self, secrets.token_urlsafe(12))
+
+    def sandbox_tool(self, name: str = "python", session: str | None = None) -> Tool:
         """The remote sandbox as the `python` tool: the output text as a local pool's tool gives it."""
         async def python(code: str) -> str:
             try:
-                return (await self.run(str(code)))["text"]
+                return (await self.run(str(code), session))["text"]
             except ToolServiceError as e:
                 if self.cfg.on_error == "fail":
                     raise ToolFatalError(str(e)) from e
@@ -310,6 +376,24 @@ class ToolServiceClient:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+class RemoteSandboxSession:
+    """A trajectory's sandbox on the service (`session` in /run): closing it ends the sandbox there."""
+
+    def __init__(self, client: ToolServiceClient, sid: str):
+        self.client, self.id, self.used = client, sid, False
+
+    def tool(self, name: str = "python") -> Tool:
+        self.used = True
+        return self.client.sandbox_tool(name, session=self.id)
+
+    async def close(self) -> None:
+        if self.used:
+            try:
+                await self.client._post(self.id, path="/close", field="session")
+            except ToolServiceError:
+                pass        # a service that is gone closed its sandboxes with it; an idle one closes them itself
 
 
 def _error_of(body: str) -> str:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.keys import at_least, key
 from stages.agentflow.limits import failed_row, model_limits, room, row_error
 from stages.lora import LoraConfig, adapter_specs, meta_model, write_adapter
 from stages.model import load_tokenizer
@@ -61,13 +62,15 @@ STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 @dataclass(frozen=True)
 class VLLMConfig:
     """The `vllm:` recipe section (used when rollout.engine is vllm)."""
-    kv_cache_mb: int = 256                  # KV cache per engine (vLLM's default is most of the machine's memory)
-    max_num_seqs: int = 256                 # rows decoding at once (more wait in vLLM's queue)
-    max_num_batched_tokens: int = 16384     # tokens per step; large: a seeded row must not be chunk-prefilled
-    enforce_eager: bool = True              # no torch.compile / graphs: +37 s start on CPU, nothing gained here
-    prefix_caching: bool = True
-    max_loras: int = 2                      # adapters resident at once (trainer.lora: the current and the last)
-    engine_args: dict = field(default_factory=dict)   # any other vllm EngineArgs field
+    kv_cache_mb: int = key(256, "KV cache per engine, MiB (vLLM's default is most of the machine's memory)",
+                           at_least(1))
+    max_num_seqs: int = key(256, "rows decoding at once (more wait in vLLM's queue)", at_least(1))
+    max_num_batched_tokens: int = key(16384, "tokens per engine step; large: vLLM 0.32 on CPU fails a seeded row "
+                                             "that is prefilled in chunks", at_least(1))
+    enforce_eager: bool = key(True, "no torch.compile / graphs (on CPU: +37 s of start, nothing gained here)")
+    prefix_caching: bool = key(True, "share KV blocks of common prefixes (a group's prompt)")
+    max_loras: int = key(2, "adapters resident at once with trainer.lora (the current and the previous)", at_least(1))
+    engine_args: dict = key({}, "any other vllm.EngineArgs field")
 
     def __post_init__(self):
         for k in ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "max_loras"):

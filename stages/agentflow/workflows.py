@@ -50,9 +50,9 @@ class CalculatorAgent:
 class SandboxAgent:
     """Compute by running code (the `product` task, stages/tasks/code.py), retrying until right.
 
-    A model turn ending in ";" is a Python snippet: it runs in this rollout worker's sandbox pool
-    (stages/agentflow/sandbox.py, settings rollout.sandbox) through the `python` tool, and its
-    output and "=" join the stream; the next turn is the answer, checked by RetryEnv. A failed
+    A model turn ending in ";" is a Python snippet: it runs in this trajectory's own sandbox, a session
+    of the rollout worker's pool (stages/agentflow/sandbox.py, settings rollout.sandbox), through the
+    `python` tool, and its output and "=" join the stream; the next turn is the answer, checked by RetryEnv. A failed
     snippet -- an exception or a breached limit -- reads "?=": the tiny model's alphabet cannot
     spell the error, which is kept whole in agent_info (`tool_errors`). A wrong answer gets the
     question again, up to rollout.max_turns // 2 attempts (two model turns each).
@@ -77,26 +77,32 @@ class SandboxAgent:
     async def run(self, ctx, sample: dict) -> None:
         if self.sandbox_cfg.remote:
             await self.start_remote()
-        self.attach(ctx)
-        env = RetryEnv(sample, max_attempts=self.attempts, decay=0.5)
-        while True:
-            gen = await ctx.generate(stop=[";"])
-            if gen.stopped:
-                await self.run_snippet(ctx, gen.text[:-1])
-                gen = await ctx.generate()
-            if (await ctx.step(env, gen.text)).done:
-                return
+        session = self.attach(ctx)
+        try:
+            env = RetryEnv(sample, max_attempts=self.attempts, decay=0.5)
+            while True:
+                gen = await ctx.generate(stop=[";"])
+                if gen.stopped:
+                    await self.run_snippet(ctx, gen.text[:-1])
+                    gen = await ctx.generate()
+                if (await ctx.step(env, gen.text)).done:
+                    return
+        finally:        # the trajectory's sandbox ends with it: nothing it left reaches another trajectory
+            await session.close()
 
-    def attach(self, ctx) -> None:
-        """Give the context the `python` tool of this worker's pool (started here, on the rollout's loop)."""
+    def attach(self, ctx):
+        """Give the context the `python` tool of a sandbox of this trajectory's own (a session of this worker's
+        pool, started here on the rollout's loop, or of the remote service); returns the session to close."""
         from stages.agentflow.sandbox import SandboxPool
 
         if self.sandbox_cfg.remote:     # the client is made by start_remote, awaited before attach
-            ctx.tools.register(self.client.sandbox_tool())
-            return
-        if self.pool is None:
-            self.pool = SandboxPool(self.sandbox_cfg)
-        ctx.tools.register(self.pool.tool())
+            session = self.client.session()
+        else:
+            if self.pool is None:
+                self.pool = SandboxPool(self.sandbox_cfg)
+            session = self.pool.session()
+        ctx.tools.register(session.tool())
+        return session
 
     async def run_snippet(self, ctx, code: str) -> str:
         """One sandbox call: its result (whole) back, its observation (in the model's alphabet) in the stream."""
@@ -136,7 +142,7 @@ class SandboxAgent:
             if not url:
                 self.service = ToolService(self.service_cfg, sandbox=self.sandbox_cfg)
                 url = await asyncio.to_thread(self.service.start)
-            self.client = ToolServiceClient(url, self.service_cfg)
+            self.client = ToolServiceClient(url, self.service_cfg, key=self.service.key if self.service else None)
 
     async def aclose(self) -> None:
         if self.pool is not None:

@@ -15,12 +15,13 @@ a Unix socket. Each trajectory is still its own OS process running the unmodifie
     reads the pipes, kills the group         waitpid
                                         <--  {"rc": code, or -signal}
 
-so the worker's handling (process group kill, stderr tail, timeouts) is the same as for a
-spawned process. What differs from a fresh interpreter: modules imported by the zygote are not
-imported again, so whatever they read from the environment at import time is the zygote's
-(the worker's) environment, not the trajectory's; `sys.modules` state they set at import is
-shared by every child. The official SDKs read their base URL and key when a client is made,
-which is after the fork. Only a `python SCRIPT.py ...` command can be preloaded.
+so the worker's handling (process group kill, stderr tail, timeouts) is the same as for a spawned
+process. With "private" in the request (the zygote runs in an agent jail that its children share),
+the child makes itself non-dumpable first. What differs from a fresh interpreter: modules imported
+by the zygote are not imported again, so whatever they read from the environment at import time is
+the zygote's (the worker's) environment, not the trajectory's; `sys.modules` state they set at
+import is shared by every child. The official SDKs read their base URL and key when a client is
+made, which is after the fork. Only a `python SCRIPT.py ...` command can be preloaded.
 
 Standard library only: it runs as a plain script, outside the project's packages.
 """
@@ -43,6 +44,8 @@ def _child(req: dict, fds: list[int]) -> None:
     """In the forked child: become the agent process and run its script; never returns."""
     code = 1
     try:
+        if req.get("private"):
+            _undumpable()
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -80,6 +83,17 @@ def _child(req: dict, fds: list[int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code & 0xFF)
+
+
+def _undumpable() -> None:
+    """In a jail shared with its siblings (same uid, no capabilities): make this process's environment (its
+    key) and memory unreadable to them (/proc/PID/environ and /mem need ptrace access, which a non-dumpable
+    process grants only to CAP_SYS_PTRACE)."""
+    import ctypes
+
+    PR_SET_DUMPABLE = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def serve(path: str, modules: list[str]) -> None:

@@ -7,7 +7,9 @@ directories, weights, tokenizers, budget vs sizes) at start, before an actor exi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from pipeline.keys import NONNEG, POSITIVE, key, one_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -19,23 +21,23 @@ class TeacherError(ValueError):
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    teachers: dict[str, str] = field(default_factory=dict)   # teacher id -> local HF directory (safetensors)
-    routes: dict[str, str] = field(default_factory=dict)     # data_source -> teacher id
-    default: str = ""               # teacher id for a data_source not in routes; "" = such a source is an error
-    max_resident: int = 0           # teachers resident at once (0 = no limit by count)
-    max_resident_bytes: int = 0     # bytes of resident teacher weights (0 = no limit by bytes)
-    top_k: int = 0                  # > 0: also write the teacher's top-k per position (GKD-style losses)
-    temperature: float = 1.0        # teacher log-probs are of logits / temperature
-    dtype: str = "float32"          # dtype teachers are held and run in (the files may differ)
-    device: str = "auto"            # auto = cuda when the actor sees a GPU, else cpu
-    micro_batch: int = 64           # rows per teacher forward pass
-    workers: int = 1                # scoring actors; each holds its own resident set, so the budget is per actor
+    teachers: dict[str, str] = key({}, "teacher id -> local HF directory (safetensors)")
+    routes: dict[str, str] = key({}, "data_source -> teacher id")
+    default: str = key("", 'teacher id for a data_source not in routes; "" = such a source is an error')
+    max_resident: int = key(0, "teachers resident at once (0 = no limit by count)", NONNEG)
+    max_resident_bytes: int = key(0, "bytes of resident teacher weights (0 = no limit by bytes)", NONNEG)
+    top_k: int = key(0, "> 0: also write the teacher's top-k per position (GKD-style losses)", NONNEG)
+    temperature: float = key(1.0, "teacher log-probs are of logits / temperature", POSITIVE)
+    dtype: str = key("float32", "dtype teachers are held and run in (the files may differ)", one_of(*DTYPES))
+    device: str = key("auto", "auto = cuda when the actor sees a GPU, else cpu", one_of(*DEVICES))
+    micro_batch: int = key(64, "rows per teacher forward pass", POSITIVE)
+    workers: int = key(1, "scoring actors; each holds its own resident set, so the budget is per actor", POSITIVE)
 
     def __post_init__(self):
-        for key in ("teachers", "routes"):
-            bad = [(k, v) for k, v in getattr(self, key).items() if not isinstance(v, str) or not v]
+        for name in ("teachers", "routes"):
+            bad = [(k, v) for k, v in getattr(self, name).items() if not isinstance(v, str) or not v]
             if bad:
-                raise TeacherError(f"teacher.{key}.{bad[0][0]} must be a non-empty string, got {bad[0][1]!r}")
+                raise TeacherError(f"teacher.{name}.{bad[0][0]} must be a non-empty string, got {bad[0][1]!r}")
         for source, tid in self.routes.items():
             if tid not in self.teachers:
                 raise TeacherError(f"teacher.routes.{source} names teacher {tid!r}, which is not in teacher.teachers "

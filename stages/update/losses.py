@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.keys import NONNEG, UNIT, key, one_of
 from stages.update.advantages import ESTIMATORS
 from stages.update.distill import DISTILL_MODES
 
@@ -59,31 +60,38 @@ def _check(field: str, value, valid) -> None:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: str = "grpo"              # preset: one of PRESETS
-    advantage: str = ""             # "" = preset's; else an estimator in advantages.ESTIMATORS
-    loss: str = ""                  # "" = preset's; ppo_clip | gspo | cispo
-    loss_agg: str = ""              # "" = preset's; token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    clip_low: float | None = None   # None = preset's, else CLIP_DEFAULTS[loss]; ratio >= 1 - clip_low
-    clip_high: float | None = None  # ratio <= 1 + clip_high (DAPO clip-higher: 0.28)
-    clip_ratio_c: float = 3.0       # dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off)
-    norm_length: int = 0            # seq_mean_token_sum_norm's constant length (0 = padded length T)
-    kl_coef: float = 0.0            # weight of KL to the reference policy (needs ref log-probs)
-    kl_estimator: str = "k3"        # k1 | k2 | k3 (Schulman's estimators)
-    entropy_coef: float = 0.0       # entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)
-    entropy_rows: str = "all"       # all | trained: the entropy term only on rows the policy gradient trains (a
-                                    # nonzero advantage), so zero-advantage rows still need no forward pass
-    overlong: str = ""              # "" = preset's; none | mask (drop truncated) | soft (length penalty)
-    overlong_buffer: int = 0        # soft: tokens before the limit where the penalty ramps (0 = limit // 5)
-    overlong_penalty: float = 1.0   # soft: penalty at the limit
-    tis_cap: float = 0.0            # truncated IS: weight = min(ratio, tis_cap) (0 = off)
-    mis_low: float = 0.0            # masked IS: drop what has ratio outside [mis_low, mis_high]
-    mis_high: float = 0.0           # (0 = off)
-    mis_level: str = "token"        # token | sequence (product of ratios) | geometric (their geometric mean)
-    geo_is: bool = False            # IS weight = per-sequence geometric mean of token ratios
-    decoupled: bool = False         # use the engine's log-probs as the "old" policy (no recompute)
-    distill_coef: float = 0.0       # on-policy distillation weight (needs a `teacher:` section; 0 = off)
-    task_coef: float = 1.0          # weight of the task (reward) advantage when distilling
-    distill: str = "pg"             # pg: advantage += log pi_T - log pi_S | gkd: + top-k KL term in the loss
+    name: str = key("grpo", "preset the empty keys below are filled from", one_of(*PRESETS))
+    advantage: str = key("", "\"\" = preset's; else an estimator in advantages.ESTIMATORS", one_of("", *ESTIMATORS))
+    loss: str = key("", "\"\" = preset's; ppo_clip | gspo | cispo")
+    loss_agg: str = key("", "\"\" = preset's; token_mean | seq_mean_token_mean | seq_mean_token_sum_norm",
+                            one_of("", *LOSS_AGGS))
+    clip_low: float | None = key(None, "None = preset's, else CLIP_DEFAULTS[loss]; ratio >= 1 - clip_low", NONNEG)
+    clip_high: float | None = key(None, "None = preset's, else CLIP_DEFAULTS[loss]; ratio <= 1 + clip_high (DAPO "
+                                        "clip-higher: 0.28)", NONNEG)
+    clip_ratio_c: float = key(3.0, "dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off, else > 1)", NONNEG)
+    norm_length: int = key(0, "seq_mean_token_sum_norm's constant length (0 = the generation limit, "
+                                "rollout.max_new_tokens, as Dr.GRPO intends: one constant for every step)", NONNEG)
+    kl_coef: float = key(0.0, "weight of KL to the reference policy (needs ref log-probs)", NONNEG)
+    kl_estimator: str = key("k3", "k1 | k2 | k3 (Schulman's estimators)")
+    entropy_coef: float = key(0.0, "entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)")
+    entropy_rows: str = key("all", "all | trained: the entropy term only on rows the policy gradient trains (a nonzero"
+                                   " advantage), so zero-advantage rows still need no forward pass",
+                                   one_of(*ENTROPY_ROWS))
+    overlong: str = key("", "\"\" = preset's; none | mask (drop truncated) | soft (length penalty)",
+                            one_of("", *OVERLONG_MODES))
+    overlong_buffer: int = key(0, "soft: tokens before the limit where the penalty ramps (0 = limit // 5)", NONNEG)
+    overlong_penalty: float = key(1.0, "soft: penalty at the limit", NONNEG)
+    tis_cap: float = key(0.0, "truncated IS: weight = min(ratio, tis_cap) (0 = off)", NONNEG)
+    mis_low: float = key(0.0, "masked IS: drop what has ratio outside [mis_low, mis_high]", UNIT)
+    mis_high: float = key(0.0, "masked IS upper bound, >= 1 (0 = off)", NONNEG)
+    mis_level: str = key("token", "token | sequence (product of ratios) | geometric (their geometric mean)",
+                                  one_of(*MIS_LEVELS))
+    geo_is: bool = key(False, "IS weight = per-sequence geometric mean of token ratios")
+    decoupled: bool = key(False, "use the engine's log-probs as the \"old\" policy (no recompute)")
+    distill_coef: float = key(0.0, "on-policy distillation weight (needs a `teacher:` section; 0 = off)", NONNEG)
+    task_coef: float = key(1.0, "weight of the task (reward) advantage when distilling", NONNEG)
+    distill: str = key("pg", "pg: advantage += log pi_T - log pi_S | gkd: + top-k KL term in the loss",
+                             one_of(*DISTILL_MODES))
 
     def __post_init__(self):
         _check("name", self.name, tuple(PRESETS))
@@ -107,14 +115,21 @@ class AlgorithmConfig:
             # With the engine log-probs as the old policy, the old/engine ratio is 1 everywhere.
             raise ValueError("algorithm.decoupled=true makes tis_cap/mis_*/geo_is no-ops; turn one side off")
 
+    def for_generation_limit(self, max_new_tokens: int) -> AlgorithmConfig:
+        """This config with norm_length defaulted to the rollout's generation limit, so Dr.GRPO's
+        constant-length normaliser is the same every step (not the step's longest response)."""
+        if self.norm_length or max_new_tokens <= 0:
+            return self
+        return dataclasses.replace(self, norm_length=int(max_new_tokens))
+
     def resolved(self) -> AlgorithmConfig:
         """This config with every empty field filled from the preset, then from CLIP_DEFAULTS."""
         preset = PRESETS[self.name]
         filled = {k: v for k, v in preset.items() if getattr(self, k) in ("", None)}
         loss = filled.get("loss", self.loss)
-        for key, default in zip(("clip_low", "clip_high"), CLIP_DEFAULTS[loss]):
-            if getattr(self, key) is None and key not in filled:
-                filled[key] = default
+        for name, default in zip(("clip_low", "clip_high"), CLIP_DEFAULTS[loss]):
+            if getattr(self, name) is None and name not in filled:
+                filled[name] = default
         if self.overlong == "" and "overlong" not in filled:
             filled["overlong"] = "none"
         return dataclasses.replace(self, **filled) if filled else self
@@ -241,8 +256,9 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
         log_ratio = _masked(logprobs - old, mask)
         metrics = {"pg_loss": pg_loss.item(),
                    "clipfrac": _token_mean(clipped.to(mask.dtype), mask, 0).item(),
-                   # k3 estimate of KL(pi_old || pi): how far this update has moved the policy
-                   "approx_kl": _token_mean(torch.expm1(-log_ratio) + log_ratio, mask, 0).item()}
+                   # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old, with r = pi / pi_old:
+                   # E_old[r - 1 - log r] (unbiased: E_old[r] = 1). How far this update moved the policy.
+                   "approx_kl": _token_mean(torch.expm1(log_ratio) - log_ratio, mask, 0).item()}
     if ref_logprobs is not None:
         kl = agg(KL_ESTIMATORS[cfg.kl_estimator](_masked(logprobs, mask), _masked(ref_logprobs.detach(), mask)))
         loss = loss + cfg.kl_coef * kl

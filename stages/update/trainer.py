@@ -12,12 +12,13 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.keys import NONNEG, POSITIVE, UNIT, Check, key, one_of
 from stages import lora as lora_lib
 from stages.lora import LoraConfig
 from stages.model import load_model
@@ -29,35 +30,44 @@ from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
 TRAINABLE = ("completed", "truncated")   # failed/aborted rows are recorded, never trained
 
 
+ON_NONFINITE = ("skip", "stop")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+_BETAS = Check("two numbers, each in [0, 1)", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b))
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.98)
-    grad_clip: float = 1.0
-    mini_batch_size: int = 0         # samples per optimizer step; 0 = the whole step (one optimizer step)
-    ppo_epochs: int = 1
-    fused_optimizer: bool = True     # torch's fused AdamW where it covers the parameters (else its loop)
-    num_threads: int = 0             # torch threads in the trainer actor; 0 = pipeline/resources.py decides
-    seed: int = 0
-    backend: str = "torch"           # torch (this module) | megatron (stages/update/megatron, `megatron:` section)
-    lr_schedule: str = "constant"    # constant | linear | cosine: decay from lr to lr * lr_min_ratio
-    lr_warmup_steps: int = 0         # training steps of linear warm-up from lr / lr_warmup_steps to lr
-    lr_min_ratio: float = 0.0        # where linear / cosine decay ends, as a fraction of lr
-    lr_decay_steps: int = 0          # the step the decay ends at (0 = run.steps, the run's last step)
-    skip_zero_advantage: bool = True # no forward/backward for rows whose every trained token has advantage 0
-                                     # (a group of equal rewards): they add nothing to the gradient, and the
-                                     # loss keeps their tokens in its denominator, so the update is the same
-                                     # with less compute. Off by itself with a KL-to-reference, entropy or
-                                     # distillation term (those give such rows a gradient)
-    share_prompts: bool = True       # rows of a mini-batch with the same prompt (a group's samples) run as one
-                                     # sequence: the prompt once, each response attending to it and to itself
-                                     # (the same log-probs; the prompt's compute paid once, not per sample)
-    mini_batch_split: str = "rows"   # rows: mini-batches of random rows | groups: of whole groups (their rows
-                                     # share a prompt, so share_prompts computes it once per mini-batch)
-    on_nonfinite: str = "skip"       # a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer
-                                     # step is not taken; counted as train/nonfinite_skipped) | stop (raise)
-    lora: LoraConfig = field(default_factory=LoraConfig)   # train LoRA adapters only (stages/lora.py)
+    lr: float = key(2e-4, "peak learning rate (AdamW)", POSITIVE)
+    weight_decay: float = key(0.0, "AdamW weight decay", NONNEG)
+    betas: tuple[float, float] = key((0.9, 0.98), "AdamW betas", _BETAS)
+    grad_clip: float = key(1.0, "clip the gradient's global norm to this", POSITIVE)
+    mini_batch_size: int = key(0, "samples per optimizer step; 0 = the whole step (one optimizer step)", NONNEG)
+    ppo_epochs: int = key(1, "passes over a step's samples", POSITIVE)
+    fused_optimizer: bool = key(True, "torch's fused AdamW where it covers the parameters (else its loop)")
+    num_threads: int = key(0, "torch threads in the trainer actor; 0 = pipeline/resources.py decides", NONNEG)
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
+    backend: str = key("torch", "torch (this module) | megatron (stages/update/megatron, `megatron:` section)",
+                                one_of("torch", "megatron"))
+    lr_schedule: str = key("constant", "constant | linear | cosine: decay from lr to lr * lr_min_ratio",
+                                       one_of(*LR_SCHEDULES))
+    lr_warmup_steps: int = key(0, "training steps of linear warm-up from lr / lr_warmup_steps to lr", NONNEG)
+    lr_min_ratio: float = key(0.0, "where linear / cosine decay ends, as a fraction of lr", UNIT)
+    lr_decay_steps: int = key(0, "the step the decay ends at (0 = run.steps, the run's last step)", NONNEG)
+    skip_zero_advantage: bool = key(True, "no forward/backward for rows whose every trained token has advantage 0 (a "
+                                          "group of equal rewards): they add nothing to the gradient, and the loss "
+                                          "keeps their tokens in its denominator, so the update is the same with less "
+                                          "compute. Off by itself with a KL-to-reference, entropy or distillation term"
+                                          " (those give such rows a gradient)")
+    share_prompts: bool = key(True, "rows of a mini-batch with the same prompt (a group's samples) run as one "
+                                    "sequence: the prompt once, each response attending to it and to itself (the same "
+                                    "log-probs; the prompt's compute paid once, not per sample)")
+    mini_batch_split: str = key("rows", "rows: mini-batches of random rows | groups: of whole groups (their rows share"
+                                        " a prompt, so share_prompts computes it once per mini-batch)",
+                                        one_of("rows", "groups"))
+    on_nonfinite: str = key("skip", "a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer step is "
+                                    "not taken; counted as train/nonfinite_skipped) | stop (raise)",
+                                    one_of(*ON_NONFINITE))
+    lora: LoraConfig = key(LoraConfig, "train LoRA adapters only (stages/lora.py)")
 
     def __post_init__(self):
         if self.backend not in ("torch", "megatron"):
@@ -84,9 +94,6 @@ class TrainerConfig:
                              "LoRA (peft adapts HF modules; Megatron's are its own, sharded)")
 
 
-ON_NONFINITE = ("skip", "stop")
-
-
 class NonFiniteUpdate(FloatingPointError):
     """trainer.on_nonfinite=stop and a mini-batch's loss or gradient norm was NaN / inf."""
 
@@ -103,9 +110,6 @@ def on_nonfinite(cfg: TrainerConfig, step: int, mini_batch: int, what: str) -> N
 def finite_metrics(metrics: dict) -> dict:
     """The step's metrics without NaN / inf values (a skipped mini-batch's own numbers)."""
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
-
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 def lr_at(cfg: TrainerConfig, step: int) -> float:
@@ -280,6 +284,17 @@ def task_advantages(algo: AlgorithmConfig, b: Batch, max_new_tokens: int = 0) ->
     return compute_advantages(algo.advantage, rewards, b.group_ids, mask, weights=b.weights), mask
 
 
+def skipped_step(n: int, lr: float, version: int, skipped_steps: int, t0: float) -> dict:
+    """The metrics of a step with no trainable token (every row failed before its first model
+    call, or every token was masked out): nothing to forward and no optimizer step. The caller
+    still advances the version (the clock counts steps; the weights are unchanged), so the
+    window moves on, the lr schedule keeps its place and the run goes on to its end.
+    `skipped_steps` counts such steps over the run, this one included."""
+    return {"train/skipped_steps": skipped_steps, "train/tokens": 0, "train/samples": n,
+            "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
+            "train/lr": lr, "version": version}
+
+
 def mini_batches(cfg: TrainerConfig, rng: np.random.Generator, b: Batch, n: int, mb: int) -> list[np.ndarray]:
     """Row indices of each mini-batch: n // mb of them, of random rows or of whole random groups."""
     if cfg.mini_batch_split == "rows":
@@ -309,7 +324,7 @@ class TorchTrainer:
                  max_new_tokens: int = 0, dtype: str = "float32"):
         torch.set_num_threads(max(1, cfg.num_threads))
         torch.manual_seed(cfg.seed)
-        self.cfg, self.algo = cfg, algo.resolved()
+        self.cfg, self.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
         self.lora = cfg.lora if cfg.lora.enabled else None
@@ -324,6 +339,7 @@ class TorchTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, cfg)
         self.version = 0
+        self.skipped_steps = 0      # steps with no trainable token over the run (skipped_step)
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
 
@@ -383,7 +399,8 @@ class TorchTrainer:
             load_tokenizer(tokenizer_dir).save_pretrained(path)
         if with_state:
             torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version},
+                        "np_rng": self.rng.bit_generator.state, "version": self.version,
+                        "skipped_steps": self.skipped_steps},
                        os.path.join(path, "trainer_state.pt"))
         return path
 
@@ -396,6 +413,7 @@ class TorchTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
         self.version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         return self.version
 
     def _load_adapter(self, path: str) -> None:
@@ -466,6 +484,10 @@ class TorchTrainer:
         b = to_batch(table, self.pad_id)
         algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        if not mask.any():      # every row failed or was masked out: nothing to train on
+            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
+            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
+                                self.skipped_steps, t0)
         with torch.no_grad():
             with self._no_dropout():
                 recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
@@ -535,7 +557,7 @@ class TorchTrainer:
             metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
             metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms))}
         metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/rows_not_forwarded": not_forwarded,
+                    "train/rows_not_forwarded": not_forwarded, "train/skipped_steps": self.skipped_steps,
                     "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
                     "train/lr": lr, "version": self.version}

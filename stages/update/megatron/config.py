@@ -7,22 +7,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.keys import NONNEG, POSITIVE, at_least, key, one_of
+
 
 @dataclass(frozen=True)
 class MegatronConfig:
-    tensor_parallel: int = 1          # TP: each layer's matmuls split over this many ranks
-    pipeline_parallel: int = 1        # PP: layers split into this many stages
-    data_parallel: int = 1            # DP: model replicas; ranks = tensor x pipeline x data
-    micro_batch_size: int = 0         # rows per forward/backward on a rank; 0 = the rank's whole mini-batch
-    use_distributed_optimizer: bool = False   # ZeRO-1: optimizer state sharded over DP ranks
-    recompute_activations: bool = False       # full activation recompute (memory for compute)
-    device: str = "auto"              # auto | cuda | cpu ("auto": cuda when the rank sees a GPU)
-    timeout_s: float = 600.0          # every collective; a dead peer surfaces as an error, not a hang
+    tensor_parallel: int = key(1, "TP: each layer's matmuls split over this many ranks", at_least(1))
+    pipeline_parallel: int = key(1, "PP: layers split into this many stages", at_least(1))
+    data_parallel: int = key(1, "DP: model replicas; ranks = tensor x pipeline x data", at_least(1))
+    micro_batch_size: int = key(0, "rows per forward/backward on a rank; 0 = the rank's whole mini-batch", NONNEG)
+    use_distributed_optimizer: bool = key(False, "ZeRO-1: optimizer state sharded over DP ranks")
+    recompute_activations: bool = key(False, "full activation recompute (memory for compute)")
+    device: str = key("auto", 'auto | cuda | cpu ("auto": cuda when the rank sees a GPU)',
+                              one_of("auto", "cuda", "cpu"))
+    timeout_s: float = key(600.0, "seconds for every collective; a dead peer surfaces as an error, not a hang",
+                                  POSITIVE)
 
     def __post_init__(self):
-        for key in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"megatron.{key} must be >= 1, got {getattr(self, key)}")
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"megatron.{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batch_size < 0:
             raise ValueError(f"megatron.micro_batch_size must be >= 0, got {self.micro_batch_size}")
         if self.device not in ("auto", "cuda", "cpu"):

@@ -36,6 +36,7 @@ from stages.update.trainer import (
     finite_metrics,
     lr_at,
     on_nonfinite,
+    skipped_step,
     task_advantages,
     to_batch,
 )
@@ -53,13 +54,14 @@ class MegatronTrainer:
         torch.set_num_threads(max(1, cfg.num_threads))
         torch.manual_seed(cfg.seed)
         self.model_path, self.cfg, self.mcfg, self.dtype = model_path, cfg, mcfg or MegatronConfig(), dtype
-        self.algo = algo.resolved()
+        self.algo = algo.resolved().for_generation_limit(max_new_tokens)
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
         self.hf = hf_config(model_path)
         self.arch = Arch.from_hf(self.hf)
         self.pad_id = self.hf.pad_token_id or 0
         self.version = 0
+        self.skipped_steps = 0      # steps with no trainable token over the run (trainer.skipped_step)
         self.peers: list = []
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
@@ -223,7 +225,8 @@ class MegatronTrainer:
                        "scaler": o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None}
                       for o in self._inner_optimizers()]
             torch.save({"optimizer": shards, "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version}, self._state_file(path))
+                        "np_rng": self.rng.bit_generator.state, "version": self.version,
+                        "skipped_steps": self.skipped_steps}, self._state_file(path))
 
     def rank_load_state(self, path: str) -> int:
         with self._ctx(), torch.no_grad():      # fp32 main params may be views of the (grad-requiring) weights
@@ -238,6 +241,7 @@ class MegatronTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
         self.version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         return self.version
 
     def shutdown(self) -> None:
@@ -260,6 +264,12 @@ class MegatronTrainer:
         b = to_batch(table, self.pad_id)
         algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        if not mask.any():      # every rank holds the same table, so every rank skips it
+            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
+            if not (self.last and self.tp_rank == 0 and self.dp_rank == 0):
+                return None
+            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
+                                self.skipped_steps, t0)
         recomputed = None if algo.decoupled else self.logprobs(self.module, b)
         ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
         metrics, fields = {}, self._inputs(b)
@@ -296,7 +306,7 @@ class MegatronTrainer:
             metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
                         "train/grad_norm": float(np.mean(gnorms))}
         metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/seconds": time.time() - t0,
+                    "train/skipped_steps": self.skipped_steps, "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "train/lr": lr,
                     "version": self.version}
         return finite_metrics(metrics)

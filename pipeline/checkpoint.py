@@ -1,0 +1,238 @@
+"""Checkpoints you can trust: written atomically with a manifest, verified before a resume.
+
+A checkpoint RUN/checkpoints/step_N is written into a hidden temporary directory next to it;
+every file is fsynced, `manifest.json` records each file's size and checksum, then the
+directory is renamed into place (and its parent fsynced). A crash or a full disk mid-write
+leaves at most a `.step_N.tmp-PID` directory, never a half-written step_N, and the previous
+checkpoint is untouched.
+
+Before a resume, `verify` checks the manifest (every file present, same size, same checksum)
+and that every weight in the checkpoint's safetensors files is finite; `newest_intact` is
+what `run.resume_from=latest` resumes. Checksums are xxh3-128 (the `xxhash` package, several
+GB/s) when it is installed, else SHA-256 (hashlib); the manifest names the algorithm.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"step_(\d+)")
+_CHUNK = 8 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or trusted; the message is one line for the user."""
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    return hashlib.sha256()
+
+
+def default_algorithm() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "xxh3_128"
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    h = _hasher(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(root: Path, algorithm: str | None = None) -> dict:
+    algorithm = algorithm or default_algorithm()
+    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, algorithm: file_digest(p, algorithm)}
+             for p in _files(root)}
+    manifest = {"format": 1, "algorithm": algorithm, "files": files}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def is_no_space(e: BaseException) -> bool:
+    """ENOSPC, raised here or in the trainer actor (Ray wraps it: its errno may not survive)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            return True
+        e = getattr(e, "cause", None) or e.__cause__
+    return False
+
+
+def write(final: Path, fill: Callable[[Path], None]) -> Path:
+    """Write a checkpoint at `final`: `fill(tmp)` writes the files into a temporary directory,
+    which gets a manifest, is fsynced and renamed into place. On a full disk the temporary
+    directory is removed and CheckpointError says so in one line; earlier checkpoints stay as
+    they were."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(final.parent)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        fill(tmp)
+        write_manifest(tmp)
+        for p in [*_files(tmp), tmp / MANIFEST, tmp]:
+            _fsync(p)
+        _replace(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(e):
+            before = newest_intact(final.parent, verify_weights=False)
+            kept = f"; the previous checkpoint {before} is intact" if before else ""
+            raise CheckpointError(f"checkpoint {final}: no space left on device (ENOSPC); nothing of it was "
+                                  f"kept{kept}") from None
+        raise
+    return final
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Rename tmp to final; an existing final (the same step saved again) is swapped out first."""
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_temps(root: Path) -> None:
+    """Left by a writer that died mid-checkpoint (the run directory's lock makes them not ours to race)."""
+    for p in root.glob(".step_*.*-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---- verification -------------------------------------------------------------------------
+
+def verify(path: Path, verify_weights: bool = True) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted (one phrase naming the file), or None."""
+    path = Path(path)
+    if not path.is_dir():
+        return "no such checkpoint directory"
+    mf = path / MANIFEST
+    if mf.is_file():
+        problem = _check_manifest(path, mf)
+    else:
+        problem = _check_legacy(path)
+    if problem is None and verify_weights:
+        problem = nonfinite_weights(path)
+    return problem
+
+
+def _check_manifest(path: Path, mf: Path) -> str | None:
+    try:
+        manifest = json.loads(mf.read_text())
+        algorithm, files = manifest["algorithm"], manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is {size} bytes, the manifest says {want['bytes']} (truncated or partial)"
+        if file_digest(p, algorithm) != want[algorithm]:
+            return f"{name} does not match its {algorithm} checksum (corrupt)"
+    return None
+
+
+def _check_legacy(path: Path) -> str | None:
+    """A checkpoint from before manifests: the zip of trainer_state.pt must read whole (its CRCs)."""
+    state = path / "trainer_state.pt"
+    if state.is_file():
+        try:
+            with zipfile.ZipFile(state) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError):
+            return "trainer_state.pt is not a readable archive (truncated or corrupt)"
+        if bad:
+            return f"trainer_state.pt is corrupt (member {bad})"
+    return None
+
+
+def nonfinite_weights(path: Path) -> str | None:
+    """The first safetensors file holding a NaN or infinite weight (or that cannot be read), tensor by tensor."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    t = st.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        return f"{f.name} holds non-finite weights (NaN or inf) in {name}"
+        except (SafetensorError, OSError, RuntimeError) as e:
+            return f"{f.name} cannot be read ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def steps(root: Path) -> list[tuple[int, Path]]:
+    """The step_N checkpoints under `root`, newest first."""
+    found = [(int(m.group(1)), p) for p in Path(root).glob("step_*") if (m := STEP_DIR.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def newest_intact(root: Path, below: int | None = None, verify_weights: bool = True) -> Path | None:
+    for n, p in steps(root):
+        if (below is None or n < below) and verify(p, verify_weights) is None:
+            return p
+    return None
+
+
+def refuse(path: Path, problem: str) -> CheckpointError:
+    """The one line a refused checkpoint gets: the file at fault and the newest intact step before it."""
+    m = STEP_DIR.fullmatch(Path(path).name)
+    before = newest_intact(Path(path).parent, below=int(m.group(1))) if m else None
+    hint = (f"; the newest intact checkpoint before it is {before} (run.resume_from={before})" if before
+            else "; no intact checkpoint before it")
+    return CheckpointError(f"run.resume_from={path}: {problem}{hint}")
+
+
+def resolve(resume_from: str, run_dir: Path, log: Callable[[str], None] = print) -> Path:
+    """The checkpoint a run resumes from, verified: a path, or `latest` (the run directory's newest intact)."""
+    if resume_from == "latest":
+        root = Path(run_dir) / "checkpoints"
+        for _, p in steps(root):
+            problem = verify(p)
+            if problem is None:
+                return p
+            log(f"run.resume_from=latest: skipping {p}: {problem}")
+        raise CheckpointError(f"run.resume_from=latest: no intact checkpoint in {root}")
+    path = Path(resume_from)
+    problem = verify(path)
+    if problem is not None:
+        raise refuse(path, problem)
+    return path

@@ -1,0 +1,151 @@
+"""The config reference, generated from the schema (pipeline/keys.py fields of `Config`).
+
+    loongsage config [SECTION]                      every key: type, default, what it accepts, doc
+    loongsage config --check RECIPE [key=value ...] validate a recipe, print the resolved config
+    loongsage config --markdown                     docs/config.md (also: python -m pipeline.config_doc)
+
+docs/config.md is this module's output; tests/test_config_doc.py fails when it is stale.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import textwrap
+import typing
+
+from pipeline.keys import check_of, default_of, doc_of
+
+REGENERATE = "python -m pipeline.config_doc > docs/config.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str        # dotted, e.g. rollout.sandbox.workers
+    type: str
+    default: str
+    accepts: str
+    doc: str
+
+
+def _type_name(t) -> str:
+    return t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
+
+
+def _shown(v) -> str:
+    return json.dumps(list(v) if isinstance(v, tuple) else v)
+
+
+def rows(cls=None, prefix: str = "") -> list[Row]:
+    """One row per leaf key, in declaration order; nested sections are walked."""
+    from pipeline.config import Config
+
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        name, typ = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out += rows(typ, name + ".")
+        else:
+            check = check_of(f)
+            finite = "finite" if float in (typ, *typing.get_args(typ)) else ""
+            accepts = " ".join(x for x in (finite, str(check) if check else "") if x) or "any"
+            out.append(Row(name, _type_name(typ), _shown(default_of(f)), accepts, doc_of(f)))
+    return out
+
+
+def sections() -> list[tuple[str, str]]:
+    """(section name, its doc) for every top-level and nested section, in order."""
+    from pipeline.config import Config
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield prefix + f.name, doc_of(f)
+                yield from walk(hints[f.name], prefix + f.name + ".")
+    return list(walk(Config, ""))
+
+
+def _own_rows(section: str) -> list[Row]:
+    """Keys directly in `section` (not in its nested sections)."""
+    nested = {name for name, _ in sections()}
+    return [r for r in rows() if r.key.rsplit(".", 1)[0] == section and r.key not in nested]
+
+
+def text(section: str | None = None) -> str:
+    """The reference as the terminal shows it; one section (and its nested ones) or all."""
+    chosen = [(n, d) for n, d in sections() if section is None or n == section or n.startswith(section + ".")]
+    lines = []
+    for name, doc in chosen:
+        lines.append(f"{name}: {doc}")
+        for r in _own_rows(name):
+            lines.append(f"  {r.key}  ({r.type}, default {r.default}, accepts {r.accepts})")
+            lines += textwrap.wrap(r.doc, width=100, initial_indent="      ", subsequent_indent="      ")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def markdown() -> str:
+    out = ["# Config reference", "",
+           f"Generated from the config schema by `{REGENERATE}`; do not edit by hand.",
+           "Every key can be set in a recipe's YAML (`section: {key: value}`) or on the command line",
+           "(`section.key=value`). A value of the wrong type or out of its range is refused when the",
+           "recipe is read, naming the key, the value and what it accepts. Float keys refuse NaN and",
+           "infinities. `loongsage config [SECTION]` prints this reference; `loongsage config --check",
+           "RECIPE [key=value ...]` validates a recipe and prints the resolved config.", ""]
+    for name, doc in sections():
+        own = _own_rows(name)
+        if not own:
+            continue
+        out += [f"## `{name}`", "", doc[:1].upper() + doc[1:] + ".", "",
+                "| key | type | default | accepts | doc |", "|---|---|---|---|---|"]
+        out += [f"| `{r.key}` | {_cell(r.type)} | `{_cell(r.default)}` | {_cell(r.accepts)} | {_cell(r.doc)} |"
+                for r in own]
+        out.append("")
+    return "\n".join(out)
+
+
+def cmd_config(args) -> int:
+    from pipeline.config import ConfigError, dump_yaml, load_config
+
+    if args.markdown:
+        sys.stdout.write(markdown())
+        return 0
+    if args.check:
+        try:
+            cfg = load_config(args.check, args.args)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        sys.stdout.write(dump_yaml(cfg))
+        print(f"# {args.check}: valid", file=sys.stderr)
+        return 0
+    if len(args.args) > 1:
+        print("config: give one SECTION, or --check RECIPE [key=value ...]", file=sys.stderr)
+        return 2
+    section = args.args[0] if args.args else None
+    known = [n for n, _ in sections()]
+    if section is not None and section not in known:
+        print(f"config: unknown section {section!r}; sections: {', '.join(known)}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text(section))
+    return 0
+
+
+def add_subcommand(sub) -> None:
+    c = sub.add_parser("config", help="the config reference; --check validates a recipe")
+    c.add_argument("args", nargs="*", metavar="SECTION | key=value",
+                   help="a section to print (e.g. rollout); with --check: section.key=value overrides")
+    c.add_argument("--check", metavar="RECIPE", default=None, help="validate RECIPE and print the resolved config")
+    c.add_argument("--markdown", action="store_true", help="print the reference as docs/config.md")
+    c.set_defaults(fn=cmd_config)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())

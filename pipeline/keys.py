@@ -1,0 +1,98 @@
+"""One recipe key, declared once: its default, a one-line doc and the values it accepts.
+
+Every field of a config dataclass is declared as `name: type = key(default, doc, check)`.
+The loader (pipeline/config.py) checks each value against `check` when a recipe is read,
+and the config reference (`loongsage config`, docs/config.md, pipeline/config_doc.py) is
+generated from the same fields, so a key's doc, default and range cannot drift apart.
+
+This module imports nothing from the project: every stage's config imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+
+class Check:
+    """What a key accepts: a predicate and the words the reference and errors print for it."""
+
+    def __init__(self, text: str, ok: Callable[[Any], bool]):
+        self.text, self.ok = text, ok
+
+    def __call__(self, value) -> bool:
+        return self.ok(value)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _num(x) -> str:
+    return format(x, "g") if isinstance(x, float) else str(x)
+
+
+def at_least(lo) -> Check:
+    return Check(f">= {_num(lo)}", lambda v: v >= lo)
+
+
+def above(lo) -> Check:
+    return Check(f"> {_num(lo)}", lambda v: v > lo)
+
+
+def between(lo, hi, lo_open: bool = False, hi_open: bool = False) -> Check:
+    """lo..hi, each end closed unless said open: between(0, 1, hi_open=True) is [0, 1)."""
+    def ok(v):
+        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    return Check(f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}", ok)
+
+
+def one_of(*choices) -> Check:
+    shown = ", ".join(repr(c) if c == "" else str(c) for c in choices)
+    return Check(f"one of {shown}", lambda v: v in choices)
+
+
+POSITIVE = above(0)
+NONNEG = at_least(0)
+UNIT = between(0, 1)
+
+
+def key(default, doc: str, check: Check | None = None):
+    """A dataclass field carrying its doc and check. A dataclass type as the default is a
+    nested section (built by default_factory); a dict or list default is copied per instance."""
+    meta = {"doc": doc, "check": check}
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def doc_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("doc", "")
+
+
+def check_of(f: dataclasses.Field) -> Check | None:
+    return f.metadata.get("check")
+
+
+def default_of(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def problem(value, check: Check | None) -> str | None:
+    """Why `value` (already of the key's type) is refused, or None. NaN and infinities are
+    refused for every float key: no recipe value means 'not a number' or 'unbounded'."""
+    numbers = value if isinstance(value, tuple) else (value,)
+    for v in numbers:
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"a finite number{' ' + str(check) if check else ''}"
+    if check is None or value is None:
+        return None
+    try:
+        return None if check(value) else str(check)
+    except TypeError:                 # e.g. a None where a bound compares numbers
+        return str(check)

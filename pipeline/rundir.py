@@ -1,0 +1,132 @@
+"""A run directory is owned by one run at a time.
+
+`RUN/.lock` names its holder (pid, host, start time) and is held with `flock` for as long as
+the run lives: the kernel drops the lock when the holder dies, so a lock left by a dead run
+on this host is stale and taken over (said in one line). A lock written on another host
+cannot be checked from here: it is refused, naming the host, until that run ends or the
+file is removed. The lock is shared within a process (the CLI takes it, the controller's
+run inside it finds it held).
+
+`claim` adds the rule for a finished run's directory: a new run into it is refused unless
+it resumes (run.resume_from / --resume) or overwrites (--overwrite: the old run's files go).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+LOCK = ".lock"
+# what makes a directory a run's: a new run into it would mix its files with these
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "rollouts", "profile")
+
+_held: dict[str, tuple[int, int]] = {}      # resolved run dir -> (fd, holders in this process)
+
+
+class RunDirError(Exception):
+    """The run directory belongs to another run; the message is one line for the user."""
+
+
+def _holder(text: str) -> dict:
+    try:
+        info = json.loads(text)
+        return info if isinstance(info, dict) else {}
+    except ValueError:
+        return {}
+
+
+def _describe(info: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])) if "started" in info else "?"
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started {when})"
+
+
+def _open_locked(path: Path) -> int:
+    """An fd of `path` holding its flock, or RunDirError naming the holder. Retries when the file
+    was replaced between open and flock (another run took it over)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            os.close(fd)
+            raise RunDirError(f"run directory {path.parent} is in use by {_describe(info)}; "
+                              f"choose another --run-dir or wait for that run to end") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(run_dir: str | Path, log: Callable[[str], None] = print):
+    """Hold RUN/.lock for the block; nested use in one process shares it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key = str(run_dir.resolve())
+    if key in _held:
+        fd, n = _held[key]
+        _held[key] = (fd, n + 1)
+    else:
+        _held[key] = (_acquire(run_dir / LOCK, log), 1)
+    try:
+        yield
+    finally:
+        fd, n = _held[key]
+        if n > 1:
+            _held[key] = (fd, n - 1)
+        else:
+            del _held[key]
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(run_dir / LOCK)       # while still held: no one can take a lock being removed
+            os.close(fd)
+
+
+def _acquire(path: Path, log: Callable[[str], None]) -> int:
+    fd = _open_locked(path)
+    old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+    host = socket.gethostname()
+    if old.get("host") and old["host"] != host:
+        os.close(fd)
+        raise RunDirError(f"run directory {path.parent} is locked by {_describe(old)}, which cannot be checked from "
+                          f"{host}; if that run has ended, remove {path}")
+    if old.get("pid"):
+        log(f"run directory {path.parent}: taking over the stale lock of {_describe(old)}, which is no longer running")
+    me = json.dumps({"pid": os.getpid(), "host": host, "started": time.time()})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, me.encode(), 0)
+    os.fsync(fd)
+    return fd
+
+
+def previous_run(run_dir: Path) -> list[str]:
+    """The files of an earlier run in `run_dir` (empty for a new or empty directory)."""
+    return [n for n in RUN_FILES if (Path(run_dir) / n).exists()]
+
+
+@contextlib.contextmanager
+def claim(run_dir: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None] = print):
+    """Hold `run_dir` for a new run. A directory holding a finished run is refused unless the run
+    resumes or overwrites; overwrite removes the earlier run's files first."""
+    run_dir = Path(run_dir)
+    with locked(run_dir, log):
+        found = previous_run(run_dir)
+        if found and not resume and not overwrite:
+            raise RunDirError(f"run directory {run_dir} holds a finished run ({', '.join(found)}); resume it with "
+                              f"--resume (or run.resume_from=...), start over with --overwrite, or choose another "
+                              f"--run-dir")
+        if found and overwrite and not resume:
+            for name in found:
+                p = run_dir / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            log(f"run directory {run_dir}: removed the earlier run's {', '.join(found)} (--overwrite)")
+        yield

@@ -1,0 +1,96 @@
+"""Every seed of a run, derived from `run.seed` as named streams: the one place seeds come from.
+
+    derive(run_seed, "engine", 2)   -> the seed of engine 2's own sampling stream
+    resolve(cfg)                     -> cfg with every stage's `seed` field set from cfg.run.seed
+
+A stream is a name in STREAMS (plus integer indices: an engine's number, a row's group and
+sample). Its seed is numpy's SeedSequence of (run_seed; crc32(name), *indices): streams of
+different names or indices are independent, so a new component that registers its own
+name can never silently draw the numbers of another. Seeds are 31-bit (every library here
+takes them: numpy's legacy seed is 32-bit, torch and SGLang take any int).
+
+Stage configs keep a `seed` field because a stage receives only its own config; those
+fields (DERIVED) are not recipe keys: load_config rejects them and fills them from
+run.seed, and dump_config leaves them out of RUN/config.yaml (run.seed says it all).
+
+An engine (HF, SGLang, vLLM, ...) is handed two kinds of seed: its constructor's `seed`
+= derive(run.seed, "engine", i), for requests that carry none (none do in training; a
+caller of `loongsage serve` may send none), and each request's own `seed` (the rollout
+stage's per-sample seed, or the evaluation's), which must make that sample a function of
+(seed, prompt, weights) alone. docs/seeds.md lists what is and is not reproducible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+STREAMS = {     # name -> what draws from it
+    "data": "the prompt order of every epoch and a built-in task's train subset (stages/prompts.py)",
+    "rollout": "the per-sample sampling seeds of training trajectories (stages/agentflow/rollout.py)",
+    "eval": "the sampling seeds of held-out evaluation (pipeline/evaluate.py, pipeline/eval_agent.py)",
+    "engine": "an engine's own stream, for requests without a seed (index: the engine's number)",
+    "trainer": "the trainer's torch RNG (LoRA initialisation, dropout) and its mini-batch order",
+    "tool_service": "the local tool service's latency and error draws (stages/agentflow/tool_service.py)",
+    "reward": "row['seed'] handed to a user reward function (stages/reward.py)",
+}
+_KEYS = {name: zlib.crc32(name.encode()) for name in STREAMS}
+assert len(set(_KEYS.values())) == len(_KEYS), "two stream names hash alike: rename one"
+
+# (config path of a stage's seed field, the stream it takes)
+DERIVED = (("data", "data"), ("rollout", "rollout"), ("rollout.tool_service", "tool_service"),
+           ("trainer", "trainer"), ("reward", "reward"))
+
+
+def derive(run_seed: int, stream: str, *index: int) -> int:
+    """The seed of `stream` (indices: which one of its kind) in a run seeded `run_seed`."""
+    if stream not in STREAMS:
+        raise ValueError(f"unknown seed stream {stream!r}; register it in pipeline/seeds.py STREAMS "
+                         f"(known: {', '.join(STREAMS)})")
+    if run_seed < 0 or any(i < 0 for i in index):
+        raise ValueError(f"seeds and stream indices must be >= 0, got {run_seed}, {index}")
+    seq = np.random.SeedSequence(int(run_seed), spawn_key=(_KEYS[stream], *map(int, index)))
+    return int(seq.generate_state(1)[0] >> 1)
+
+
+def _get(cfg, path: str):
+    for k in path.split("."):
+        cfg = getattr(cfg, k)
+    return cfg
+
+
+def _set(cfg, path: str, **kw):
+    head, _, rest = path.partition(".")
+    inner = getattr(cfg, head)
+    return dataclasses.replace(cfg, **{head: _set(inner, rest, **kw) if rest else dataclasses.replace(inner, **kw)})
+
+
+def resolve(cfg):
+    """`cfg` with every DERIVED seed set from cfg.run.seed (idempotent)."""
+    for path, stream in DERIVED:
+        seed = derive(cfg.run.seed, stream)
+        if _get(cfg, path).seed != seed:
+            cfg = _set(cfg, path, seed=seed)
+    return cfg
+
+
+def reject_set(tree: dict, where: str = "") -> None:
+    """A recipe (or override) that sets a derived seed: an error naming the key, not a silent no-op."""
+    for path, _ in DERIVED:
+        node = tree
+        for k in path.split("."):
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and "seed" in node:
+            raise ValueError(f"{where}{path}.seed is not a recipe key: every seed of a run derives from run.seed "
+                             f"(pipeline/seeds.py, docs/seeds.md); set run.seed instead")
+
+
+def strip(tree: dict) -> dict:
+    """The config tree without the derived seeds (what RUN/config.yaml holds)."""
+    for path, _ in DERIVED:
+        node = tree
+        for k in path.split("."):
+            node = node.get(k, {})
+        node.pop("seed", None)
+    return tree
