@@ -23,6 +23,7 @@ from pipeline.recorder import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.rollout import RolloutConfig
 from stages.agentflow.sglang_engine import SGLangConfig
+from stages.agentflow.vllm_engine import VLLMConfig
 from stages.batcher import BatcherConfig
 from stages.model import ModelConfig
 from stages.prompts import DataConfig
@@ -91,6 +92,7 @@ class Config:
     teacher: TeacherConfig = key(TeacherConfig, "teachers for on-policy distillation")
     megatron: MegatronConfig = key(MegatronConfig, "Megatron-core parallelism; used when trainer.backend=megatron")
     sglang: SGLangConfig = key(SGLangConfig, "SGLang engines; used when rollout.engine=sglang")
+    vllm: VLLMConfig = key(VLLMConfig, "the vLLM engines; used when rollout.engine=vllm (docs/vllm.md)")
     placement: PlacementConfig = key(PlacementConfig, "Ray placement groups on a cluster")
 
 

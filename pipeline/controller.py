@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ from pipeline.window import Gate, capacity, make_strategy
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
 from stages.agentflow.sglang_engine import SGLangEngine
+from stages.agentflow.vllm_engine import VLLMEngine
 from stages.batcher import WindowedBatcher, mask_old_versions
 from stages.lora import LoraTargetError, base_of, check_targets, is_adapter_dir
 from stages.model import load_tokenizer, resolve_model_path
@@ -100,6 +102,8 @@ class Controller:
                               f"rollout.n_samples = {step_samples}")
         if c.run.steps <= 0:
             raise ConfigError(f"run.steps must be > 0, got {c.run.steps}")
+        if c.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e '.[vllm]' (docs/vllm.md)")
         check_recipe(c.teacher, c.algorithm)
         if c.algorithm.distill_coef and c.trainer.backend != "torch":
             raise ConfigError("algorithm.distill_coef > 0 needs trainer.backend=torch (the Megatron trainer has no "
@@ -114,6 +118,13 @@ class Controller:
             targets = check_targets(lora, self.model_path)
         except LoraTargetError as e:
             raise ConfigError(str(e)) from e
+        if self.cfg.rollout.engine == "vllm":
+            from stages.agentflow.vllm_engine import check_lora
+
+            try:
+                check_lora(lora)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         if self.cfg.rollout.engine == "sglang":
             from stages.agentflow.sglang_engine import check_lora_targets
 
@@ -680,6 +691,7 @@ def _placement(c: Config) -> Placement | None:
 # rollout.engine -> (engine class, extra constructor arguments from the config)
 ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
                                         c.rollout.engine_max_rows)),
+           "vllm": (VLLMEngine, lambda c: (c.vllm, c.trainer.lora)),
            "sglang": (SGLangEngine, lambda c: (c.sglang, c.trainer.lora))}
 
 

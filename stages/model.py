@@ -47,6 +47,17 @@ class ModelConfig:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL = ["<pad>", "<eos>", "<bos>"]
+MIN_HEAD_DIM = 32       # vLLM's CPU attention takes head_dim 32, 64, 80, ...; SGLang's kernels 64 and up
+
+
+def attention_heads(hidden_size: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of a built-in model: 4 and 2 (grouped-query attention, as
+    Qwen2), fewer where 4 heads would be narrower than MIN_HEAD_DIM, so every engine can run it."""
+    if hidden_size % MIN_HEAD_DIM:
+        raise ValueError(f"hidden_size must be a multiple of {MIN_HEAD_DIM} (the narrowest attention head "
+                         f"every engine runs), got {hidden_size}")
+    heads = max(1, min(4, hidden_size // MIN_HEAD_DIM))
+    return heads, max(1, heads // 2)
 
 
 def build_char_tokenizer(chars: str):
@@ -109,6 +120,8 @@ def resolve_model_path(cfg: ModelConfig, log=print) -> str:
         validate_model_dir(cfg.path)
         return cfg.path
     key = {k: v for k, v in asdict(cfg).items() if k not in ("path", "cache_dir")}
+    if attention_heads(cfg.hidden_size)[0] != 4:     # narrower than 128: no longer 4 heads of 16 (their old caches)
+        key["heads"] = attention_heads(cfg.hidden_size)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     out = Path(os.path.expanduser(cfg.cache_dir)) / f"tiny-{cfg.builtin_task}-{digest}"
     if (out / "model.safetensors").is_file():
@@ -139,9 +152,10 @@ def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
     task = get_task(cfg.builtin_task, digits=cfg.builtin_digits)
     tok = build_char_tokenizer(task.vocab)
     torch.manual_seed(cfg.seed)
+    heads, kv_heads = attention_heads(cfg.hidden_size)
     mcfg = Qwen2Config(
         vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=getattr(task, "context", 64), tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, dtype="float32",
     )

@@ -60,7 +60,8 @@ from functools import lru_cache
 from pathlib import Path
 
 NAME = "qwen-vocab-tiny"          # model.path: builtin:qwen-vocab-tiny
-FORMAT = 1                        # bump when the tokenizer, template or model layout changes: new cache key
+FORMAT = 2                        # bump when the tokenizer, template or model layout changes: new cache key
+                                  # (2: 2 heads of 32, as vLLM's CPU attention takes no 16)
 
 # Qwen's pre-tokenization split (Qwen2.5 / Qwen3, as in the package's legacy encoder).
 SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -279,13 +280,14 @@ def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: i
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    from stages.model import attention_heads
+
+    heads, kv_heads = attention_heads(hidden_size)     # before the tokenizer: a bad size fails at once
     tok = tokenizer or build_qwen_tokenizer()
-    if hidden_size % 4:
-        raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {hidden_size}")
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=CONTEXT, tie_word_embeddings=True, dtype="float32",
         bos_token_id=TOKEN_IDS["<|endoftext|>"], eos_token_id=TOKEN_IDS["<|im_end|>"],
         pad_token_id=TOKEN_IDS["<|endoftext|>"],

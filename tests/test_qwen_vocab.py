@@ -292,6 +292,7 @@ def test_make_model_command(tmp_path, capsys, tok):
     cfg = json.loads((out / "config.json").read_text())
     shape = (cfg["model_type"], cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"])
     assert shape == ("qwen2", 151669, 32, 1)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (1, 1)    # head_dim 32: vLLM's CPU floor
     assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     capsys.readouterr()
     assert main(["make-model", "--vocab", "qwen", str(out)]) == 2
@@ -330,3 +331,14 @@ def test_make_model_cli_subprocess(tmp_path):
     (tmp_path / "f").write_text("")
     r = _cli("--vocab", "qwen", str(tmp_path / "f" / "m"))
     assert r.returncode == 2 and "cannot write to" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_builtin_models_have_heads_every_engine_runs(model_dir):
+    """vLLM's CPU attention takes head_dim >= 32: the built-ins keep 4 heads down to hidden 128, fewer below."""
+    from stages.model import attention_heads
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32
+    assert [attention_heads(h) for h in (32, 64, 128, 256)] == [(1, 1), (2, 1), (4, 2), (4, 2)]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attention_heads(48)

@@ -84,8 +84,8 @@ class RolloutConfig:
                                         "it); 0 = off", NONNEG)
     max_agents: int = key(0, "agents running at once per worker; 0 = all of a batch", NONNEG)
     num_engines: int = key(1, "rollout engine actors", POSITIVE)
-    engine: str = key("hf", "hf (embedded torch engine, any CPU) | sglang (GPU; `sglang:` section)",
-                            one_of("hf", "sglang"))
+    engine: str = key("hf", "hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:` section) | "
+                            "sglang (GPU; `sglang:` section)", one_of("hf", "vllm", "sglang"))
     engine_threads: int = key(0, "torch threads per engine; 0 = decided by pipeline/resources.py", NONNEG)
     engine_batching: str = key("continuous", "hf engine: continuous (rows join/leave the running batch between decode "
                                              "steps) | static (one decode loop per call); stages/agentflow/engine.py",
@@ -131,8 +131,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{k} must be >= 0, got {getattr(self, k)}")
         if self.stale_steps < 0:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
-        if self.engine not in ("hf", "sglang"):
-            raise ValueError(f"rollout.engine must be hf or sglang, got {self.engine!r}")
+        if self.engine not in ("hf", "vllm", "sglang"):
+            raise ValueError(f"rollout.engine must be hf, vllm or sglang, got {self.engine!r}")
         if self.engine_batching not in ("continuous", "static"):
             raise ValueError(f"rollout.engine_batching must be continuous or static, got {self.engine_batching!r}")
         if self.engine_max_rows < 1:
