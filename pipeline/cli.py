@@ -7,6 +7,7 @@
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
+    loongsage serve MODEL_OR_CHECKPOINT [key=value ...] [--port P] [--key K] [--record DIR]
 """
 from __future__ import annotations
 
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.plan import add_subcommand as add_plan
 
     add_plan(sub)             # loongsage plan: simulate a run on a cluster, calibrated on a run's profile
+    from pipeline.serve import add_subcommand as add_serve
+
+    add_serve(sub)            # loongsage serve MODEL: the engines behind the recording proxy, outside training
     args = p.parse_args(argv)
     return args.fn(args)
 
