@@ -7,6 +7,7 @@
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
+    loongsage serve MODEL_OR_CHECKPOINT [key=value ...] [--port P] [--key K] [--record DIR]
     loongsage config [SECTION] | --check RECIPE [key=value ...] | --markdown
 
 Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
@@ -201,6 +202,9 @@ def parse_argv(argv: list[str]) -> argparse.Namespace:
     from pipeline.config_doc import add_subcommand as add_config
 
     add_config(sub)           # loongsage config [SECTION] | --check RECIPE | --markdown: the config reference
+    from pipeline.serve import add_subcommand as add_serve
+
+    add_serve(sub)            # loongsage serve MODEL: the engines behind the recording proxy, outside training
     return parse(p, sub, argv)
 
 

@@ -1,0 +1,274 @@
+"""`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training.
+
+    loongsage serve builtin:qwen-vocab-tiny [rollout.max_new_tokens=512 ...] [--port 8000] [--key KEY]
+                    [--record DIR]
+
+Starts the engine(s) as a run does (Ray actors, `rollout.num_engines`, `rollout.engine`) and the
+black-box proxy (stages/agentflow/proxy.py) on one port, loopback by default, with one endpoint:
+
+    http://127.0.0.1:PORT/t/serve/v1     chat/completions, completions, responses, messages (+ count_tokens), models
+
+and a key (printed, or `--key`). A harness pointed at it (docs/harnesses-running.md) is served
+token-in/token-out and every call is recorded by the proxy's Session, exactly as in a training
+run. What was served becomes a recording that `loongsage replay DIR/rollouts` trains from:
+
+    DIR/config.yaml                  the resolved config (model.path = the served model, groups of 1)
+    DIR/rollouts/step=N/part-0.parquet   trajectory N: one row per segment (its own group, reward 0.0)
+    DIR/requests.jsonl               one line per HTTP request: time, method, path, status, ms, request kind
+
+A trajectory is everything served between two rotations: SIGUSR1 (or `Server.rotate()`) records
+the current one and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop.
+A trajectory with no model call records nothing. Rewards are 0.0: the recording holds what the
+model did, a reward is for whoever replays it to decide.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from stages.agentflow.proxy import Proxy
+
+ROUTE = "serve"                 # the endpoint's fixed path segment: one URL for a whole serve session
+SERVE_DEFAULTS = ("rollout.n_samples=1", "batcher.groups_per_step=1", "rollout.max_new_tokens=1024",
+                  "rollout.max_turns=0")
+
+
+class LoggedProxy(Proxy):
+    """The proxy with one log line per request (its status is what a harness saw)."""
+
+    def __init__(self, *args, on_request=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_request = on_request
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        t0 = time.perf_counter()
+        resp = await super()._guard(request, handler)
+        if self.on_request is not None:
+            path = request.path.split(f"/t/{request.match_info.get('route', '')}", 1)[-1]
+            self.on_request({"t": time.time(), "method": request.method, "path": path, "status": resp.status,
+                             "ms": round((time.perf_counter() - t0) * 1e3, 3),
+                             "kind": request.headers.get("x-loongsage-request-kind", ""),
+                             "user_agent": request.headers.get("User-Agent", "")})
+        return resp
+
+
+class EngineLog:
+    """The engine client with every call's rows kept: what the engine returned, to check recordings against."""
+
+    def __init__(self, client):
+        self._client, self.calls = client, []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    async def generate(self, requests: list[dict]) -> list[dict]:
+        out = await self._client.generate(requests)
+        self.calls += [{"prompt_ids": list(r["prompt_ids"]), "response_ids": list(o["response_ids"])}
+                       for r, o in zip(requests, out)]
+        return out
+
+
+class Server:
+    """Engines + proxy on a background event loop; `rotate()` records the trajectory served so far."""
+
+    def __init__(self, cfg, record_dir: str | Path, key: str | None = None, log=print, keep_engine_calls=False):
+        self.cfg, self.dir, self.log = cfg, Path(record_dir), log
+        self.key = key or "sk-loongsage-" + secrets.token_urlsafe(24)
+        self.requests: list[dict] = []
+        self.steps = 0
+        self.keep_engine_calls = keep_engine_calls
+        self._groups = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loongsage-serve", daemon=True)
+        self._lock = threading.Lock()
+        self.ep = self.engine = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "Server":
+        import ray
+
+        from pipeline.cluster import init_ray
+        from pipeline.config import dump_config
+        from pipeline.controller import _start_engines
+        from pipeline.resources import plan_resources
+        from stages.agentflow.chat import ensure_chat_template
+        from stages.agentflow.client import Affinity
+        from stages.agentflow.limits import PromptLimit
+        from stages.model import load_tokenizer, resolve_model_path
+
+        c = self.cfg
+        self.model_path = resolve_model_path(c.model, log=self.log)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        dump_config(_with_model(c, self.model_path), self.dir / "config.yaml")
+        self._requests = open(self.dir / "requests.jsonl", "a", buffering=1)
+        res = plan_resources(c)
+        init_ray(c, res.ray_num_cpus)
+        self.engines = _start_engines(c, self.model_path, res, None)
+        ray.get([e.info.remote() for e in self.engines])      # loaded: a request never waits on a model load
+        self.tok = ensure_chat_template(load_tokenizer(self.model_path))
+        client = Affinity(self.engines).for_group(0)
+        self.engine = EngineLog(client) if self.keep_engine_calls else client
+        r = c.rollout
+        self.proxy = LoggedProxy(self.tok, r.proxy_host, r.proxy_port, int(r.proxy_max_body_mb * 2 ** 20),
+                                 r.proxy_force_sampling, PromptLimit.for_model(self.model_path, self.tok,
+                                                                               r.max_prompt_tokens),
+                                 on_request=self._on_request)
+        self.sampling = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                         "hold": False}
+        self._thread.start()
+        self._call(self.proxy.start())
+        self.ep = self._call(self._open())
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return self.ep.base_url
+
+    def rotate(self, record: bool = True) -> Path | None:
+        """Record the trajectory served so far (the step file, or None if it made no call; `record=False`:
+        drop it); open the next."""
+        with self._lock:
+            path = self._record(self.ep) if record else self.proxy.close(self.ep)
+            self.ep = self._call(self._open())
+            return path
+
+    def stop(self) -> Path | None:
+        """Record the current trajectory, stop the proxy and the engines."""
+        import ray
+
+        with self._lock:
+            path = self._record(self.ep) if self.ep is not None else None
+            self.ep = None
+            self._call(self.proxy.stop())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._requests.close()
+            for e in self.engines:
+                ray.kill(e)
+            return path
+
+    # ---- on the loop -----------------------------------------------------------------------------
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _open(self):
+        """A fresh Session under the fixed route and key: the URL a harness was given stays valid."""
+        ep = await self.proxy.open(self.engine, dict(self.sampling), max_turns=self.cfg.rollout.max_turns)
+        entry = self.proxy.sessions.pop(ep.route)
+        self.proxy.stored[ROUTE] = self.proxy.stored.pop(ep.route)
+        self.proxy.sessions[ROUTE] = (self.key, entry[1])
+        ep.route, ep.api_key = ROUTE, self.key
+        ep.base_url = ep.base_url.rsplit("/t/", 1)[0] + f"/t/{ROUTE}/v1"
+        return ep
+
+    def _on_request(self, line: dict) -> None:
+        self.requests.append(line)
+        self._requests.write(json.dumps(line) + "\n")
+
+    def _record(self, ep) -> Path | None:
+        from pipeline.recorder import Recorder
+
+        self.proxy.close(ep)
+        if ep.session.calls == 0 or ep.session.final is None:
+            return None
+        self.steps += 1
+        table = trajectory_table(ep.session, self.tok, self.steps, self._groups)
+        self._groups += table.num_rows
+        return Recorder(self.dir, 1).write(self.steps, table)
+
+
+def trajectory_table(session, tok, trajectory: int, first_group: int):
+    """A served Session as trajectory rows: one per segment, each its own group of one sample."""
+    from stages.agentflow.agent import AgentContext
+    from stages.schema import conform, table_from_columns
+
+    ctx = AgentContext(None, tok, [], {})
+    ctx._adopt(session)
+    rows = ctx.results()
+    now = time.time()
+    stats = {"turns": ctx.turns, "tool_calls": 0, "segments": ctx.segments, "wall_s": 0.0, "gen_s": ctx.gen_s,
+             "fail": ""}
+    cols: dict[str, list] = {}
+    for i, r in enumerate(rows):
+        seg = r["segment"]
+        r |= {"prompt_id": f"serve-{trajectory}-{seg['id']}", "group_id": first_group + i, "sample_idx": 0,
+              "data_source": "serve", "prompt": tok.decode(r["prompt_ids"], skip_special_tokens=False),
+              "answer": "", "error": "", "reward": 0.0, "reward_info": "{}", "t_dispatch": now, "t_done": now,
+              "transcript": json.dumps(ctx.transcript), "agent_stats": stats,
+              "segment_stats": ctx.segment_stats}
+        for k, v in r.items():
+            cols.setdefault(k, []).append(v)
+    return conform(table_from_columns(cols))
+
+
+def _with_model(cfg, model_path: str):
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
+
+
+def serve_config(model: str, overrides: list[str], host: str | None, port: int | None):
+    from pipeline.config import load_config
+
+    extra = [f"rollout.proxy_host={host}"] if host else []
+    extra += [f"rollout.proxy_port={port}"] if port is not None else []
+    return load_config(None, [f"model.path={model}", *SERVE_DEFAULTS, *extra, *overrides])
+
+
+def cli_serve(args) -> int:
+    """`loongsage serve MODEL [key=value ...] [--host] [--port] [--key] [--record DIR]`: serve until SIGINT."""
+    import signal
+    import sys
+
+    from pipeline.config import ConfigError
+
+    try:
+        cfg = serve_config(args.model, args.overrides, args.host, args.port)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    record = Path(args.record or f"runs/serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        server = Server(cfg, record, key=args.key).start()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=_rotated, args=(server,)).start())
+    base = server.base_url
+    print(f"serving {server.model_path} on {base}\n"
+          f"  OPENAI_BASE_URL={base} OPENAI_API_KEY={server.key}\n"
+          f"  ANTHROPIC_BASE_URL={base[:-3]} ANTHROPIC_API_KEY={server.key}\n"
+          f"recording to {record} (kill -USR1 {__import__('os').getpid()}: start the next trajectory; "
+          f"Ctrl-C: record and stop)", flush=True)
+    done.wait()
+    path = server.stop()
+    print(f"recorded {server.steps} trajectories in {record}/rollouts" + (f" (last: {path})" if path else "")
+          + f"; train from them with: loongsage replay {record}/rollouts", flush=True)
+    return 0
+
+
+def _rotated(server: Server) -> None:
+    path = server.rotate()
+    print(f"trajectory recorded: {path}" if path else "no model call since the last trajectory: nothing recorded",
+          flush=True)
+
+
+def add_subcommand(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model or checkpoint behind the recording proxy (all four APIs)")
+    s.add_argument("model", help="an HF model directory, a checkpoint (RUN/checkpoints/step_N) or builtin:NAME")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides (rollout.*, model.*)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
+    s.add_argument("--port", type=int, default=None, help="port (default: any free port, printed)")
+    s.add_argument("--key", default=None, help="the API key clients must send (default: a random one, printed)")
+    s.add_argument("--record", default=None, help="recording directory (default runs/serve-<time>)")
+    s.set_defaults(fn=cli_serve)
