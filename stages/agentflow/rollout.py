@@ -75,6 +75,8 @@ class RolloutConfig:
     engine_batching: str = "continuous"  # hf engine: continuous (rows join/leave the running batch between decode
                                        # steps) | static (one decode loop per call); stages/agentflow/engine.py
     engine_max_rows: int = 256         # hf engine, continuous: rows decoding at once (more wait in its queue)
+    kv_cache_mb: float = 1024.0        # hf engine: its KV cache, the memory its running rows may hold (rows x the
+                                       # widest row's context + budget); a request that cannot fit alone fails
     num_workers: int = 1               # rollout worker actors (asyncio inside each)
     groups_per_batch: int = 0          # groups per worker call; 0 = one step's groups
     stale_steps: float = 0.0           # 0 = synchronous on-policy
@@ -114,6 +116,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.engine_batching must be continuous or static, got {self.engine_batching!r}")
         if self.engine_max_rows < 1:
             raise ValueError(f"rollout.engine_max_rows must be >= 1, got {self.engine_max_rows}")
+        if not self.kv_cache_mb > 0:
+            raise ValueError(f"rollout.kv_cache_mb must be > 0, got {self.kv_cache_mb}")
         if self.partial not in ("interrupt", "wait"):
             raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
