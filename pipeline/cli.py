@@ -58,6 +58,10 @@ def _progress(total: int):
                     f"loss {_num(line['train/loss'], '+.4f')}  {rate:.1f} samples/s")
             step = line.get("step")
             bar.update(task, info=info, **({"completed": step} if isinstance(step, int) else {}))
+        elif "train/skipped_steps" in line and line.get("train/tokens") == 0:   # skipped: no trainable row
+            step = line.get("step")
+            bar.update(task, info=f"step skipped: no trainable rows ({line['train/skipped_steps']} skipped so far)",
+                       **({"completed": step} if isinstance(step, int) else {}))
 
     return bar, on_step, say
 

@@ -72,3 +72,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
     cache = tmp_path_factory.mktemp("models")
     return resolve_model_path(ModelConfig(warmup_steps=40, cache_dir=str(cache)), log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def raw_model_dir(tmp_path_factory) -> str:
+    """The built-in tiny Qwen2, unwarmed (built in a second): for tests that compare numbers, not answers."""
+    from stages.model import ModelConfig, resolve_model_path
+
+    cache = tmp_path_factory.mktemp("raw")
+    return resolve_model_path(ModelConfig(warmup_steps=0, cache_dir=str(cache)), log=lambda *_: None)

@@ -89,7 +89,7 @@ def test_decoupled_trainer_skips_the_recompute_and_still_measures_the_gap(tiny_m
         tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
                           AlgorithmConfig(decoupled=decoupled))
         calls = []      # per forward pass of the policy: was autograd on
-        tr.model.register_forward_pre_hook(lambda _mod, _args, seen=calls: seen.append(torch.is_grad_enabled()))
+        tr.model.model.register_forward_pre_hook(lambda _mod, _args, seen=calls: seen.append(torch.is_grad_enabled()))
         out[decoupled] = tr.train_step(table)
         assert calls.count(False) == (0 if decoupled else 1)      # the no-grad recompute over the whole step
         assert calls.count(True) == 2                               # one forward per mini-batch
@@ -116,8 +116,9 @@ def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(t
                                                         skip_zero_advantage=skip),
                           AlgorithmConfig(decoupled=True, loss_agg=loss_agg, **extra))
         rows_seen = []
-        tr.model.register_forward_pre_hook(lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]),
-                                           with_kwargs=True)
+        # the base model's forward (the LM head then runs on response positions only)
+        tr.model.model.register_forward_pre_hook(
+            lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
         out[skip] = [tr.train_step(table) for _ in range(2)]
         weights[skip], forwards[skip] = tr.model.state_dict(), sum(rows_seen)
     assert forwards[False] == 32 and forwards[True] < 32          # 16 rows x 2 steps; fewer with the skip
@@ -403,3 +404,30 @@ def test_rollout_nice_lowers_an_actor_once_and_never_the_calling_process(ray_ses
     start, now = ray_session.get(probe.lowered.remote(5))
     assert now == max(start, 5)
     ray_session.kill(probe)
+
+
+def _failed_rows(n: int, group: int = 0) -> list[dict]:
+    """Trajectories that failed before their first model call: no tokens at all."""
+    return [{"prompt_ids": [], "response_ids": [], "response_logprobs": [], "loss_mask": [], "token_versions": [],
+             "reward": 0.0, "group_id": group, "status": "failed"} for _ in range(n)]
+
+
+def test_a_step_with_no_trainable_row_is_skipped_counted_and_the_clock_moves_on(tiny_model_dir, tmp_path):
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=2, lr_warmup_steps=4),
+                      AlgorithmConfig())
+    before = {n: t.clone() for n, t in tr.model.state_dict().items()}
+    for step in (1, 2):
+        m = tr.train_step(pa.Table.from_pylist(_failed_rows(4)))
+        assert m["train/skipped_steps"] == step and m["version"] == step and m["train/tokens"] == 0
+        assert "train/loss" not in m and m["train/lr"] == lr_at(tr.cfg, step - 1)   # the schedule keeps its place
+    assert all(torch.equal(before[n], t) for n, t in tr.model.state_dict().items())   # no update
+    assert not tr.opt.state                                                          # AdamW never stepped
+    # a step with some failed rows and some trained ones trains as usual; the count carries on
+    rows = [{"prompt_ids": [3, 4], "response_ids": [5, 1], "response_logprobs": [-1.0, -1.0], "loss_mask": [1, 1],
+             "token_versions": [2, 2], "reward": float(i), "group_id": 1, "status": "completed"} for i in range(2)]
+    m = tr.train_step(pa.Table.from_pylist(_failed_rows(2) + rows))
+    assert m["version"] == 3 and m["train/skipped_steps"] == 2 and m["train/tokens"] == 4 and "train/loss" in m
+    # a resumed trainer keeps the count
+    tr.save(str(tmp_path / "ck"))
+    again = TorchTrainer(str(tmp_path / "ck"), tr.cfg, AlgorithmConfig())
+    assert again.load_state(str(tmp_path / "ck")) == 3 and again.skipped_steps == 2

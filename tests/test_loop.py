@@ -206,3 +206,23 @@ def test_overlap_without_publish_is_a_plain_update_loop():
     b = o.next_batch()
     assert o.train(b)["train/loss"] == 0.5 and o.publish(1, may_queue_next=True) == {}
     o.close()
+
+
+def test_steps_without_trainable_rows_are_skipped_and_the_loop_runs_to_its_end(tiny_model_dir):
+    """The real trainer under the loop: every trajectory of every step failed before its first model
+    call. Each step is skipped and counted, the version and the window still move on, the run ends."""
+    from stages.update.losses import AlgorithmConfig
+    from stages.update.trainer import TorchTrainer, TrainerConfig
+
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1), AlgorithmConfig())
+    failed = {"prompt_ids": [], "response_ids": [], "response_logprobs": [], "loss_mask": [], "token_versions": [],
+              "reward": 0.0, "status": "failed"}
+    tables = [pa.Table.from_pylist([failed | {"group_id": 2 * k + i % 2} for i in range(4)]) for k in range(3)]
+    moved, lines = [], []
+    parts = StepParts(batches=iter((t, 0.0) for t in tables), submit=tr.train_step,
+                      record=lambda step, b, m: lines.append(m),
+                      window_moved=lambda b, v: moved.append((b.groups, v)))
+    loop = StepLoop(parts, steps=3)
+    assert loop.run() == 3 and loop.version == 3 and tr.version == 3
+    assert moved == [([0, 1], 1), ([2, 3], 2), ([4, 5], 3)]
+    assert [m["train/skipped_steps"] for m in lines] == [1, 2, 3]

@@ -158,10 +158,11 @@ def test_unsupported_configs_are_rejected_with_the_reason(models):
 TRAIN = TrainerConfig(lr=1e-3, num_threads=1)
 
 
-def launch(path: str, mcfg: MegatronConfig | None = None, algo: AlgorithmConfig | None = None):
+def launch(path: str, mcfg: MegatronConfig | None = None, algo: AlgorithmConfig | None = None,
+           train: TrainerConfig = TRAIN):
     from stages.update.megatron.launch import launch as start
 
-    return start(path, TRAIN, algo or AlgorithmConfig(), mcfg or MegatronConfig(), num_cpus=0.25)
+    return start(path, train, algo or AlgorithmConfig(), mcfg or MegatronConfig(), num_cpus=0.25)
 
 
 def megatron_logits(leader, ids: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,9 @@ def megatron_logits(leader, ids: torch.Tensor) -> torch.Tensor:
         with trainer._ctx(), torch.no_grad():
             L = ids.shape[1]
             causal = torch.triu(torch.ones(L, L, dtype=torch.bool), 1)[None, None]
-            return trainer.module(ids, torch.arange(L).expand_as(ids), attention_mask=causal)
+            out = trainer.module(ids, torch.arange(L).expand_as(ids), attention_mask=causal)
+            head = trainer._heads.get(id(trainer.module))    # deferred: out is the last hidden states
+            return out if head is None else head(out.reshape(-1, out.shape[-1])).reshape(*ids.shape, -1)
     return ray.get(leader.__ray_call__.remote(forward, ids))
 
 
@@ -219,6 +222,27 @@ def test_one_step_matches_the_torch_trainer(models, ray_local, tmp_path, algo):
     saved = ray.get(leader.save.remote(str(tmp_path / "ckpt")))
     reloaded = hf_state(saved)
     assert all(torch.equal(reloaded[n], after[n]) for n in after)
+    ray.kill(leader)
+
+
+def test_chunked_head_gives_the_full_heads_step(models, ray_local):
+    """The output layer applied to 2 response positions at a time (each chunk recomputed in the
+    backward) against the torch trainer computing all of them at once: the same step."""
+    import dataclasses
+
+    path, table = models["qwen2"], step_table()
+    algo = AlgorithmConfig(name="dr_grpo", kl_coef=0.1, entropy_coef=0.01)
+    torch.manual_seed(0)
+    reference = TorchTrainer(path, dataclasses.replace(TRAIN, logprob_chunk=0), algo)
+    want = reference.train_step(table)
+    leader = launch(path, algo=algo, train=dataclasses.replace(TRAIN, logprob_chunk=2))
+    got = ray.get(leader.train_step.remote(table))
+    for key in ("train/loss", "train/kl_ref", "train/entropy", "mismatch/abs_diff_mean"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
+    before, after, theirs = hf_state(path), ray.get(leader.state_dict.remote()), reference.state_dict()
+    moved = max((after[n] - before[n]).abs().max().item() for n in before)
+    assert max((after[n] - theirs[n]).abs().max().item() for n in before) < 0.05 * moved
     ray.kill(leader)
 
 

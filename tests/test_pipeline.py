@@ -64,6 +64,26 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     assert (run / "checkpoints" / "step_000003" / "tokenizer.json").is_file()
 
 
+def test_a_run_whose_every_trajectory_fails_skips_every_step_and_goes_on_to_its_end(ray_session, tiny_model_dir,
+                                                                                    tmp_path):
+    """`cmd:false` exits before its first model call: no row has a token. Each step is skipped and
+    counted (never a crash in the trainer), the version and the window still move on, the run ends."""
+    cfg = load_config("configs/agent_blackbox.yaml", [
+        f"model.path={tiny_model_dir}", "rollout.agent=cmd:false", "run.steps=3", "batcher.groups_per_step=2",
+        "rollout.n_samples=2", "trainer.mini_batch_size=0", "eval.every=0", "eval.num_prompts=0"])
+    ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
+    try:
+        summary = ctl.run()
+        assert summary["steps"] == 3 and summary["version"] == 3
+        assert ray.get([e.weight_version.remote() for e in ctl.engines]) == [3]
+    finally:
+        ctl.stop()
+    steps = [m for m in read_metrics(tmp_path / "run") if "train/samples" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["train/skipped_steps"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout/failed"] == 4 and m["train/tokens"] == 0 and "train/loss" not in m for m in steps)
+
+
 def test_an_engine_landing_weights_in_place_is_not_taken_for_a_restarted_one(tiny_model_dir):
     """The engine watch asked needs_sync() while an ordinary version landed in place, saw the serving
     flag cleared and counted a restart that never happened (issue 17.1). A restart is a new process."""

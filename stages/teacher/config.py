@@ -29,6 +29,9 @@ class TeacherConfig:
     dtype: str = "float32"          # dtype teachers are held and run in (the files may differ)
     device: str = "auto"            # auto = cuda when the actor sees a GPU, else cpu
     micro_batch: int = 64           # rows per teacher forward pass
+    logprob_chunk: int = 256        # response positions whose logits exist at once: the teacher's LM head runs
+                                    # on response positions only, this many at a time (as trainer.logprob_chunk),
+                                    # never on [sequence, vocabulary]; 0 = a micro-batch's positions at once
     workers: int = 1                # scoring actors; each holds its own resident set, so the budget is per actor
 
     def __post_init__(self):
@@ -45,8 +48,9 @@ class TeacherConfig:
                                f"(known: {', '.join(self.teachers) or 'none'})")
         if self.max_resident < 0 or self.max_resident_bytes < 0:
             raise TeacherError("teacher.max_resident and teacher.max_resident_bytes must be >= 0 (0 = no limit)")
-        if self.top_k < 0 or self.micro_batch <= 0 or self.workers <= 0:
-            raise TeacherError("teacher.top_k must be >= 0, teacher.micro_batch and teacher.workers > 0")
+        if self.top_k < 0 or self.micro_batch <= 0 or self.workers <= 0 or self.logprob_chunk < 0:
+            raise TeacherError("teacher.top_k and teacher.logprob_chunk must be >= 0, teacher.micro_batch and "
+                               "teacher.workers > 0")
         if self.temperature <= 0:
             raise TeacherError(f"teacher.temperature must be > 0, got {self.temperature}")
         if self.dtype not in DTYPES:

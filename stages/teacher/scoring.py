@@ -27,42 +27,38 @@ import torch
 from stages.schema import with_columns
 from stages.teacher.config import TeacherConfig
 from stages.teacher.manager import TeacherManager
+from stages.token_logprobs import position_stats
 
 SKIP = ("failed", "aborted")   # rows an earlier stage already gave up on: nothing to score
 ERROR_PREFIX = "teacher stage: "   # every error this stage writes starts so (metrics count them)
 
 
-def score_rows(model, rows: list[dict], temperature: float, top_k: int, pad_id: int, device) -> list[tuple]:
+def score_rows(model, rows: list[dict], temperature: float, top_k: int, pad_id: int, device,
+               chunk: int = 0) -> list[tuple]:
     """(logprobs [T], topk ids [T,k] | None, topk logprobs [T,k] | None) per row, for the
     response tokens given prompt + response. Sequences are right-padded: with a causal
-    mask, padding after a sequence cannot change its logits."""
+    mask, padding after a sequence cannot change its logits. The LM head runs on response
+    positions only, `chunk` of them at a time (stages/token_logprobs.py)."""
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in rows]
     n, L = len(seqs), max(map(len, seqs))
-    T = max(len(r["response_ids"]) for r in rows)
     ids = torch.full((n, L), pad_id, dtype=torch.long)
     attn = torch.zeros((n, L), dtype=torch.long)
-    pos = torch.zeros((n, T), dtype=torch.long)
-    tgt = torch.zeros((n, T), dtype=torch.long)
-    for i, (s, r) in enumerate(zip(seqs, rows)):
+    for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
-        k, p = len(r["response_ids"]), len(r["prompt_ids"])
-        pos[i, :k] = torch.arange(p - 1, p - 1 + k)    # the logits at p-1+t predict response token t
-        tgt[i, :k] = torch.tensor(r["response_ids"])
+    # response token t of row i is predicted at position p_i - 1 + t
+    seq = torch.cat([torch.full((len(r["response_ids"]),), i) for i, r in enumerate(rows)])
+    pos = torch.cat([torch.arange(len(r["prompt_ids"]) - 1, len(s) - 1) for r, s in zip(rows, seqs)])
+    tgt = torch.cat([torch.tensor(r["response_ids"], dtype=torch.long) for r in rows])
     with torch.inference_mode():
-        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits
-        logits = logits.gather(1, pos.to(device)[..., None].expand(-1, -1, logits.shape[-1]))
-        logp = torch.log_softmax(logits.float() / temperature, -1)
-        lp = logp.gather(-1, tgt.to(device)[..., None])[..., 0].cpu()
-        top = logp.topk(min(top_k, logp.shape[-1]), -1) if top_k else None
-    out = []
-    for i, r in enumerate(rows):
-        k = len(r["response_ids"])
-        if top is None:
-            out.append((lp[i, :k].tolist(), None, None))
-        else:
-            out.append((lp[i, :k].tolist(), top.indices[i, :k].cpu().tolist(), top.values[i, :k].cpu().tolist()))
-    return out
+        st = position_stats(model, tgt.to(device), seq.to(device), pos.to(device), temperature, chunk, top_k=top_k,
+                            input_ids=ids.to(device), attention_mask=attn.to(device))
+    lp = st.logprobs.cpu().split([len(r["response_ids"]) for r in rows])
+    if not top_k:
+        return [(x.tolist(), None, None) for x in lp]
+    sizes = [len(r["response_ids"]) for r in rows]
+    top_i, top_v = st.top_indices.cpu().split(sizes), st.top_values.cpu().split(sizes)
+    return [(x.tolist(), i.tolist(), v.tolist()) for x, i, v in zip(lp, top_i, top_v)]
 
 
 class TeacherScoring:
@@ -131,7 +127,8 @@ class TeacherScoring:
             out["teacher_topk_ids"][i], out["teacher_topk_logprobs"][i] = top_ids, top_lp
 
     def _score(self, model, rows):
-        return score_rows(model, rows, self.cfg.temperature, self.cfg.top_k, self.pad_id, self.manager.device)
+        return score_rows(model, rows, self.cfg.temperature, self.cfg.top_k, self.pad_id, self.manager.device,
+                          self.cfg.logprob_chunk)
 
     @staticmethod
     def _fail(out: dict, i: int, error: str) -> None:

@@ -140,8 +140,11 @@ def apply_distill(algo, table: pa.Table, adv: torch.Tensor, student_lp: torch.Te
 
 
 def gkd_term(algo, loss: torch.Tensor, metrics: dict, student_topk_lp: torch.Tensor, tb: TeacherBatch, rows,
-             mask: torch.Tensor):
-    """loss + distill_coef * token-mean top-k KL on rows `rows` (student_topk_lp carries grads)."""
+             mask: torch.Tensor, full: tuple | None = None):
+    """loss + distill_coef * token-mean top-k KL on rows `rows` (student_topk_lp carries grads).
+    full: (rows, mask) of the whole mini-batch when `rows` is one micro-batch of it: the mean is
+    then over the mini-batch's tokens, so the micro-batches' terms add up to the mini-batch's."""
     m = mask * tb.has[rows][:, None].to(mask.dtype)
-    kl = topk_kl(student_topk_lp, tb.topk_logprobs[rows], m).sum() / m.sum().clamp(min=1)
+    denom = m.sum() if full is None else (full[1] * tb.has[full[0]][:, None].to(mask.dtype)).sum()
+    kl = topk_kl(student_topk_lp, tb.topk_logprobs[rows], m).sum() / denom.clamp(min=1)
     return loss + algo.distill_coef * kl, metrics | {"gkd_kl": kl.item()}

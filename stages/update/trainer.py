@@ -21,10 +21,12 @@ import torch
 from stages import lora as lora_lib
 from stages.lora import LoraConfig
 from stages.model import load_model
+from stages.token_logprobs import position_stats, split_model
 from stages.update.advantages import compute_advantages
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
 from stages.update.distill import apply_distill, gkd_term
 from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
+from stages.update.microbatch import merge_metrics, token_micro_batches
 
 TRAINABLE = ("completed", "truncated")   # failed/aborted rows are recorded, never trained
 
@@ -57,6 +59,16 @@ class TrainerConfig:
                                      # share a prompt, so share_prompts computes it once per mini-batch)
     on_nonfinite: str = "skip"       # a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer
                                      # step is not taken; counted as train/nonfinite_skipped) | stop (raise)
+    logprob_chunk: int = 256         # response positions whose logits exist at once: log-probs and entropy are
+                                     # computed on response positions only, the LM head applied this many at a
+                                     # time (each chunk recomputed in the backward), so memory follows the
+                                     # response, never [sequence, vocabulary] (256 x 151k vocab = 155 MB fp32).
+                                     # 0 = every response position of a mini-batch at once
+    max_tokens_per_microbatch: int = 0   # > 0: an optimizer step's rows run in forward/backward passes of at most
+                                     # this many laid-out positions each (rows x longest row, or packed width),
+                                     # gradients accumulated: one 19k-token row and many short ones train in one
+                                     # step without padding every row to 19k (stages/update/microbatch.py). The
+                                     # update equals one pass's to float rounding. 0 = one pass per mini-batch
     lora: LoraConfig = field(default_factory=LoraConfig)   # train LoRA adapters only (stages/lora.py)
 
     def __post_init__(self):
@@ -64,6 +76,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.max_tokens_per_microbatch < 0:
+            raise ValueError("trainer.max_tokens_per_microbatch must be >= 0 (0 = one pass per mini-batch), "
+                             f"got {self.max_tokens_per_microbatch}")
+        if self.logprob_chunk < 0:
+            raise ValueError(f"trainer.logprob_chunk must be >= 0 (0 = no chunking), got {self.logprob_chunk}")
         if self.mini_batch_size < 0:
             raise ValueError(f"trainer.mini_batch_size must be >= 0, got {self.mini_batch_size}")
         if self.ppo_epochs <= 0:
@@ -184,6 +201,22 @@ def _prompt_keys(p_ids: tuple[np.ndarray, np.ndarray], n: int) -> np.ndarray:
 
 
 @dataclass
+class Terms:
+    """What a step's loss reads besides the log-probs: per-token [B, T] tensors of the whole step."""
+    old: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor
+    ref: torch.Tensor | None = None
+    tb: object | None = None        # distill.TeacherBatch (GKD) or None
+
+
+# Prompt packing needs a [G, 1, W, W] attention mask, which attention may widen to float: past this
+# many cells (a 8k-token packed sequence) the rows run padded, under the causal mask alone.
+PACK_MASK_CELLS = 8192 * 8192
+
+
+@dataclass
 class Packed:
     """Rows that share a prompt laid out as one sequence: the prompt once, then each row's response,
     every response attending to the prompt and to itself only (positions continue from the prompt)."""
@@ -216,6 +249,8 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
         width[g] += r_len[i]
     W = int(width.max())
     G = len(uniq)
+    if G * W * W > PACK_MASK_CELLS:     # long prompts: the [G, W, W] mask would cost more than it saves
+        return None
     ids = torch.full((G, W), pad_id, dtype=torch.long)
     position = torch.zeros((G, W), dtype=torch.long)
     seg = torch.full((G, W), -1, dtype=torch.long)      # -1 pad, 0 prompt, i + 1 row i's response
@@ -280,6 +315,17 @@ def task_advantages(algo: AlgorithmConfig, b: Batch, max_new_tokens: int = 0) ->
     return compute_advantages(algo.advantage, rewards, b.group_ids, mask, weights=b.weights), mask
 
 
+def skipped_step(n: int, lr: float, version: int, skipped_steps: int, t0: float) -> dict:
+    """The metrics of a step with no trainable token (every row failed before its first model
+    call, or every token was masked out): nothing to forward and no optimizer step. The caller
+    still advances the version (the clock counts steps; the weights are unchanged), so the
+    window moves on, the lr schedule keeps its place and the run goes on to its end.
+    `skipped_steps` counts such steps over the run, this one included."""
+    return {"train/skipped_steps": skipped_steps, "train/tokens": 0, "train/samples": n,
+            "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
+            "train/lr": lr, "version": version}
+
+
 def mini_batches(cfg: TrainerConfig, rng: np.random.Generator, b: Batch, n: int, mb: int) -> list[np.ndarray]:
     """Row indices of each mini-batch: n // mb of them, of random rows or of whole random groups."""
     if cfg.mini_batch_split == "rows":
@@ -320,10 +366,14 @@ class TorchTrainer:
             self.adapter = lora_lib.adapter_params(self.model)
         self.model.train()
         self.ref = load_model(model_path, dtype) if self.algo.kl_coef > 0 and not self.lora else None
+        for m in (self.model, self.ref):    # how logits are made, checked once now, not in the first step
+            if m is not None:
+                split_model(m)
         # walked once: clipping uses it every mini-batch; with LoRA only the adapters (and their Adam state)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = adamw(self.params, cfg)
         self.version = 0
+        self.skipped_steps = 0      # steps with no trainable token over the run (skipped_step)
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
 
@@ -383,7 +433,8 @@ class TorchTrainer:
             load_tokenizer(tokenizer_dir).save_pretrained(path)
         if with_state:
             torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version},
+                        "np_rng": self.rng.bit_generator.state, "version": self.version,
+                        "skipped_steps": self.skipped_steps},
                        os.path.join(path, "trainer_state.pt"))
         return path
 
@@ -396,6 +447,7 @@ class TorchTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
         self.version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         return self.version
 
     def _load_adapter(self, path: str) -> None:
@@ -417,8 +469,18 @@ class TorchTrainer:
         """The reference policy's log-probs (KL term): the frozen copy, or with LoRA the base (adapter off)."""
         if self.lora:
             with self.model.disable_adapter(), self._no_dropout():
-                return self.logprobs(self.model, b)[0]
-        return self.logprobs(self.ref, b)[0]
+                return self._all_logprobs(self.model, b)
+        return self._all_logprobs(self.ref, b)
+
+    def _all_logprobs(self, model, b: Batch) -> torch.Tensor:
+        """Log-probs [B, T] of every row of the step (no grad), micro-batch by micro-batch."""
+        micro = self._micro_batches(b, torch.arange(len(b.input_ids)))
+        if len(micro) == 1:
+            return self.logprobs(model, b)[0]
+        out = torch.zeros(b.resp_ids.shape)
+        for rows in micro:
+            out[rows] = self.logprobs(model, b, rows)[0]
+        return out
 
     def _no_dropout(self):
         """No-grad passes (recompute, reference) see the policy the engine samples: LoRA's dropout off."""
@@ -430,26 +492,61 @@ class TorchTrainer:
     def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False,
                  topk_ids: torch.Tensor | None = None):
         """Log-probs of the sampled tokens [b,T], entropy [b,T] (or None) and, given teacher
-        top-k ids [b,T,K], the log-probs of those ids [b,T,K] (or None), all under `model`."""
-        packed = pack_shared_prompts(b, torch.arange(len(b.input_ids))[rows], self.pad_id) \
+        top-k ids [b,T,K], the log-probs of those ids [b,T,K] (or None), all under `model`; 0 past
+        each row's response. The LM head runs on response positions only, trainer.logprob_chunk
+        of them at a time (stages/token_logprobs.py): no [T, V] tensor over whole sequences."""
+        idx = torch.arange(len(b.input_ids))[rows]
+        T = b.resp_pos.shape[1]
+        real = torch.arange(T)[None, :] < b.lengths[idx][:, None]        # [b, T] response tokens
+        packed = pack_shared_prompts(b, idx, self.pad_id) \
             if self.cfg.share_prompts and b.prompt_key is not None else None
         if packed is not None:      # a group's prompt computed once for all its samples
-            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.mask,
-                        use_cache=False).logits.float() / self.temperature
-            logits = out[packed.row[:, None], packed.pos]                           # [b, T, V]
+            inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                      "attention_mask": packed.mask}
+            seq, pos = packed.row[:, None].expand(-1, T)[real], packed.pos[real]
         else:
-            width = int(b.attn[rows].sum(1).max())      # right padding: columns past the longest row are all padding
+            width = int(b.attn[idx].sum(1).max())      # right padding: columns past the longest row are all padding
             # No attention mask: with right padding, causal attention alone never lets a real token see
-            # a pad (pads come after it), and only real positions are gathered below. Bit-identical
+            # a pad (pads come after it), and only real positions are gathered. Bit-identical
             # log-probs, and the model builds no padding mask (~6% of a quickstart mini-batch).
-            out = model(input_ids=b.input_ids[rows][:, :width], use_cache=False).logits.float() / self.temperature
-            pos = b.resp_pos[rows]
-            logits = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))  # [b, T, V]
-        logp = torch.log_softmax(logits, -1)
-        lp = logp.gather(-1, b.resp_ids[rows][..., None])[..., 0]
-        ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
-        top = logp.gather(-1, topk_ids) if topk_ids is not None else None
+            inputs = {"input_ids": b.input_ids[idx][:, :width]}
+            seq, pos = torch.arange(len(idx))[:, None].expand(-1, T)[real], b.resp_pos[idx][real]
+        st = position_stats(model, b.resp_ids[idx][real], seq, pos, self.temperature, self.cfg.logprob_chunk,
+                            entropy=with_entropy, gather_ids=None if topk_ids is None else topk_ids[real], **inputs)
+        lp = _scatter(real, st.logprobs)
+        ent = _scatter(real, st.entropy) if with_entropy else None
+        top = _scatter(real, st.gathered) if topk_ids is not None else None
         return lp, ent, top
+
+    def _micro_batches(self, b: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """rows cut by trainer.max_tokens_per_microbatch (one micro-batch when it is 0)."""
+        return token_micro_batches(b.attn.sum(1).numpy(), b.prompt_len, b.prompt_key, rows,
+                                   self.cfg.max_tokens_per_microbatch, self.cfg.share_prompts)
+
+    def _forward_backward(self, b: Batch, rows: torch.Tensor, full: torch.Tensor, t: Terms):
+        """Forward and backward of one optimizer step's `rows` (of mini-batch `full`), micro-batch by
+        micro-batch, gradients accumulated: (loss value, loss metrics, log-probs [rows, T] detached).
+        Each micro-batch's loss is its share of the mini-batch's (policy_loss's full_mask), so the
+        accumulated gradient is the one-batch gradient. A non-finite loss is not backpropagated."""
+        algo, parts, values, lps = self.algo, [], [], []
+        micro = self._micro_batches(b, rows)
+        for mrows in micro:
+            lp, ent, top = self.logprobs(self.model, b, mrows, with_entropy=algo.entropy_coef != 0,
+                                         topk_ids=None if t.tb is None else t.tb.topk_ids[mrows])
+            whole = mrows is full
+            loss, m = policy_loss(algo, lp, t.old[mrows], t.adv[mrows], t.mask[mrows],
+                                  ref_logprobs=None if t.ref is None else t.ref[mrows], entropy=ent,
+                                  is_weights=t.weights[mrows], full_mask=None if whole else t.mask[full])
+            if t.tb is not None:      # GKD: the top-k KL to the teacher, through the student
+                loss, m = gkd_term(algo, loss, m, top, t.tb, mrows, t.mask[mrows],
+                                   full=None if whole else (full, t.mask[full]))
+            values.append(loss.item())
+            if math.isfinite(values[-1]):
+                loss.backward()
+            parts.append((m, float(t.mask[mrows].sum())))
+            lps.append(lp.detach())
+        order = torch.argsort(torch.cat(micro))          # micro-batches back in `rows` order
+        return sum(values), merge_metrics(parts), torch.cat(lps)[order] if len(lps) > 1 else lps[0]
 
     def _mini_batches(self, b: Batch, n: int, mb: int) -> list[np.ndarray]:
         return mini_batches(self.cfg, self.rng, b, n, mb)
@@ -466,9 +563,13 @@ class TorchTrainer:
         b = to_batch(table, self.pad_id)
         algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        if not mask.any():      # every row failed or was masked out: nothing to train on
+            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
+            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
+                                self.skipped_steps, t0)
         with torch.no_grad():
             with self._no_dropout():
-                recomputed = None if algo.decoupled else self.logprobs(self.model, b)[0]
+                recomputed = None if algo.decoupled else self._all_logprobs(self.model, b)
             ref_lp = self._ref_logprobs(b) if algo.kl_coef > 0 else None
         old = old_policy_logprobs(algo, recomputed, b.engine_lp)
         stale = (b.versions >= 0) & (b.versions < self.version)
@@ -497,27 +598,22 @@ class TorchTrainer:
                 measure = recomputed is None and mb_i == 0      # the mismatch metrics see every row
                 if live is not None and not measure:
                     rows = full[live[full]]
-                    not_forwarded += len(full) - len(rows)
-                    if len(rows) == 0:      # a zero gradient: AdamW still steps, as the full update would
-                        self._zero_step()
-                        mb_i += 1
-                        losses.append(0.0)
-                        gnorms.append(0.0)
-                        continue
-                lp, ent, top = self.logprobs(self.model, b, rows, with_entropy=algo.entropy_coef != 0,
-                                             topk_ids=None if tb is None else tb.topk_ids[rows])
+                if not mask[rows].any():    # no live row, or no trained token (failed rows): a zero gradient,
+                    rows = rows[:0]         # so no forward; AdamW still steps, as the full update would
+                not_forwarded += len(full) - len(rows)
+                if len(rows) == 0:
+                    self._zero_step()
+                    mb_i += 1
+                    losses.append(0.0)
+                    gnorms.append(0.0)
+                    continue
+                self.opt.zero_grad(set_to_none=True)
+                value, m, lp = self._forward_backward(b, rows, full, Terms(old, adv, mask, weights, ref_lp, tb))
+                mb_i += 1
                 if measure:
                     metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], stale[rows])
-                loss, m = policy_loss(algo, lp, old[rows], adv[rows], mask[rows],
-                                      ref_logprobs=None if ref_lp is None else ref_lp[rows], entropy=ent,
-                                      is_weights=weights[rows], full_mask=None if rows is full else mask[full])
-                if tb is not None:      # GKD: the top-k KL to the teacher, through the student
-                    loss, m = gkd_term(algo, loss, m, top, tb, rows, mask[rows])
-                self.opt.zero_grad(set_to_none=True)
-                mb_i, value = mb_i + 1, loss.item()
                 bad = "" if math.isfinite(value) else f"non-finite loss {value}"
-                if not bad:     # a NaN loss has no gradient worth computing
-                    loss.backward()
+                if not bad:     # the gradients of every micro-batch are in
                     gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True))
                     bad = "" if math.isfinite(gnorm) else f"non-finite grad norm {gnorm} (loss {value})"
                 if bad:         # never applied: weights and optimizer state stay as they were
@@ -535,11 +631,18 @@ class TorchTrainer:
             metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
             metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms))}
         metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/rows_not_forwarded": not_forwarded,
+                    "train/rows_not_forwarded": not_forwarded, "train/skipped_steps": self.skipped_steps,
                     "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
                     "train/lr": lr, "version": self.version}
         return finite_metrics(metrics)
+
+
+def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values [N, ...] laid into a zero tensor of where's shape [b, T] (+ values' trailing dims)
+    at where's True entries, in order; differentiable through values."""
+    out = values.new_zeros((*where.shape, *values.shape[1:]))
+    return out.index_put(torch.nonzero(where, as_tuple=True), values)
 
 
 @contextlib.contextmanager

@@ -52,3 +52,48 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     s = all_reduce(e.sum(-1))
     ez = all_reduce((e * z).sum(-1))
     return s.log() - ez / s
+
+
+def defer_head(gpt):
+    """Make `gpt` return its last hidden states [b, s, H] instead of logits (its output layer
+    passes them through) and return head(h [N, H]) -> this rank's logits [N, V/tp], which applies
+    the real layer with the weight megatron handed it (tied or not). The loss then runs the head
+    on response positions only, in chunks (chunked_token_logprobs). None where the layer cannot be
+    deferred: no output layer (not the last pipeline stage) or sequence parallel (the states are
+    split along the sequence there)."""
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None or getattr(layer, "sequence_parallel", False):
+        return None
+    real, weight = layer.forward, {}
+
+    def passthrough(hidden, weight_=None, runtime_gather_output=None, **_):
+        weight["w"] = weight_
+        return hidden, None
+
+    layer.forward = lambda hidden, weight=None, **kw: passthrough(hidden, weight, **kw)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        z, _ = real(h[:, None, :], weight=weight.get("w"))
+        return z[:, 0, :]
+
+    return head
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, vocab: int, temperature: float,
+                           chunk: int, with_entropy: bool = False):
+    """token_logprobs of `targets` [N] from hidden states [N, H], the head applied `chunk` positions
+    at a time (0 = all); with gradients each chunk is recomputed in the backward, so one chunk's
+    [chunk, V/tp] logits exist at a time. Every TP rank runs the same chunks (same rows), so the
+    collectives inside match up, in the forward and in the recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    def one(h, t):
+        return token_logprobs(head(h), t, vocab, temperature, with_entropy)
+
+    n = hidden.shape[0]
+    step = chunk if 0 < chunk < n else max(n, 1)
+    grad = torch.is_grad_enabled() and step < n
+    parts = [checkpoint(one, hidden[a:a + step], targets[a:a + step], use_reentrant=False) if grad
+             else one(hidden[a:a + step], targets[a:a + step]) for a in range(0, max(n, 1), step)]
+    lp = torch.cat([p[0] for p in parts])
+    return lp, torch.cat([p[1] for p in parts]) if with_entropy else None

@@ -36,6 +36,7 @@ from stages.update.trainer import (
     finite_metrics,
     lr_at,
     on_nonfinite,
+    skipped_step,
     task_advantages,
     to_batch,
 )
@@ -43,7 +44,7 @@ from stages.update.trainer import (
 from . import parallel
 from .config import MegatronConfig
 from .convert import Arch, to_megatron
-from .logprobs import token_logprobs
+from .logprobs import chunked_token_logprobs, defer_head, token_logprobs
 from .model import HFReader, build_gpt, hf_config, layer_index, transformer_config
 
 
@@ -60,6 +61,7 @@ class MegatronTrainer:
         self.arch = Arch.from_hf(self.hf)
         self.pad_id = self.hf.pad_token_id or 0
         self.version = 0
+        self.skipped_steps = 0      # steps with no trainable token over the run (trainer.skipped_step)
         self.peers: list = []
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
@@ -101,6 +103,8 @@ class MegatronTrainer:
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.module = self._load_gpt()
         self.ref = self._load_gpt().eval().requires_grad_(False) if self.algo.kl_coef > 0 else None
+        # the last stage's models hand back hidden states; the loss applies their heads in chunks
+        self._heads = {id(g): h for g in (self.module, self.ref) if g is not None and (h := defer_head(g))}
         self.model = DistributedDataParallel(
             self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=m.use_distributed_optimizer),
@@ -223,7 +227,8 @@ class MegatronTrainer:
                        "scaler": o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None}
                       for o in self._inner_optimizers()]
             torch.save({"optimizer": shards, "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version}, self._state_file(path))
+                        "np_rng": self.rng.bit_generator.state, "version": self.version,
+                        "skipped_steps": self.skipped_steps}, self._state_file(path))
 
     def rank_load_state(self, path: str) -> int:
         with self._ctx(), torch.no_grad():      # fp32 main params may be views of the (grad-requiring) weights
@@ -238,6 +243,7 @@ class MegatronTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
         self.version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         return self.version
 
     def shutdown(self) -> None:
@@ -260,6 +266,12 @@ class MegatronTrainer:
         b = to_batch(table, self.pad_id)
         algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        if not mask.any():      # every rank holds the same table, so every rank skips it
+            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
+            if not (self.last and self.tp_rank == 0 and self.dp_rank == 0):
+                return None
+            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
+                                self.skipped_steps, t0)
         recomputed = None if algo.decoupled else self.logprobs(self.module, b)
         ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
         metrics, fields = {}, self._inputs(b)
@@ -296,7 +308,7 @@ class MegatronTrainer:
             metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
                         "train/grad_norm": float(np.mean(gnorms))}
         metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/seconds": time.time() - t0,
+                    "train/skipped_steps": self.skipped_steps, "train/seconds": time.time() - t0,
                     "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "train/lr": lr,
                     "version": self.version}
         return finite_metrics(metrics)
@@ -341,10 +353,19 @@ class MegatronTrainer:
             forward_step_func=forward_step, data_iterator=iter(items), model=[model], num_microbatches=len(items),
             seq_length=L, micro_batch_size=items[0]["ids"].shape[0], forward_only=forward_only)
 
-    def _token_lp(self, logits: torch.Tensor, item: dict, with_entropy: bool = False):
+    def _token_lp(self, out: torch.Tensor, item: dict, with_entropy: bool = False, model=None):
+        """Log-probs [m, T] (and entropy) of the response tokens. `out` is the model's output: its
+        last hidden states when its head was deferred (the head then runs on response positions
+        only, trainer.logprob_chunk at a time), else full logits [m, L, V/tp] (sequence parallel)."""
         pos = item["resp_pos"]
-        picked = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1]))   # [m, T, V/tp]
-        return token_logprobs(picked, item["resp_ids"], self.arch.vocab, self.temperature, with_entropy)
+        picked = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))   # [m, T, H] or [m, T, V/tp]
+        head = self._heads.get(id(model if model is not None else self.module))
+        if head is None:
+            return token_logprobs(picked, item["resp_ids"], self.arch.vocab, self.temperature, with_entropy)
+        m, T = pos.shape
+        lp, ent = chunked_token_logprobs(picked.reshape(m * T, -1), head, item["resp_ids"].reshape(-1),
+                                         self.arch.vocab, self.temperature, self.cfg.logprob_chunk, with_entropy)
+        return lp.view(m, T), None if ent is None else ent.view(m, T)
 
     def logprobs(self, model, b: Batch) -> torch.Tensor | None:
         """No-grad log-probs [B, T] of every row, on the last stage (None elsewhere): each
@@ -352,8 +373,8 @@ class MegatronTrainer:
         rows = list(range(b.input_ids.shape[0]))
         items = self._micro_batches(rows, self._inputs(b))
 
-        def keep_lp(item, logits):
-            lp, _ = self._token_lp(logits, item)
+        def keep_lp(item, out):
+            lp, _ = self._token_lp(out, item, model=model)
             return lp.sum() * 0, torch.tensor(0, dtype=torch.int, device=self.device), {"lp": lp.detach()}
 
         with torch.no_grad():

@@ -1,0 +1,113 @@
+"""Log-probs, entropy and top-k of chosen positions only: the LM head applied chunk by chunk.
+
+A causal LM's forward returns [B, L, V] logits. On a 151k-token vocabulary one 19k-token agent
+prompt makes that 11 GB in float32, yet training and scoring need the distribution only where
+a response token is predicted. So (as verl and slime do, and HF's `logits_to_keep` hints at):
+
+    hidden = the base model's last hidden states        [B, L, H]   (H is small next to V)
+    h      = hidden at the positions that predict a token [N, H]
+    per chunk of `chunk` positions: z = head(h) / temperature -> log_softmax -> gather / entropy / top-k
+
+With gradients, each chunk runs under activation checkpointing: its [chunk, V] logits are
+recomputed in the backward instead of kept, so at most one chunk's logits exist at a time and
+the gradient is the full computation's. The per-position arithmetic is the full path's
+(the same head, the same float32 upcast and division, the same log_softmax), so the numbers
+equal it to float32 round-off.
+
+Models whose logits are not `head(last hidden state)` (soft-capping, logit scales, custom
+heads) are detected once, by comparing both ways on a two-token input, and fall back to the
+full forward: correct, only not memory-bounded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class TokenStats:
+    logprobs: torch.Tensor                    # [N] log-prob of each target token
+    entropy: torch.Tensor | None = None       # [N] entropy of each position's distribution
+    gathered: torch.Tensor | None = None      # [N, K] log-probs of given ids (a teacher's top-k)
+    top_values: torch.Tensor | None = None    # [N, k] the k largest log-probs
+    top_indices: torch.Tensor | None = None   # [N, k] their token ids
+
+
+def _stats(h, head, targets, temperature, entropy, gather_ids, top_k):
+    """One chunk: every tensor [c, V] it builds is local, freed (or recomputed) after it."""
+    z = head(h).float() / temperature
+    logp = torch.log_softmax(z, -1)
+    lp = logp.gather(-1, targets[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1) if entropy else None
+    got = logp.gather(-1, gather_ids) if gather_ids is not None else None
+    top = logp.topk(min(top_k, logp.shape[-1]), -1) if top_k else None
+    return lp, ent, got, None if top is None else top.values, None if top is None else top.indices
+
+
+def token_stats(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 0,
+                entropy: bool = False, gather_ids: torch.Tensor | None = None, top_k: int = 0) -> TokenStats:
+    """hidden [N, H] (the states that predict `targets` [N]), head: H -> V. chunk: positions per
+    chunk (0 = all at once). Differentiable through `hidden` and the head's parameters."""
+    n = hidden.shape[0]
+    step = chunk if 0 < chunk < n else max(n, 1)
+    grad = torch.is_grad_enabled() and step < n      # one chunk: nothing to save by recomputing it
+    parts = []
+    for a in range(0, max(n, 1), step):
+        args = (hidden[a:a + step], head, targets[a:a + step], temperature, entropy,
+                None if gather_ids is None else gather_ids[a:a + step], top_k)
+        parts.append(checkpoint(_stats, *args, use_reentrant=False) if grad else _stats(*args))
+    cols = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
+            for i in range(5)]
+    return TokenStats(*cols)
+
+
+def split_model(model):
+    """(decoder, head) such that model(x).logits == head(decoder(x).last_hidden_state), or None
+    when this model's logits are made otherwise. A peft model is looked through to its HF model
+    (its adapter layers live inside decoder and head, so disable_adapter() still applies).
+    Checked once per model object, on a two-token input, in eval mode."""
+    cached = getattr(model, "_loongsage_split", None)
+    if cached is not None:
+        return cached or None
+    hf = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    decoder = getattr(hf, getattr(hf, "base_model_prefix", ""), None)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    found = (decoder, head) if decoder is not None and head is not None and _agrees(model, decoder, head) else ()
+    try:
+        object.__setattr__(model, "_loongsage_split", found)
+    except AttributeError:
+        pass
+    return found or None
+
+
+def _agrees(model, decoder, head) -> bool:
+    device = next(model.parameters()).device
+    ids = torch.tensor([[0, 1]], device=device)
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            full = model(input_ids=ids, use_cache=False).logits.float()
+            mine = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+    except Exception:  # noqa: BLE001 - any model that cannot run split: the full path serves it
+        return False
+    finally:
+        model.train(was)
+    return full.shape == mine.shape and torch.allclose(full, mine, rtol=1e-4, atol=1e-5)
+
+
+def position_stats(model, targets: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, temperature: float,
+                   chunk: int, entropy: bool = False, gather_ids: torch.Tensor | None = None, top_k: int = 0,
+                   **inputs) -> TokenStats:
+    """Stats of `targets` [N] predicted at (rows [N], positions [N]) of the sequences `inputs`
+    describe (input_ids, and position_ids / attention_mask as the model takes them)."""
+    split = split_model(model)
+    if split is None:       # logits made otherwise: the full forward, then the same per-position math
+        logits = model(use_cache=False, **inputs).logits
+        return token_stats(logits[rows, positions], torch.nn.Identity(), targets, temperature, chunk, entropy,
+                           gather_ids, top_k)
+    decoder, head = split
+    hidden = decoder(use_cache=False, **inputs).last_hidden_state
+    return token_stats(hidden[rows, positions], head, targets, temperature, chunk, entropy, gather_ids, top_k)
