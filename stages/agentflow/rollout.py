@@ -92,6 +92,8 @@ class RolloutConfig:
                                              one_of("continuous", "static"))
     engine_max_rows: int = key(256, "hf engine, continuous: rows decoding at once (more wait in its queue)",
                                     at_least(1))
+    kv_cache_mb: float = key(1024.0, "hf engine: its KV cache, the memory its running rows may hold (rows x the "
+                                     "widest row's context + budget); a request that cannot fit alone fails", POSITIVE)
     num_workers: int = key(1, "rollout worker actors (asyncio inside each)", POSITIVE)
     groups_per_batch: int = key(0, "groups per worker call; 0 = one step's groups", NONNEG)
     stale_steps: float = key(0.0, "how many steps a group may lag the trainer's weights (0 = synchronous on-policy)",
@@ -137,6 +139,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.engine_batching must be continuous or static, got {self.engine_batching!r}")
         if self.engine_max_rows < 1:
             raise ValueError(f"rollout.engine_max_rows must be >= 1, got {self.engine_max_rows}")
+        if not self.kv_cache_mb > 0:
+            raise ValueError(f"rollout.kv_cache_mb must be > 0, got {self.kv_cache_mb}")
         if self.partial not in ("interrupt", "wait"):
             raise ValueError(f"rollout.partial must be interrupt or wait, got {self.partial!r}")
         if self.temperature < 0:
