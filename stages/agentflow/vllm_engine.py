@@ -401,8 +401,9 @@ class VLLMEngine:
     # ---- the step thread -----------------------------------------------------------
     def _loop(self) -> None:
         # OpenMP's thread count is per native thread: vLLM's CPU attention sizes its plan in this thread and
-        # fails ("thread_num == thread_num") if it differs from the count its kernels run with
-        torch.set_num_threads(self.threads)
+        # fails ("thread_num == thread_num") if it differs from the count its kernels run with. torch's own
+        # setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started
+        torch._C.set_num_threads(self.threads)
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._closed or self._pending or self._rows, timeout=IDLE_WAIT_S)
