@@ -197,11 +197,13 @@ class VLLMEngine:
         return engine
 
     def _warm_up(self, engine) -> None:
-        """One token through the engine at start: its first step builds kernels and buffers (seconds
-        on CPU), which the first rollout would wait for otherwise."""
+        """A small batch through the engine at start: its first steps build kernels and buffers for new
+        shapes (seconds on CPU), which the first rollout would wait for otherwise."""
         from vllm import SamplingParams
 
-        engine.add_request("warm-up", {"prompt_token_ids": [self.eos_id]}, SamplingParams(max_tokens=1))
+        for i in range(16):
+            engine.add_request(f"warm-up-{i}", {"prompt_token_ids": [self.eos_id] * (1 + i % 4)},
+                               SamplingParams(max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
 
