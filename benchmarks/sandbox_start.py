@@ -65,6 +65,7 @@ async def trajectory(run_call, calls: int, model_s: float) -> float:
 async def step_after(pool, calls: list[int], model_s: float) -> list[float]:
     async def one(n):
         async with pool.session() as s:
+            s.prestart()        # as the sandbox agent does: the start overlaps the first model turn
             return await trajectory(lambda c: _text(s.run(c)), n, model_s)
     return await asyncio.gather(*(one(n) for n in calls))
 

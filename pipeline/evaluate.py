@@ -31,7 +31,9 @@ def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: f
     for i, out in enumerate(outs):
         results[i::len(engines)] = out
     expanded = [r for r in rows for _ in range(n_samples)]
-    table = table_from_columns({
+    table = table_from_columns({   # group and sample: a user reward fn's row["seed"] differs per sample
+        "group_id": [i // n_samples for i in range(len(expanded))],
+        "sample_idx": [i % n_samples for i in range(len(expanded))],
         "prompt": [r["prompt"] for r in expanded], "answer": [r["answer"] for r in expanded],
         "data_source": [r["data_source"] for r in expanded],
         "response_ids": [o["response_ids"] for o in results], "status": [o["status"] for o in results],

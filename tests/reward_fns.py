@@ -27,3 +27,8 @@ def crash_on_13(prompt, response, answer, row):
     if response == "13":
         os._exit(7)     # the worker process dies mid-row
     return 0.5
+
+
+def seed_echo(prompt, response, answer, row):
+    """Reports the seed a reward fn is handed (tests/test_seeds.py)."""
+    return {"reward": 0.0, "seed": row["seed"]}

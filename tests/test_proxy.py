@@ -301,7 +301,7 @@ def test_malformed_requests_get_400_with_a_message(ep, body, fragment):
 @pytest.mark.parametrize("extra, note", [
     ({"frequency_penalty": 0.5}, "'frequency_penalty'=0.5 accepted but not honoured"),
     ({"top_logprobs": 3}, "'top_logprobs'=3 accepted but not honoured"),
-    ({"tool_choice": "required"}, "'tool_choice'='required' served as auto"),
+    ({"tool_choice": "required"}, "'tool_choice'='required' names no tool of the request: served as auto"),
     ({"stop": ["a", "b", "c", "d", "e"]}, None),
     ({"max_tokens": 10 ** 6}, None),
     ({"reasoning_effort": "high", "x_vendor_knob": {"a": 1}}, "ignored unknown field 'x_vendor_knob'"),

@@ -143,6 +143,21 @@ def test_captured_requests_replay_with_200(name, qwen_server):
         proxy.close(ep)
 
 
+def test_a_forced_tool_choice_on_chat_makes_the_model_call_it(qwen_server):
+    loop, proxy, eng = qwen_server
+    client = RecordingClient(eng)
+    ep = loop.run(proxy.open(client, dict(GREEDY, max_new_tokens=12), max_turns=8))
+    try:
+        tools = [{"type": "function", "function": {"name": "add", "parameters": ADD_TOOL_OAI["parameters"]}}]
+        r = oai(ep).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                            tool_choice={"type": "function", "function": {"name": "add"}})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and call.function.arguments == "{}"
+        assert r.choices[0].finish_reason == "tool_calls" and ep.session.notes == []
+    finally:
+        proxy.close(ep)
+
+
 # ---- fields the real programs send, with the official clients ------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -229,6 +229,26 @@ def test_a_session_ends_its_worker_and_the_next_session_gets_another():
     assert gone and first != second
 
 
+def test_a_prestarted_session_serves_and_one_closed_at_once_leaves_nothing():
+    before = sandbox_processes()
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(**FAST))
+        try:
+            early = pool.session()
+            early.prestart()
+            await early.close()                 # closed while its sandbox may still be starting
+            async with pool.session() as s:
+                s.prestart()
+                return (await s.run("6*7")).output
+        finally:
+            await pool.close()
+
+    assert run(go()) == "42\n"
+    time.sleep(0.2)
+    assert sandbox_processes() == before
+
+
 @pytest.mark.skipif(not ISO.network, reason=f"no network namespace here: {ISO.describe()}")
 def test_no_network():
     async def go():

@@ -9,6 +9,7 @@ from pipeline import seeds
 from pipeline.config import ConfigError, dump_config, load_config
 from pipeline.metrics import read_metrics
 from stages.prompts import PromptSource
+from stages.schema import table_from_columns
 
 
 def test_streams_are_deterministic_distinct_and_in_range():
@@ -50,6 +51,24 @@ def test_prompt_order_follows_the_seed():
 
     assert order(0) == order(0) and order(0) != order(1)
     assert sorted(order(1)[:50]) == sorted(r["prompt"] for r in rows)     # an epoch is a permutation
+
+
+def test_a_reward_fn_gets_a_seed_per_sample_from_the_run_seed(tiny_model_dir):
+    from stages.reward import Reward
+
+    def seeds_seen(run_seed):
+        cfg = load_config("configs/quickstart.yaml", [f"run.seed={run_seed}", "reward.fn=tests.reward_fns:seed_echo",
+                                                      "reward.workers=1"])
+        reward = Reward(cfg.reward, tiny_model_dir)
+        try:
+            batch = table_from_columns({"group_id": [0, 0, 1, 1], "sample_idx": [0, 1, 0, 1], "prompt": ["1+1="] * 4,
+                                        "answer": ["2"] * 4, "response_ids": [[1]] * 4, "status": ["completed"] * 4})
+            return [json.loads(i)["seed"] for i in reward(batch).column("reward_info").to_pylist()]
+        finally:
+            reward.close()
+
+    zero = seeds_seen(0)
+    assert len(set(zero)) == 4 and seeds_seen(0) == zero and not set(seeds_seen(1)) & set(zero)
 
 
 # The quickstart recipe on 4 of its prompts, one epoch a step: tiny steps, the same prompts under both seeds

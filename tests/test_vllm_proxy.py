@@ -16,7 +16,7 @@ import ray  # noqa: E402
 
 import tests.test_proxy_protocols as protocols  # noqa: E402
 from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
-from tests.test_proxy_protocols import HELLO, R_HI, assert_recorded_exactly, engine_call, oai  # noqa: E402
+from tests.test_proxy_protocols import END, HELLO, MORE, R_HI, assert_recorded_exactly, engine_call, oai  # noqa: E402
 
 # the proxy tests' fixtures, and some of their tests, collected here: they take this module's `engine`
 model_dir, tok, server, ep = protocols.model_dir, protocols.tok, protocols.server, protocols.ep
@@ -34,6 +34,7 @@ def engine(ray_session, model_dir):
     e = ray.remote(VLLMEngine).options(num_cpus=0.1, max_concurrency=16).remote(
         model_dir, "float32", 0, 1, "engine0", VLLMConfig(kv_cache_mb=64))
     assert ray.get(e.info.remote())["engine"] == "vllm"
+    ray.get(e.generate.remote([{"prompt_ids": [5, 6, 7], "max_new_tokens": 8}] * 4))   # first calls build kernels
     yield e
     ray.kill(e)
 
@@ -43,7 +44,7 @@ def test_chat_completions_record_the_engines_tokens(ep, tok):
                                         logprobs=True)
     _, resp, out = engine_call(ep)
     assert_recorded_exactly(ep)
-    assert tok.decode(resp[:2]) == R_HI + HELLO and r.choices[0].message.content.endswith(HELLO + "END")
+    assert tok.decode(resp[:2]) == R_HI + HELLO and r.choices[0].message.content.endswith(HELLO + END + MORE)
     assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx(out["logprobs"])
 
 

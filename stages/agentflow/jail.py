@@ -155,8 +155,21 @@ def _base_root() -> list[str]:
             args += ["--ro-bind", f, f]
     prefix = os.path.dirname(os.path.dirname(_python()))      # .../bin/python3.x -> its prefix
     if not prefix.startswith("/usr"):
-        args += ["--ro-bind", prefix, prefix]
+        args += _bind_prefix(prefix)
     return args + ["--proc", "/proc", "--dev", "/dev"]
+
+
+def _bind_prefix(prefix: str) -> list[str]:
+    """`prefix` read-only at its path, its parents made traversable (a home such as /root is 0700 on the host:
+    the worker, once it has its own uid, could otherwise import nothing it had not imported before)."""
+    parents, p = [], os.path.dirname(prefix)
+    while p not in ("/", ""):
+        parents.append(p)
+        p = os.path.dirname(p)
+    args = []
+    for d in reversed(parents):
+        args += ["--perms", "0755", "--dir", d]
+    return args + ["--ro-bind", prefix, prefix]
 
 
 def code_argv(worker: str, python: str, tmp_bytes: int, seccomp: int | None, keep_setuid: bool) -> list[str]:
@@ -165,7 +178,7 @@ def code_argv(worker: str, python: str, tmp_bytes: int, seccomp: int | None, kee
     real = os.path.realpath(python)
     prefix = os.path.dirname(os.path.dirname(real))
     if prefix != os.path.dirname(os.path.dirname(_python())) and not prefix.startswith("/usr"):
-        args += ["--ro-bind", prefix, prefix]
+        args += _bind_prefix(prefix)
     args += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
              "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm",
              "--ro-bind", worker, "/sandbox/worker.py",

@@ -4,11 +4,12 @@ Honoured: `messages` (text content parts; `reasoning_content` on an assistant tu
 parsers and litellm send it back), `n`, `temperature`, `top_p`, `seed`, `max_tokens` /
 `max_completion_tokens` (clamped, never refused: stages/agentflow/limits.py), `stop`, `logprobs`
 (the sampled token's log-probability: chat `logprobs: true`, completions `logprobs: 0`), `tools`
-with `tool_choice` auto | none, streaming (SSE, `stream_options.include_usage`), completions
-prompts as text or token ids.
+with `tool_choice` auto | none | required | {"type": "function", "function": {"name"}} (a forced
+call ends the prompt with the template's tool-call opening), streaming (SSE,
+`stream_options.include_usage`), completions prompts as text or token ids.
 
 Accepted and recorded as a note, not honoured: any field this proxy does not know, penalties,
-`logit_bias`, `top_logprobs`, a forced `tool_choice` (served as auto), `response_format` other
+`logit_bias`, `top_logprobs`, `response_format` other
 than text, non-text content parts (dropped from the prompt), `echo`, `suffix`. A malformed value
 of a known field is a 400 naming it.
 
@@ -81,9 +82,6 @@ def parse_chat(body: dict, defaults: dict) -> Request:
     if not isinstance(logprobs, (bool, type(None))):
         raise bad("'logprobs' must be a boolean", "logprobs")
     _not_honoured(body, "top_logprobs", (0, None), notes)
-    choice = body.get("tool_choice")
-    if choice not in ("auto", "none", None):
-        notes.append(f"'tool_choice'={choice!r} served as auto (a forced call is not honoured on chat)")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         notes.append("'response_format' other than text accepted; the output is not constrained")
@@ -96,9 +94,27 @@ def parse_chat(body: dict, defaults: dict) -> Request:
                 and isinstance(t["function"].get("name"), str) for t in tools):
             raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools")
         tools = tools or None
-    if choice == "none":
+    forced = _forced(body.get("tool_choice"), tools, notes)
+    if body.get("tool_choice") == "none":
         tools = None
-    return Request(**common, logprobs=bool(logprobs), messages=messages, tools=tools)
+    return Request(**common, logprobs=bool(logprobs), messages=messages, tools=tools, forced=forced)
+
+
+def _forced(choice, tools: list[dict] | None, notes: list[str]) -> str | None:
+    """A forced tool choice as the prompt's ending: "" (required: any tool), a tool's name, or None (auto)."""
+    if choice in ("auto", "none", None):
+        return None
+    names = [t["function"]["name"] for t in tools or []]
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if choice == "required" and names:
+        return ""
+    if name in names:
+        return name
+    if choice != "required" and not isinstance(name, str):
+        raise bad("'tool_choice' must be auto, none, required or {\"type\": \"function\", \"function\": "
+                  "{\"name\": ...}}", "tool_choice")
+    notes.append(f"'tool_choice'={choice!r} names no tool of the request: served as auto")
+    return None
 
 
 def parse_completion(body: dict, defaults: dict) -> Request:

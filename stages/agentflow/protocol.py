@@ -49,6 +49,7 @@ class Request:
     tools: list[dict] | None = None                      # chat; None = do not parse tool calls
     prompt: str | list[int] = ""                         # completions
     notes: list[str] = field(default_factory=list)       # accepted, not honoured: recorded with the trajectory
+    forced: str | None = None                            # chat: "" (any tool) or a tool: the prompt ends in a call
 
 
 def bad(message: str, param: str | None = None) -> APIError:

@@ -62,7 +62,7 @@ import logging
 import math
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
@@ -243,10 +243,11 @@ class Proxy:
         session: Session = request[SESSION]
         req = parse_chat(await self._json(request), self._defaults(session))
         req.messages = session.restore(req.messages)
-        base = await self._prompt(request, req, text=self._render(req.messages, req.tools, "messages"),
+        prefill = self._prefill(req.forced, "tool_choice")
+        base = await self._prompt(request, req, text=self._render(req.messages, req.tools, "messages") + prefill,
                                   param="messages")
         choices = await self._complete(session, base, req)
-        msgs = [assistant_message(req, c, self._separator()) for c in choices]
+        msgs = [assistant_message(req, replace(c, text=prefill + c.text), self._separator()) for c in choices]
         for msg, _ in msgs:
             session.remember(msg["content"], msg.get("tool_calls", []))
         if not session.closed:

@@ -232,6 +232,17 @@ class SandboxSession:
         self.worker: _Worker | None = None
         self._lock = asyncio.Lock()
         self._closed = False
+        self._early: asyncio.Task | None = None
+
+    def prestart(self) -> None:
+        """Start this trajectory's sandbox now, in the background: its start overlaps the model's first turn."""
+        if self._early is None and self.worker is None:
+            self._early = asyncio.get_running_loop().create_task(self._acquire())
+
+    async def _acquire(self) -> None:
+        async with self._lock:
+            if self.worker is None and not self._closed:
+                self.worker = await self.pool._take()
 
     async def run(self, code: str) -> SandboxResult:
         if not isinstance(code, str):
@@ -248,6 +259,11 @@ class SandboxSession:
 
     async def close(self) -> None:
         self._closed = True
+        if self._early is not None:
+            try:
+                await self._early
+            except Exception:  # noqa: BLE001 - a start that failed has nothing to release; run() said why
+                pass
         w, self.worker = self.worker, None
         if w is not None:
             await self.pool._release(w)

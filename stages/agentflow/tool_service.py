@@ -384,6 +384,9 @@ class RemoteSandboxSession:
     def __init__(self, client: ToolServiceClient, sid: str):
         self.client, self.id, self.used = client, sid, False
 
+    def prestart(self) -> None:
+        """The service starts a session's sandbox at its first /run."""
+
     def tool(self, name: str = "python") -> Tool:
         self.used = True
         return self.client.sandbox_tool(name, session=self.id)

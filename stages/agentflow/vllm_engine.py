@@ -197,11 +197,13 @@ class VLLMEngine:
         return engine
 
     def _warm_up(self, engine) -> None:
-        """One token through the engine at start: its first step builds kernels and buffers (seconds
-        on CPU), which the first rollout would wait for otherwise."""
+        """A small batch through the engine at start: its first steps build kernels and buffers for new
+        shapes (seconds on CPU), which the first rollout would wait for otherwise."""
         from vllm import SamplingParams
 
-        engine.add_request("warm-up", {"prompt_token_ids": [self.eos_id]}, SamplingParams(max_tokens=1))
+        for i in range(16):
+            engine.add_request(f"warm-up-{i}", {"prompt_token_ids": [self.eos_id] * (1 + i % 4)},
+                               SamplingParams(max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -400,6 +402,10 @@ class VLLMEngine:
 
     # ---- the step thread -----------------------------------------------------------
     def _loop(self) -> None:
+        # OpenMP's thread count is per native thread: vLLM's CPU attention sizes its plan in this thread and
+        # fails ("thread_num == thread_num") if it differs from the count its kernels run with. torch's own
+        # setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started
+        torch._C.set_num_threads(self.threads)
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._closed or self._pending or self._rows, timeout=IDLE_WAIT_S)

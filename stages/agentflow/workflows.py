@@ -78,6 +78,7 @@ class SandboxAgent:
         if self.sandbox_cfg.remote:
             await self.start_remote()
         session = self.attach(ctx)
+        session.prestart()      # the sandbox starts while the model writes its first snippet
         try:
             env = RetryEnv(sample, max_attempts=self.attempts, decay=0.5)
             while True:
