@@ -296,7 +296,8 @@ class SandboxPool:
             _warn_once(self.isolation)
         self._spares: list[_Worker] = []
         self._all: dict[int, _Worker] = {}
-        self._spawning: set[asyncio.Task] = set()
+        self._spawning: set[asyncio.Task] = set()     # background work: spares starting, workers being killed
+        self._refills = 0                               # spares starting
         self._slots: asyncio.Semaphore | None = None
         self._seq = 0
         self._root = tempfile.mkdtemp(prefix="loongsage-sandbox-")
@@ -406,6 +407,8 @@ class SandboxPool:
         except RuntimeError as e:
             log.warning("sandbox spare did not start: %s", e)
             return
+        finally:
+            self._refills -= 1
         if self._closed:
             await self._kill(w)
         else:
@@ -419,14 +422,35 @@ class SandboxPool:
             self._slots = asyncio.Semaphore(self.cfg.max_sandboxes)
         await self._slots.acquire()
         try:
-            w = self._spares.pop() if self._spares else await self._spawn()
+            w = self._spares.pop() if self._spares else await self._spawn_shielded()
         except BaseException:
             self._slots.release()
             raise
-        starting = sum(1 for t in self._spawning if not t.done())
-        for _ in range(self.cfg.workers - len(self._spares) - starting):
+        for _ in range(self.cfg.workers - len(self._spares) - self._refills):
+            self._refills += 1
             self._background(self._refill())
         return w
+
+    async def _spawn_shielded(self) -> _Worker:
+        """_spawn in a task of its own: a caller cancelled meanwhile (a tool timeout) gets its CancelledError
+        at once -- Python < 3.12's wait_for can swallow a cancel that lands as the worker says "ready" -- and
+        the worker it was starting, untouched by any code, becomes a spare."""
+        t = asyncio.get_running_loop().create_task(self._spawn())
+        self._spawning.add(t)
+        t.add_done_callback(self._spawning.discard)
+        try:
+            return await asyncio.shield(t)
+        except asyncio.CancelledError:
+            t.add_done_callback(self._adopt)
+            raise
+
+    def _adopt(self, t: asyncio.Task) -> None:
+        if t.cancelled() or t.exception() is not None:
+            return
+        if self._closed:
+            self._background(self._kill(t.result()))
+        else:
+            self._spares.append(t.result())
 
     async def _release(self, w: _Worker) -> None:
         """A session is done with `w`: kill it (nothing of it serves anyone else)."""
