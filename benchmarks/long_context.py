@@ -101,7 +101,7 @@ class TreeWatch:
         self.root, self.every = psutil.Process(pid), every
         self.rss = self.pss = 0
         self.largest: tuple[int, str] = (0, "")
-        self.each: dict[tuple[int, str], tuple[int, int]] = {}     # (pid, name) -> peak (rss, pss)
+        self.each: dict[int, tuple[int, int, str]] = {}     # pid -> peak rss, peak pss, its title then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -121,8 +121,8 @@ class TreeWatch:
                     continue
                 rss, pss = rss + m.rss, pss + m.pss
                 self.largest = max(self.largest, (m.rss, name))
-                was = self.each.get((p.pid, name), (0, 0))
-                self.each[(p.pid, name)] = (max(was[0], m.rss), max(was[1], m.pss))
+                was = self.each.get(p.pid, (0, 0, name))
+                self.each[p.pid] = (max(was[0], m.rss), max(was[1], m.pss), name if m.rss >= was[0] else was[2])
             self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
             self._stop.wait(self.every)
 
@@ -184,7 +184,7 @@ def cell(args, model: Path, tok, n_tokens: int, n_traj: int, work: Path) -> dict
     rc, out, w, killed = watched([sys.executable, "-m", "pipeline.cli", "run", str(d / "recipe.yaml"),
                                   "--run-dir", str(run_dir)], env, args.tree, limit, args.timeout)
     res |= {"killed": killed, "rss": w.rss, "pss": w.pss, "largest": w.largest,
-            "each": sorted(((r, q, name) for (_, name), (r, q) in w.each.items()), reverse=True)}
+            "each": sorted(w.each.values(), reverse=True)}
     if rc == 0:
         res["update_tok_s"] = update_rate(run_dir)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
