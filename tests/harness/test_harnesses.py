@@ -25,7 +25,7 @@ RUN_TIMEOUT_S = 300
 # Passed end to end on the 2-core development machine. The others run too, as expected failures until
 # they have: the CLIs' long prompts need the 32k-context model and the proxy's protocol fixes (Codex's
 # client_metadata, Claude Code's context_management/output_config), and warming them took ~10 s a step there.
-VERIFIED = {"openai-agents"}
+VERIFIED = {"openai-agents", "mini-swe-agent"}
 
 
 @pytest.fixture(scope="module")
