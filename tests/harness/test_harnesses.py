@@ -25,6 +25,8 @@ RUN_TIMEOUT_S = 300
 # Passed end to end on the 2-core development machine. The others run too, as expected failures until
 # they have: the CLIs' long prompts need the 32k-context model and the proxy's protocol fixes (Codex's
 # client_metadata, Claude Code's context_management/output_config), and warming them took ~10 s a step there.
+# pi runs its tool loop with exit 0, no error status and exact tokens, but sends the call's arguments back
+# re-serialised ({"command":"..."}), so its answer starts a new segment until the proxy keeps them as written.
 VERIFIED = {"openai-agents", "mini-swe-agent"}
 
 
