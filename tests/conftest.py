@@ -13,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer than the default run allows (run with -m slow)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "harness: the real harness programs against the proxy (run with -m harness "
+                                       "after tests/harness/install.sh)")
 
 
 _SHARED_RAY: dict[str, str] = {}      # the node id of the Ray that ray_session started

@@ -1,0 +1,148 @@
+"""How the harness tier starts each real program against the proxy: command, environment, config files.
+
+Every program runs with HOME (and XDG dirs) in a fresh temp directory holding only the config we
+write, with its telemetry, update checks and other network calls off through its own switches, and
+its model endpoint set to the served proxy on loopback. docs/harnesses-running.md says the same for
+users.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / ".cache" / "harness" / "node_modules" / ".bin"
+OUTPUT = "loongsage-ok"
+TASK = f"Run the shell command `echo {OUTPUT}` and tell me what it printed."
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+@dataclass
+class Harness:
+    name: str
+    argv: Callable[[str, str, Path], list[str]]           # (base_url, key, home) -> command line
+    env: Callable[[str, str, Path], dict] = lambda b, k, h: {}
+    files: Callable[[str, str, Path], dict] = lambda b, k, h: {}   # path under home -> text
+    tool: str = "bash"                                     # the tool the model calls, and its arguments
+    args: Callable[[str], dict] = lambda cmd: {"command": cmd}
+    final_call: str = ""                                   # the final turn is this command's call (mini)
+    answer: str = f"The command printed {OUTPUT}."
+    side_calls: bool = False                               # makes calls besides its main loop (titles, quota)
+    extra: dict = field(default_factory=dict)
+
+
+def base_env(home: Path) -> dict:
+    """What every harness process gets: a private HOME, no proxies, no inherited API credentials."""
+    keep = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TERM", "SYSTEMROOT", "TMPDIR")}
+    return keep | {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                   "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache"),
+                   "XDG_STATE_HOME": str(home / ".local/state"), "NO_PROXY": "127.0.0.1,localhost", "CI": "1",
+                   "PYTHONPATH": str(ROOT)}
+
+
+MINI = Harness(
+    "mini-swe-agent",
+    argv=lambda b, k, h: [sys.executable, "-m", "minisweagent.run.mini", "-y", "--exit-immediately", "-t", TASK,
+                          "-m", "openai/loongsage", "-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={b}",
+                          "-c", "agent.step_limit=4", "-o", str(h / "traj.json")],
+    env=lambda b, k, h: {"OPENAI_API_KEY": k, "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1",
+                         "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                         "LITELLM_TELEMETRY": "False"},
+    final_call=SUBMIT,
+)
+
+AGENTS_SDK = Harness(
+    "openai-agents",
+    argv=lambda b, k, h: [sys.executable, str(Path(__file__).with_name("agents_sdk_agent.py")), TASK],
+    env=lambda b, k, h: {"OPENAI_BASE_URL": b, "OPENAI_API_KEY": k, "OPENAI_AGENTS_DISABLE_TRACING": "1"},
+    tool="run_shell",
+)
+
+# the completion budget each CLI asks for, set through its own model settings (the proxy clamps a larger one)
+MAX_OUT = 96
+
+
+def _pi_models(b: str, k: str, h: Path) -> dict:
+    provider = {"baseUrl": b, "api": "openai-completions", "apiKey": k,
+                "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
+                "models": [{"id": "loongsage", "contextWindow": 32768, "maxTokens": MAX_OUT}]}
+    return {".pi/agent/models.json": json.dumps({"providers": {"loongsage": provider}})}
+
+
+PI = Harness(
+    "pi",
+    argv=lambda b, k, h: [str(BIN / "pi"), "-p", "--provider", "loongsage", "--model", "loongsage", "--no-session",
+                          "--offline", "--no-extensions", "--no-skills", "--no-context-files", TASK],
+    env=lambda b, k, h: {"PI_OFFLINE": "1", "PI_TELEMETRY": "0", "PI_SKIP_VERSION_CHECK": "1"},
+    files=_pi_models, side_calls=True,
+)
+
+
+def _opencode_config(npm: str) -> Callable[[str, str, Path], dict]:
+    def files(b: str, k: str, h: Path) -> dict:
+        cfg = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+               "model": "loongsage/loongsage", "small_model": "loongsage/loongsage",
+               "provider": {"loongsage": {"npm": npm, "name": "LoongSage", "options": {"baseURL": b, "apiKey": k},
+                                          "models": {"loongsage": {"limit": {"context": 32768, "output": MAX_OUT}}}}}}
+        return {".config/opencode/opencode.json": json.dumps(cfg)}
+    return files
+
+
+OPENCODE_ENV = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+                "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1",
+                "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1", "OPENCODE_PERMISSION": json.dumps({"bash": "allow"})}
+OPENCODE_ARGV = lambda b, k, h: [str(BIN / "opencode"), "run", TASK]  # noqa: E731
+OPENCODE_CHAT = Harness("opencode-chat", argv=OPENCODE_ARGV, env=lambda b, k, h: OPENCODE_ENV,
+                        files=_opencode_config("@ai-sdk/openai-compatible"), side_calls=True,
+                        args=lambda cmd: {"command": cmd, "description": "Print the word"})
+OPENCODE_RESPONSES = Harness("opencode-responses", argv=OPENCODE_ARGV, env=lambda b, k, h: OPENCODE_ENV,
+                             files=_opencode_config("@ai-sdk/openai"), side_calls=True,
+                             args=lambda cmd: {"command": cmd, "description": "Print the word"})
+
+
+def _codex_config(b: str, k: str, h: Path) -> dict:
+    toml = f"""model = "loongsage"
+model_provider = "loongsage"
+model_max_output_tokens = {MAX_OUT}
+model_context_window = 32768
+check_for_update_on_startup = false
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+
+[analytics]
+enabled = false
+
+[model_providers.loongsage]
+name = "LoongSage"
+base_url = "{b}"
+env_key = "LOONGSAGE_API_KEY"
+wire_api = "responses"
+"""
+    return {".codex/config.toml": toml}
+
+
+CODEX = Harness(
+    "codex",
+    argv=lambda b, k, h: [str(BIN / "codex"), "exec", "--skip-git-repo-check", TASK],
+    env=lambda b, k, h: {"LOONGSAGE_API_KEY": k, "CODEX_HOME": str(h / ".codex")},
+    files=_codex_config, tool="shell", args=lambda cmd: {"command": ["bash", "-lc", cmd]},
+)
+
+
+CLAUDE = Harness(
+    "claude-code",
+    argv=lambda b, k, h: [str(BIN / "claude"), "-p", TASK, "--model", "loongsage", "--allowedTools", "Bash"],
+    env=lambda b, k, h: {"ANTHROPIC_BASE_URL": b[: -len("/v1")], "ANTHROPIC_API_KEY": k,
+                         "ANTHROPIC_SMALL_FAST_MODEL": "loongsage", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUT),
+                         "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
+                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_BUG_COMMAND": "1"},
+    files=lambda b, k, h: {".claude.json": json.dumps({"hasCompletedOnboarding": True})},
+    tool="Bash", args=lambda cmd: {"command": cmd, "description": "Print the word"}, side_calls=True,
+)
+
+ALL = {h.name: h for h in (MINI, AGENTS_SDK, PI, OPENCODE_CHAT, OPENCODE_RESPONSES, CODEX, CLAUDE)}

@@ -1,0 +1,153 @@
+"""The real harness programs against `loongsage serve`'s proxy (marker `harness`; `.ci/run` runs it).
+
+Per harness: capture its first prompt, warm the tiny model to answer it with one tool call in the
+harness's own tool and the tool's result with a final answer (tests/harness/warm.py), run the
+program for real, then check: exit 0, no 4xx/5xx on any request, every model token the recording
+holds is the engine's own, and the tool call and the answer are one segment (the history the
+harness sent back extended the recorded tokens).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.harness import harnesses as H
+from tests.harness.warm import call_json, examples, teach, turn_texts
+
+pytestmark = pytest.mark.harness
+RUN_TIMEOUT_S = 300
+# Passed end to end on the 2-core development machine. The others run too, as expected failures until
+# they have: the CLIs' long prompts need the 32k-context model and the proxy's protocol fixes (Codex's
+# client_metadata, Claude Code's context_management/output_config), and warming them took ~10 s a step there.
+# pi runs its tool loop with exit 0, no error status and exact tokens, but sends the call's arguments back
+# re-serialised ({"command":"..."}), so its answer starts a new segment until the proxy keeps them as written.
+VERIFIED = {"openai-agents", "mini-swe-agent"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import ray
+
+    from pipeline.serve import Server, serve_config
+
+    # greedy whatever the harness asks (proxy_force_sampling): the warmed answers are argmax answers
+    cfg = serve_config(os.environ.get("LOONGSAGE_HARNESS_MODEL", "builtin:qwen-vocab-tiny"),
+                       ["rollout.max_new_tokens=96", "rollout.temperature=0", "rollout.proxy_force_sampling=true",
+                        "rollout.engine_threads=1"], None, None)
+    srv = Server(cfg, tmp_path_factory.mktemp("serve"), keep_engine_calls=True).start()
+    srv.version = 0
+    yield srv
+    srv.stop()
+    ray.shutdown()
+
+
+def _launch(h: H.Harness, srv, home: Path) -> subprocess.Popen:
+    home.mkdir(parents=True, exist_ok=True)
+    for rel, text in h.files(srv.base_url, srv.key, home).items():
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text(text)
+    work = home / "work"
+    work.mkdir(exist_ok=True)
+    env = H.base_env(home) | h.env(srv.base_url, srv.key, home)
+    return subprocess.Popen(h.argv(srv.base_url, srv.key, home), cwd=work, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> str:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.communicate()[0] or ""
+
+
+def _capture(h: H.Harness, srv, home: Path) -> list[int]:
+    """The harness's main prompt: its longest one within its first calls (side calls are shorter)."""
+    first = len(srv.engine.calls)
+    proc = _launch(h, srv, home)
+    deadline = time.time() + RUN_TIMEOUT_S
+    while len(srv.engine.calls) == first and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(3 if h.side_calls else 0.5)      # the main call may follow a side call
+    out = _kill(proc)
+    srv.rotate(record=False)
+    calls = srv.engine.calls[first:]
+    assert calls, f"{h.name} made no model call:\n{out[-3000:]}"
+    return max((c["prompt_ids"] for c in calls), key=len)
+
+
+def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
+    import ray
+
+    call = call_json(h.tool, h.args(f"echo {H.OUTPUT}"))
+    answer = h.answer
+    if h.final_call:
+        answer = turn_texts(srv.tok, call_json(h.tool, h.args(h.final_call)), "")[0]
+    state = teach(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT))
+    srv.version += 1
+    ray.get([e.load_weights.remote(state, srv.version) for e in srv.engines])
+
+
+def _model_runs(row: dict) -> list[tuple[int, int]]:
+    """(start, end) of each run of model tokens (loss_mask 1) in the row's full id list."""
+    mask, p, runs, i = row["loss_mask"], len(row["prompt_ids"]), [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            runs.append((p + i, p + j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _check_tokens(rows: list[dict], calls: list[dict]) -> None:
+    """Every recorded model turn is an engine call's output on exactly the recorded context."""
+    by_prompt = {}
+    for c in calls:
+        by_prompt.setdefault(tuple(c["prompt_ids"]), []).append(c["response_ids"])
+    for r in rows:
+        full = r["prompt_ids"] + r["response_ids"]
+        for s, e in _model_runs(r):
+            outs = by_prompt.get(tuple(full[:s]), [])
+            assert any(o[: e - s] == full[s:e] for o in outs), f"segment {r['segment']}: tokens [{s}:{e}] are not " \
+                                                                f"what the engine returned for that context"
+
+
+@pytest.mark.parametrize("name", [n if n in VERIFIED else pytest.param(n, marks=pytest.mark.xfail(
+    reason="not yet passed end to end on the development machine", strict=False)) for n in H.ALL])
+def test_harness_tool_loop(server, tmp_path, name):
+    h = H.ALL[name]
+    _warm(h, server, _capture(h, server, tmp_path / "capture"))
+    first_req, first_call = len(server.requests), len(server.engine.calls)
+    proc = _launch(h, server, tmp_path / "run")
+    try:
+        out = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        out = _kill(proc)
+    step = server.rotate()
+    reqs = server.requests[first_req:]
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{out[-4000:]}"
+    bad = [r for r in reqs if r["status"] >= 400]
+    assert not bad, f"{name}: error statuses {bad}\n{out[-3000:]}"
+    assert step is not None
+    rows = pq.read_table(step).to_pylist()
+    _check_tokens(rows, server.engine.calls[first_call:])
+    tok = server.tok
+    cmd = f"echo {H.OUTPUT}"
+    main = [r for r in rows if cmd in tok.decode(r["response_ids"])]
+    assert len(main) == 1, f"{name}: the tool call is in {len(main)} segments: {[r['segment'] for r in rows]}"
+    row = main[0]
+    turns = [tok.decode((row["prompt_ids"] + row["response_ids"])[s:e]) for s, e in _model_runs(row)]
+    assert len(turns) >= 2 and cmd in turns[0], f"{name}: model turns {turns}"
+    end = h.final_call or h.answer
+    assert end in turns[-1], f"{name}: the last turn {turns[-1]!r} is not the answer {end!r}"
+    assert row["segment"]["kind"] == "main"
