@@ -122,8 +122,21 @@ def _check_tokens(rows: list[dict], calls: list[dict]) -> None:
                                                                 f"what the engine returned for that context"
 
 
-@pytest.mark.parametrize("name", [n if n in VERIFIED else pytest.param(n, marks=pytest.mark.xfail(
-    reason="not yet passed end to end on the development machine", strict=False)) for n in H.ALL])
+# pi ran its whole tool loop here and failed only the one-segment check: it runs, as an expected failure. The
+# CLIs with agent-length prompts (Claude Code, Codex, opencode) have not passed yet: they are skipped, not run
+# as expected failures, because warming the tiny model on their 7k-19k-token prompts costs minutes each.
+RUNS_AS_XFAIL = {"pi"}
+
+
+def _param(name: str):
+    if name in VERIFIED:
+        return name
+    if name in RUNS_AS_XFAIL:
+        return pytest.param(name, marks=pytest.mark.xfail(reason="not yet passed end to end", strict=False))
+    return pytest.param(name, marks=pytest.mark.skip(reason="not yet passed end to end: agent-length prompt"))
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in H.ALL])
 def test_harness_tool_loop(server, tmp_path, name):
     h = H.ALL[name]
     _warm(h, server, _capture(h, server, tmp_path / "capture"))
