@@ -176,7 +176,9 @@ class Reward:
             text = next((m["content"] or "" for m in reversed(transcript) if m["role"] == "assistant"), "")
         else:
             text = self._text(row["response_ids"])
-        return row["prompt"], text, row.get("answer") or "", row | {"seed": self._seed(row)}
+        if self.pool is not None:       # a user fn; the built-in rules draw nothing
+            row = row | {"seed": self._seed(row)}
+        return row["prompt"], text, row.get("answer") or "", row
 
     def _seed(self, row: dict) -> int:
         """The row's own seed: independent across groups and samples, the same for the same run.seed."""

@@ -308,7 +308,7 @@ def test_a_preload_that_fails_to_import_fails_the_rows_with_its_error(run_stage,
 
 def test_forked_agents_are_separate_processes_with_their_own_env_and_seed(run_stage, tmp_path):
     """Each trajectory forked from the zygote is its own process (pid, session), sees its own
-    LOONGSAGE_SAMPLE and endpoint, and draws its own random numbers (the zygote reseeds them)."""
+    LOONGSAGE_SAMPLE, LOONGSAGE_SEED and endpoint, and draws its own random numbers (the zygote reseeds them)."""
     agent = script(tmp_path, """
         import json, os, random, sys, urllib.request
         sample = json.loads(os.environ["LOONGSAGE_SAMPLE"])
@@ -317,11 +317,13 @@ def test_forked_agents_are_separate_processes_with_their_own_env_and_seed(run_st
             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
         urllib.request.urlopen(req).read()
         info = {"pid": os.getpid(), "sid": os.getsid(0), "prompt": sample["prompt"], "r": random.random(),
-                "url": os.environ["OPENAI_BASE_URL"], "argv": sys.argv[1:], "json_loaded": "json" in sys.modules}
+                "url": os.environ["OPENAI_BASE_URL"], "argv": sys.argv[1:], "json_loaded": "json" in sys.modules,
+                "seed": os.environ["LOONGSAGE_SEED"]}
         print(json.dumps({"reward": 0.0, "info": info}))
     """)
-    _, out = run_stage(ROWS * 2, agent=agent + " --flag x", agent_preload=("json",))
+    stage, out = run_stage(ROWS * 2, agent=agent + " --flag x", agent_preload=("json",))
     infos = [json.loads(r["agent_info"]) for r in out.to_pylist()]
+    assert [i["seed"] for i in infos] == [str(stage._seed({"group_id": g, "sample_idx": 0})) for g in range(4)]
     assert [i["prompt"] for i in infos] == [r["prompt"] for r in ROWS * 2]
     assert len({i["pid"] for i in infos}) == 4 and all(i["pid"] == i["sid"] for i in infos)
     assert len({i["r"] for i in infos}) == 4 and len({i["url"] for i in infos}) == 4
