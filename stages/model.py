@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.keys import NONNEG, POSITIVE, between, key, one_of
+from stages.shapes import attention_heads
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,6 @@ class ModelConfig:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL = ["<pad>", "<eos>", "<bos>"]
-MIN_HEAD_DIM = 32       # vLLM's CPU attention takes head_dim 32, 64, 80, ...; SGLang's kernels 64 and up
-
-
-def attention_heads(hidden_size: int) -> tuple[int, int]:
-    """(query heads, key/value heads) of a built-in model: 4 and 2 (grouped-query attention, as
-    Qwen2), fewer where 4 heads would be narrower than MIN_HEAD_DIM, so every engine can run it."""
-    if hidden_size % MIN_HEAD_DIM:
-        raise ValueError(f"hidden_size must be a multiple of {MIN_HEAD_DIM} (the narrowest attention head "
-                         f"every engine runs), got {hidden_size}")
-    heads = max(1, min(4, hidden_size // MIN_HEAD_DIM))
-    return heads, max(1, heads // 2)
-
-
 def build_char_tokenizer(chars: str):
     """Character-level fast tokenizer: <pad>=0, <eos>=1, <bos>=2, then `chars` in order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -10,6 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("transfer", "stages", "pipeline")       # bottom to top: each may import only those before it
+# Leaves: modules that import nothing of the project, so any layer may use them without a cycle. The
+# config schema's `key()` is one: every layer's config dataclasses declare their keys with it.
+LEAVES = {"pipeline.keys"}
 
 
 def _module_name(path: Path) -> str:
@@ -58,7 +61,9 @@ def _layer(mod: str) -> int:
 
 
 def test_no_import_points_up():
-    up = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps if _layer(d) > _layer(m))
+    graph = import_graph()
+    assert all(not graph[leaf] for leaf in LEAVES), {leaf: graph[leaf] for leaf in LEAVES}   # leaves stay leaves
+    up = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _layer(d) > _layer(m) and d not in LEAVES)
     assert not up, "imports from a lower layer into a higher one:\n" + "\n".join(up)
 
 
