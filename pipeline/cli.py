@@ -80,6 +80,8 @@ def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
         return None
     code = 128 + signal.Signals[sig].value if sig in signal.Signals.__members__ else 1
     where = f"interrupted at step {summary.get('steps', '?')}"
+    if summary.get("lost"):     # a Ray node that held engines or the trainer died and did not come back
+        where = f"stopped at step {summary.get('steps', '?')}: {summary['lost']}"
     if summary.get("resume_from"):
         again = ["loongsage", "run", config, *(o for o in overrides if not o.startswith("run.resume_from=")),
                  f"run.resume_from={summary['resume_from']}"]

@@ -141,3 +141,11 @@ def _pushed_errors_to(logger: logging.Logger):
     finally:
         if printer is not None:
             worker.print_to_stdstream = printer
+
+
+def on_driver_node() -> dict:
+    """Actor options that keep a driver-side helper (the window gate, the span sink) on this
+    driver's node: there it lives and dies with the run, not with a worker host that may be lost."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}

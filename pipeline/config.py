@@ -63,6 +63,8 @@ class RunConfig:
                                   one_of("event", "poll", "ray"))
     data_poll_s: float = key(0.01, "poll period in seconds (wake=poll, or a task whose output waits); Ray's own: 0.1",
                                    POSITIVE)
+    node_wait_s: float = key(120.0, "a Ray node holding engines died: seconds to wait for them to be restarted "
+                                    "elsewhere before the run stops with a resumable checkpoint", NONNEG)
 
     def __post_init__(self):
         if self.seed < 0:

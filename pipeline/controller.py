@@ -32,10 +32,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from pipeline import checkpoint as ckpt
 from pipeline import rundir, seeds
 from pipeline.builder import Pipeline, Stage, set_stream_poll, stream_poll_internals
-from pipeline.cluster import init_ray
+from pipeline.cluster import init_ray, on_driver_node
 from pipeline.config import Config, ConfigError, dump_config, to_dict
 from pipeline.evaluate import evaluate, evaluate_agent
 from pipeline.loop import Batch, StepLoop, StepParts
+from pipeline.nodewatch import NodeWatch
 from pipeline.placement import Placement, plan_pools
 from pipeline.profile import Profiler
 from pipeline.recorder import Recorder
@@ -87,6 +88,7 @@ class Controller:
         self._mesh_lock = threading.RLock()     # one weight publish at a time (step loop, engine watch)
         self._seqs_lock = threading.Lock()      # done_seqs: the prefetch thread adds, checkpoints read
         self.engine_restarts = 0
+        self.nodes = NodeWatch(cfg.run.node_wait_s, log)     # a lost Ray node: say so, wait, then stop
 
     # ---- start-up checks: everything that can be wrong is found before an actor exists
     def validate(self) -> None:
@@ -182,7 +184,7 @@ class Controller:
         self.placement = _placement(c)
         self.engines = _start_engines(c, self.model_path, res, self.placement)
         self.trainer = _start_trainer(c, self.model_path, res, self.placement)
-        self.gate = ray.remote(Gate).options(num_cpus=0).remote(
+        self.gate = ray.remote(Gate).options(num_cpus=0, **on_driver_node()).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
         if early:
             self.profiler = Profiler(self.run_dir)
@@ -267,7 +269,10 @@ class Controller:
             ray.get(self.gate.close.remote())
             self.mesh.close()
             self.metrics.close()
-            self.profiler.close()
+            try:
+                self.profiler.close()
+            except (RayActorError, ActorUnavailableError) as e:   # its node was lost: the spans with it
+                self.log(f"profile not written: {type(e).__name__}")
 
     @property
     def step(self) -> int:
@@ -323,6 +328,13 @@ class Controller:
         if signals:       # no final eval: the user asked to stop; the checkpoint below resumes it
             path = self.checkpoint(self.loop.untrained())
             return summary | {"final": {}, "interrupted": signal.Signals(signals[0]).name, "resume_from": path}
+        if self.nodes.reason:       # a node was lost for good: the same stop, unless the trainer went with it
+            if "trainer" in self.nodes.reason:      # its state is gone: the newest checkpoint on disk resumes
+                newest = ckpt.newest_intact(self.run_dir / "checkpoints")
+                path = str(newest) if newest else ""
+            else:
+                path = self.checkpoint(self.loop.untrained())
+            return summary | {"final": {}, "interrupted": "NODE_LOST", "lost": self.nodes.reason, "resume_from": path}
         if self.step < c.run.steps:
             self.log(f"the data stream ended after {self.step} of {c.run.steps} steps "
                      f"(dropped: {self.pipeline.batcher.stats})")
@@ -480,7 +492,7 @@ class Controller:
         now, wall = time.time(), time.time() - self._t_step
         self._t_step = now
         snap = ray.get(self.gate.snapshot.remote())
-        busy = ray.get([e.pop_stats.remote() for e in self.engines])
+        busy = self._engine_stats()
         st = self.pipeline.batcher.stats
         return {"pipeline_buf_size": snap["in_flight"] + snap["buffered"], "filter_drop": st.dropped_filter,
                 "stale_drop": st.dropped_stale, "dispatch_out_of_order": snap["out_of_order"],
@@ -488,6 +500,17 @@ class Controller:
                 "rollout/busy_frac": sum(b["busy_s"] for b in busy) / len(busy) / max(wall, 1e-9),
                 "trainer/busy_frac": train_m.get("train/seconds", 0.0) / max(wall, 1e-9)} | self._engine_batch(busy) \
             | self.pipeline.batcher.fairness.summary()
+
+    def _engine_stats(self) -> list[dict]:
+        """Each engine's busy time this step; an engine lost with its node has none (and is not asked)."""
+        lost, busy = self.nodes.waiting_for(), []
+        asked = [e.pop_stats.remote() for i, e in enumerate(self.engines) if f"engine{i}" not in lost]
+        for ref in asked:
+            try:
+                busy.append(ray.get(ref))
+            except (RayActorError, ActorUnavailableError):
+                continue
+        return busy or [{"busy_s": 0.0}]
 
     @staticmethod
     def _engine_batch(stats: list[dict]) -> dict:
@@ -552,12 +575,15 @@ class Controller:
         stop = threading.Event()
         known = {i: info.get("incarnation") for i, info in enumerate(self._engine_infos)}
         watch = threading.Thread(target=self._watch_engines, args=(stop, known), name="engine-watch", daemon=True)
+        nodes = threading.Thread(target=self._watch_nodes, args=(stop,), name="node-watch", daemon=True)
         watch.start()
+        nodes.start()
         try:
             yield
         finally:
             stop.set()
             watch.join(timeout=60)
+            nodes.join(timeout=10)
 
     def _watch_engines(self, stop: threading.Event, known: dict[int, str]) -> None:
         """A restart is a new engine process: its incarnation id changed (not a cleared serving flag,
@@ -578,6 +604,31 @@ class Controller:
                 known[i] = incarnation
                 self.engine_restarts += 1
                 self.log(f"engine{i} restarted: re-sent weights version {self.version}")
+                self.nodes.back(f"engine{i}")
+
+    def _watch_nodes(self, stop: threading.Event) -> None:
+        """Its own thread: the engine watch can sit 30 s in a call to an engine whose node died."""
+        while not stop.wait(1.0):
+            placed = {n: p.node_id for n, p in self.mesh.parties.items()}
+            if self.mesh.sender_party is not None:
+                placed["trainer"] = self.mesh.sender_party.node_id
+            try:
+                reason = self.nodes.poll(placed)
+            except Exception as e:      # noqa: BLE001 - the GCS itself unreachable: the run's own calls will say so
+                self.log(f"node watch: cannot read Ray's node table ({e}); not watching nodes any more")
+                return
+            if reason:
+                self._stop_lost()
+                return
+
+    def _stop_lost(self) -> None:
+        """End the run after the step in hand: the lost engines are given up (killed for good, so
+        the rollouts waiting on them fail instead of hanging) and the gate dispatches nothing more."""
+        self.loop.stop.set()
+        for name in self.nodes.waiting_for():
+            if name.startswith("engine"):
+                ray.kill(self.engines[int(name.removeprefix("engine"))], no_restart=True)
+        ray.get(self.gate.close.remote())
 
     def checkpoint(self, untrained: set[int] = frozenset()) -> str:
         """Weights (HF), optimizer + RNGs, and the controller's clock and consumed-group set.

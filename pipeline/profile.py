@@ -197,7 +197,9 @@ class Profiler:
         if remote:
             import ray
 
-            self.sink = ray.remote(SpanSink).options(num_cpus=0).remote(out)
+            from pipeline.cluster import on_driver_node
+
+            self.sink = ray.remote(SpanSink).options(num_cpus=0, **on_driver_node()).remote(out)
             self.send = self.sink.add.remote
         else:
             self.sink = SpanSink(out)

@@ -7,8 +7,13 @@ the engine must serve exactly what the trainer trained after each one.
 """
 from __future__ import annotations
 
+import json
 import re
+import threading
+import time
+from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -84,6 +89,58 @@ def test_quickstart_trains_on_one_node_and_serves_from_another(cluster, tiny_mod
     assert trained.keys() == final.keys() and all(torch.equal(trained[n], final[n]) for n in trained)
     first = load_file(str(run_dir / "checkpoints" / "step_000001" / "model.safetensors"))
     assert any(not torch.equal(first[n], trained[n]) for n in first)     # the weights did move
+
+
+# ~60 s: node B (the engine's) is removed from the cluster mid-run
+@pytest.mark.slow
+def test_losing_the_engine_node_is_said_then_the_run_stops_resumable(cluster, tiny_model_dir, tmp_path):
+    wait_s = 10
+    over = FAST + ACROSS + [f"model.path={tiny_model_dir}", f"run.ray_address={cluster.address}",
+                            "run.checkpoint_every=0", f"run.node_wait_s={wait_s}"]
+    lines: list[tuple[float, str]] = []
+    removed: list[float] = []
+    (worker,) = cluster.worker_nodes
+
+    def remove_b(line: dict) -> None:
+        if line.get("train/loss") is not None and not removed:
+            removed.append(time.monotonic())
+            threading.Thread(target=cluster.remove_node, args=(worker,), daemon=True).start()
+
+    run_dir = tmp_path / "run"
+    ctl = Controller(load_config("configs/quickstart.yaml", over + ["run.steps=200"]), run_dir, on_step=remove_b,
+                     log=lambda m: lines.append((time.monotonic(), m)) or print(f"[{time.strftime('%X')}] {m}"))
+    try:
+        stopped = ctl.run()
+        t_end = time.monotonic()
+    finally:
+        ctl.stop()
+    said = [(t, m) for t, m in lines if worker.node_id[:12] in m and "engine0" in m and "lost" in m]
+    assert said and said[0][0] - removed[0] < 30, lines
+    assert stopped["interrupted"] == "NODE_LOST" and worker.node_id[:12] in stopped["lost"], stopped
+    assert t_end - removed[0] < wait_s + 30, (t_end - removed[0], lines)
+    ckpt = Path(stopped["resume_from"])
+    state = json.loads((ckpt / "controller.json").read_text())
+    assert state["step"] == stopped["steps"] >= 1
+
+    cluster.add_node(num_cpus=2, resources={"node_b": 1})      # capacity back: the resume places engine0 there
+    cluster.wait_for_nodes()
+    more = state["step"] + 2
+    resumed = Controller(load_config("configs/quickstart.yaml", over + [f"run.steps={more}",
+                                                                      f"run.resume_from={ckpt}"]),
+                         run_dir, log=lambda *_: None)
+    try:
+        assert resumed.run()["steps"] == more
+    finally:
+        resumed.stop()
+    trained = pq.ParquetDataset(run_dir / "rollouts", partitioning="hive").read(columns=["group_id", "step"])
+    by_step = {}
+    for g, s in zip(trained.column("group_id").to_pylist(), trained.column("step").to_pylist()):
+        by_step.setdefault(s, set()).add(g)
+    assert sorted(by_step) == list(range(1, more + 1)), sorted(by_step)     # every step once
+    before = set().union(*(by_step[s] for s in by_step if s <= state["step"]))
+    after = set().union(*(by_step[s] for s in by_step if s > state["step"]))
+    assert before == set(state["done_seqs"]) and not before & after, (before, after)   # nothing trained twice
+    assert min(after) == max(before) + 1, (before, after)      # nothing skipped: the stream goes on where it was
 
 
 def test_custom_resources_ride_in_each_bundle_and_bad_ones_fail_at_load():
