@@ -22,12 +22,9 @@ from tests.harness.warm import call_json, examples, teach, turn_texts
 
 pytestmark = pytest.mark.harness
 RUN_TIMEOUT_S = 300
-# Passed end to end on the 2-core development machine. The others run too, as expected failures until
-# they have: the CLIs' long prompts need the 32k-context model and the proxy's protocol fixes (Codex's
-# client_metadata, Claude Code's context_management/output_config), and warming them took ~10 s a step there.
-# pi runs its tool loop with exit 0, no error status and exact tokens, but sends the call's arguments back
-# re-serialised ({"command":"..."}), so its answer starts a new segment until the proxy keeps them as written.
-VERIFIED = {"openai-agents", "mini-swe-agent"}
+# Passed end to end on the 2-core development machine (pi since the proxy keeps tool-call arguments as the
+# model wrote them, so its re-serialised history extends the recorded tokens).
+VERIFIED = {"openai-agents", "mini-swe-agent", "pi"}
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +119,10 @@ def _check_tokens(rows: list[dict], calls: list[dict]) -> None:
                                                                 f"what the engine returned for that context"
 
 
-# pi ran its whole tool loop here and failed only the one-segment check: it runs, as an expected failure. The
-# CLIs with agent-length prompts (Claude Code, Codex, opencode) have not passed yet: they are skipped, not run
-# as expected failures, because warming the tiny model on their 7k-19k-token prompts costs minutes each.
-RUNS_AS_XFAIL = {"pi"}
+# The CLIs with agent-length prompts (Claude Code, Codex, opencode) have not passed yet: they are skipped, not
+# run as expected failures, because warming the tiny model on their 7k-19k-token prompts costs minutes each
+# (LOONGSAGE_HARNESS_TRY=1 runs them as expected failures; LOONGSAGE_HARNESS_MODEL picks the model).
+RUNS_AS_XFAIL: set[str] = set() if not os.environ.get("LOONGSAGE_HARNESS_TRY") else set(H.ALL) - VERIFIED
 
 
 def _param(name: str):
