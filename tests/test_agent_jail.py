@@ -110,7 +110,8 @@ def test_unjailed_agents_find_keys_but_a_key_works_on_its_own_endpoint_only(engi
     infos = _hunt(engine, tiny_model_dir, tmp_path, agent_sandbox="none")
     assert sum(i["found"] for i in infos) > 0, infos            # what the jail is for
     cross = [c for i in infos for c in i["cross"]]
-    assert cross and all(c == 401 for c in cross), infos
+    # refused: 401 on a live endpoint, 404 once that trajectory has ended and its endpoint is gone
+    assert cross and all(c in (401, 404) for c in cross) and 401 in cross, infos
 
 
 def test_strict_agent_sandbox_refuses_a_preload_and_bad_settings_name_the_key(tmp_path):
