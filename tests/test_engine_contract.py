@@ -49,6 +49,9 @@ def test_the_hf_engine_keeps_the_contract(hf, prompts):
     check_generation(hf.generate, hf.eos_id, prompts)
     check_refusals(hf.generate, hf.eos_id, prompts, hf.context)
     check_resume(hf.generate, hf.eos_id, prompts)
+    info = hf.info()
+    assert info["engine"] == "hf" and info["version"] == 0 and info["incarnation"] == hf.incarnation
+    assert contract.identity(hf, engine="vllm", server="x")["engine"] == "vllm"
     st = hf.pop_stats()
     assert st.keys() == contract.summarize_stats(contract.fresh_stats()).keys()
     assert st["requests"] > 0 and st["tokens"] > 0

@@ -240,7 +240,7 @@ class HFEngine:
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
-        return identity(self, threads=self.threads)
+        return identity(self, threads=self.threads, engine="hf")
 
     def weight_version(self) -> int:
         return self.version

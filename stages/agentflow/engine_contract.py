@@ -74,7 +74,7 @@ def wait_synced(synced: threading.Event, engine_id: str) -> None:
                            f"{RESYNC_TIMEOUT_S:.0f}s")
 
 
-def identity(engine, **more) -> dict:
+def identity(engine, /, **more) -> dict:
     """info()'s answer: who serves, where, which version, and the process's incarnation (new in every
     process: the controller counts a restart when it changes)."""
     return {"engine_id": engine.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
