@@ -388,10 +388,10 @@ def test_the_nccl_handshake_takes_only_an_address_made_for_the_receiver():
     address = _nccl_address({"e0": 1, "e1": 2})
     world, uid, rank = nccl.handshake(address, "e1")
     assert (world, rank, uid) == (3, 2, address["unique_id"])
-    for bad, match in [(_nccl_address({"e0": 1}, uid=(1, 2, 3)), "not 128 signed bytes"),
+    for bad, match in [(_nccl_address({"e0": 1}, uid=(1, 2, 3)), "not 128 bytes"),
                        (_nccl_address({"e0": 1}), "no rank for 'e1'"),
                        ({**_nccl_address({"e1": 1}), "world": 5}, "do not make a world of 5"),
-                       (_nccl_address({"e1": 1}, uid=(300,) * nccl.UNIQUE_ID_BYTES), "not 128 signed bytes")]:
+                       (_nccl_address({"e1": 1}, uid=(300,) * nccl.UNIQUE_ID_BYTES), "not 128 bytes")]:
         with pytest.raises(ValueError, match=match):
             nccl.handshake(bad, "e1")
 

@@ -57,9 +57,10 @@ def handshake(address: dict, name: str) -> tuple[int, tuple[int, ...], int]:
     """(world size, unique id, rank) of receiver `name` from the sender's address; ValueError if the
     address is not one a sender link made for it."""
     uid, ranks = address.get("unique_id"), address.get("ranks", {})
+    # bytes as CuPy gives them: C chars, signed on x86-64, unsigned on ARM
     if not isinstance(uid, (tuple, list)) or len(uid) != UNIQUE_ID_BYTES or \
-            not all(isinstance(b, int) and -128 <= b < 128 for b in uid):
-        raise ValueError(f"the sender's NCCL unique id is not {UNIQUE_ID_BYTES} signed bytes")
+            not all(isinstance(b, int) and -128 <= b < 256 for b in uid):
+        raise ValueError(f"the sender's NCCL unique id is not {UNIQUE_ID_BYTES} bytes")
     if name not in ranks:
         raise ValueError(f"the sender's communicator has no rank for {name!r} (ranks: {sorted(ranks)})")
     world = len(ranks) + 1
