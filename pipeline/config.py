@@ -20,14 +20,14 @@ import yaml
 from pipeline import seeds
 from pipeline.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
 from pipeline.placement_config import PlacementConfig
-from pipeline.recorder import ReplayConfig
+from pipeline.replay_config import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.config import RolloutConfig
 from stages.agentflow.engine_config import SGLangConfig, VLLMConfig
-from stages.batcher import BatcherConfig
+from stages.batcher_config import BatcherConfig
 from stages.model_config import ModelConfig
-from stages.prompts import DataConfig
-from stages.reward import RewardConfig
+from stages.prompts_config import DataConfig
+from stages.reward_config import RewardConfig
 from stages.teacher.config import TeacherConfig
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.megatron.config import MegatronConfig

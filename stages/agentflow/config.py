@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 from pipeline.keys import NONNEG, POSITIVE, at_least, between, key, one_of
 from stages.agentflow.sandbox import SandboxConfig
-from stages.agentflow.session import KINDS
 from stages.agentflow.tool_service import ToolServiceConfig
+
+# what a model call can be part of (stages/agentflow/session.py): rollout.train_segments names some
+KINDS = ("main", "compaction", "subagent", "side")
 
 
 @dataclass(frozen=True)
