@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine, parse_output, versions_of, weight_specs_of
+from stages.agentflow.engine_contract import weight_specs_of
+from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine, parse_output, versions_of
 from stages.model import ModelConfig, resolve_model_path
 
 OWN_RAY = True      # a Ray of its own: it starts without the shared Ray

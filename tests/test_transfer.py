@@ -7,6 +7,7 @@ as TransferError within the timeout. GPU transports run only where CUDA is prese
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import os
 import sys
@@ -20,6 +21,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 import transfer
+from transfer import nccl
 from transfer.topology import Party
 
 OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
@@ -344,6 +346,56 @@ def test_route_rules_cover_gpu_topologies():
     assert plan(gpu, no_gloo).reason.startswith("fallback")
 
 
+# ---- the nccl route up to the CUDA boundary (CuPy's NCCL communicator, transfer/nccl.py) ----------
+
+HAVE_NCCL = nccl.available()
+
+
+def _gpu_party(name, pid, transports, uuid):
+    return Party(**{**_party(name, pid=pid, device="cuda:0", uuid=uuid).__dict__, "transports": transports})
+
+
+def test_gpus_without_cupy_route_through_host_memory_and_say_why():
+    """A GPU process without CuPy does not offer nccl: auto planning takes host memory and says what
+    nccl would need; forcing nccl fails at planning, naming the side and the install."""
+    plain = tuple(t for t in transfer.TRANSPORTS if t != "nccl")
+    trainer = _gpu_party("trainer", 1, transfer.TRANSPORTS, "GPU-a")
+    engine = _gpu_party("e", 2, plain, "GPU-b")
+    route = transfer.plan_route(trainer, engine)
+    assert route.transport == "shm" and "not nccl: the receiver lacks" in route.reason
+    assert "pip install 'loongsage[cupy]'" in route.reason
+    with pytest.raises(transfer.TransferError, match=r"receiver cannot run nccl: it needs a CUDA device and CuPy"):
+        transfer.plan_route(trainer, engine, "nccl")
+    assert transfer.plan_route(trainer, _gpu_party("e", 2, transfer.TRANSPORTS, "GPU-b")).transport == "nccl"
+
+
+def test_a_process_offers_nccl_only_with_cuda_and_cupy():
+    from transfer.topology import _available_transports
+
+    assert "nccl" not in _available_transports("cpu")
+    assert HAVE_NCCL == (torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None)
+    if not HAVE_NCCL:
+        with pytest.raises(RuntimeError, match="needs a CUDA device|needs CuPy with NCCL"):
+            nccl.NcclSend("m", ["e"], CFG, _party("trainer", device="cuda:0"), None)
+
+
+def _nccl_address(ranks: dict, uid=None) -> dict:
+    uid = tuple(np.random.default_rng(0).integers(-128, 128, nccl.UNIQUE_ID_BYTES).tolist()) if uid is None else uid
+    return {"unique_id": uid, "world": len(ranks) + 1, "ranks": ranks}
+
+
+def test_the_nccl_handshake_takes_only_an_address_made_for_the_receiver():
+    address = _nccl_address({"e0": 1, "e1": 2})
+    world, uid, rank = nccl.handshake(address, "e1")
+    assert (world, rank, uid) == (3, 2, address["unique_id"])
+    for bad, match in [(_nccl_address({"e0": 1}, uid=(1, 2, 3)), "not 128 bytes"),
+                       (_nccl_address({"e0": 1}), "no rank for 'e1'"),
+                       ({**_nccl_address({"e1": 1}), "world": 5}, "do not make a world of 5"),
+                       (_nccl_address({"e1": 1}, uid=(300,) * nccl.UNIQUE_ID_BYTES), "not 128 bytes")]:
+        with pytest.raises(ValueError, match=match):
+            nccl.handshake(bad, "e1")
+
+
 # ---- on the two-node cluster -----------------------------------------------------------
 
 def test_routes_follow_the_topology(actors):
@@ -362,6 +414,29 @@ def test_routes_follow_the_topology(actors):
                                    transfer.TransferConfig(transport="shm"))
     with pytest.raises(transfer.TransferError, match="'remote' via shm"):
         forced.plan()
+
+
+@pytest.mark.skipif(HAVE_NCCL, reason="checks the refusal where CUDA or CuPy is missing")
+def test_the_nccl_route_through_ray_stops_at_the_cuda_boundary_with_a_clear_error(actors):
+    """Forced nccl between CPU actors fails at planning, naming the install. A receiver actor handed an
+    nccl link address through Ray (the handshake the sender's prepare makes) takes it, and then fails
+    where it would join the communicator: the error names it, the transport and what is missing."""
+    t, remote = actors["trainer"], actors["remote"]
+    forced = transfer.TransferMesh(t, {"remote": remote}, transfer.TransferConfig(transport="nccl"))
+    with pytest.raises(transfer.TransferError, match=r"sender and receiver cannot run nccl: it needs a CUDA device "
+                                                     r"and CuPy with NCCL \(pip install 'loongsage\[cupy\]'\)"):
+        forced.plan()
+    layout = transfer.Layout.of(ToyNet(0).state_dict(), BUCKET)
+    served = ray.get(remote.weight_version.remote())
+    with pytest.raises(transfer.TransferError) as e:
+        ray.get(remote.mesh.remote("receive", "m-nccl", "remote", served + 1, layout, "nccl",
+                                   _nccl_address({"remote": 1}), CFG))
+    assert (e.value.receiver, e.value.transport, e.value.version) == ("remote", "nccl", served + 1)
+    assert "needs a CUDA device" in e.value.reason
+    with pytest.raises(transfer.TransferError, match="no rank for 'remote'"):
+        ray.get(remote.mesh.remote("receive", "m-nccl", "remote", served + 1, layout, "nccl",
+                                   _nccl_address({"other": 1}), CFG))
+    assert ray.get(remote.weight_version.remote()) == served
 
 
 def test_auto_routes_deliver_bit_exact_weights_every_version(actors):
@@ -517,6 +592,7 @@ def test_cuda_ipc_same_gpu_is_bit_exact(cluster):
 
 
 @needs_two_gpus
+@pytest.mark.skipif(not HAVE_NCCL, reason="the nccl route runs CuPy's NCCL: pip install 'loongsage[cupy]'")
 def test_nccl_across_gpus_is_bit_exact(cluster):
     gpu = dict(num_cpus=0.1, max_concurrency=4, num_gpus=1)
     trainer = ray.remote(**gpu)(Trainer).remote(device="cuda")

@@ -24,9 +24,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 import ray  # noqa: E402
 
 import transfer  # noqa: E402
+from stages.agentflow.limits import model_limits  # noqa: E402
 from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
 from stages.update.losses import AlgorithmConfig  # noqa: E402
 from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch  # noqa: E402
+from tests.engine_contract import check_generation, check_refusals, check_resume  # noqa: E402
 
 CFG = VLLMConfig(kv_cache_mb=64)
 PROMPTS = ["12+7=", "3+45=", "99+9=", "40+2=", "5+5=", "61+30=", "8+88=", "23+23="]
@@ -65,31 +67,19 @@ def rows_of(requests, outs) -> pa.Table:
          "group_id": i // 4, "status": o["status"]} for i, (r, o) in enumerate(zip(requests, outs))])
 
 
-def test_generation_follows_the_engine_contract(engine, tok):
-    """Token ids in; ids, log-probs and versions out; stop on eos or budget; a row that cannot fit fails
-    alone; a seeded sample draws the same tokens whatever it is batched with; n samples of one prompt."""
-    eos = tok.eos_token_id
-    group = reqs(tok, ["12+7="] * 8, seed=None)
-    for i, r in enumerate(group):
-        r["seed"] = 100 + i
-    too_long = {"prompt_ids": [5] * 64, "max_new_tokens": 4}
-    too_hot = reqs(tok, ["1+1="], temperature=3.0)         # vLLM samples at temperatures up to 2
-    outs = ray.get(engine.generate.remote(group + reqs(tok) + too_hot + [too_long]))
-    assert outs[-1]["status"] == "failed" and "context" in outs[-1]["error"]
-    assert outs[-2]["status"] == "failed" and "temperature" in outs[-2]["error"]
-    outs = outs[:-2]
-    for o in outs:
-        n = len(o["response_ids"])
-        assert 0 < n == len(o["logprobs"]) == len(o["versions"]) <= 6 and set(o["versions"]) == {0}
-        assert all(lp <= 0 for lp in o["logprobs"])
-        assert o["status"] == ("completed" if o["response_ids"][-1] == eos else "truncated")
-        assert eos not in o["response_ids"][:-1]
-    alone = ray.get(engine.generate.remote(group[3:4]))[0]
-    assert alone["response_ids"] == outs[3]["response_ids"]
-    assert alone["logprobs"] == pytest.approx(outs[3]["logprobs"], abs=1e-5)
-    assert len({tuple(o["response_ids"]) for o in outs[:8]}) > 1      # 8 samples, not one repeated
-    greedy = ray.get(engine.generate.remote(reqs(tok, temperature=0.0)))
-    assert greedy == ray.get(engine.generate.remote(reqs(tok, temperature=0.0)))
+def test_generation_follows_the_engine_contract(engine, tok, tiny_model_dir):
+    """The contract's checks (tests/engine_contract.py), as the HF engine passes them: token ids in; ids,
+    log-probs and versions out; stop on eos or budget; a seeded sample draws the same tokens whatever it is
+    batched with; n samples of one prompt; rows that cannot be served fail alone; resumed rows keep their
+    prefix. And vLLM's own refusal: temperatures above 2 fail the row alone."""
+    generate = lambda rows: ray.get(engine.generate.remote(rows))  # noqa: E731
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    check_generation(generate, tok.eos_token_id, prompts)
+    check_refusals(generate, tok.eos_token_id, prompts, model_limits(tiny_model_dir)[0])
+    check_resume(generate, tok.eos_token_id, prompts)
+    too_hot = generate(reqs(tok, ["1+1="], temperature=3.0) + reqs(tok, ["2+2="]))
+    assert too_hot[0]["status"] == "failed" and "temperature" in too_hot[0]["error"]
+    assert too_hot[1]["status"] in ("completed", "truncated")
 
 
 def test_logprobs_match_the_trainer(engine, tok, tiny_model_dir):

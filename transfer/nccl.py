@@ -1,105 +1,206 @@
-"""nccl: GPU to GPU across devices or hosts, a broadcast on a standalone NCCL group.
+"""nccl: GPU to GPU across devices or hosts, a broadcast on a communicator of the weight update's own.
 
-Like gloo.py, each link owns its own torch ProcessGroupNCCL over its own TCPStore
-(never the trainer's default group). The sender packs bucket i into one of two device
-staging buffers while bucket i-1 is on the wire; each receiver lands the version in a
-device buffer, verifies every bucket on the device, and loads only the complete version.
-Tested only where two GPUs are present."""
+The communicator is CuPy's NCCL binding (`cupy.cuda.nccl.NcclCommunicator`): the sender is rank 0,
+its receivers 1..n. It is not a torch.distributed process group, so the trainer's own groups (its
+default group, Megatron's TP/PP/DP groups) are never joined or disturbed, and engines whose library
+runs torch.distributed itself (vLLM, SGLang) keep theirs. No TCPStore either: the handshake is NCCL's
+unique id, made by the sender link in `prepare()` and carried to every receiver in the link's
+address by the driver (through Ray, with the rest of the publish); each party then joins with
+(world size, unique id, its rank).
+
+Per bucket, the sender broadcasts a 3-word header (version, index, checksum) and then the bytes,
+from one of two device staging buffers while it packs the next bucket into the other; each receiver
+lands the version in a device buffer, verifies every bucket on the device, and loads only the
+complete version. Joining and every broadcast are bounded by cfg.timeout_s: a party that does not
+join, or a broadcast that does not finish, aborts the communicator (a rebuilt link makes a new
+unique id) and the error names the receivers and the bucket.
+
+CuPy is imported on first use (the `cupy` extra: `pip install 'loongsage[cupy]'`); a process
+without CUDA or CuPy does not offer this transport (topology.py), and a link built there anyway
+fails at once saying which is missing. Tested on GPUs by tests/test_transfer.py (2 GPUs) and
+benchmarks/gpu/transfer_check.py."""
 from __future__ import annotations
 
-import itertools
-from datetime import timedelta
+import importlib.util
+import threading
+import time
 
 import torch
-import torch.distributed as dist
 
 from .errors import TransferError
 from .layout import byte_views, pack_bucket
 from .links import reuse_buffer
 
-_generation = itertools.count()
+UNIQUE_ID_BYTES = 128       # NCCL_UNIQUE_ID_BYTES
+POLL_S = 2e-4               # how often a wait looks at its broadcast
 
 
-def nccl_group(store, prefix: str, rank: int, world: int, device: torch.device,
-               timeout: timedelta):
-    """Join a standalone NCCL group on `device`; all `world` ranks must call this."""
-    torch.cuda.set_device(device)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, world, opts)
+def available() -> bool:
+    """Whether this process could run the transport (CUDA and CuPy), without importing CuPy."""
+    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+
+
+def cupy_nccl():
+    """CuPy's NCCL module, imported here on first use; RuntimeError saying what is missing."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the nccl transport needs a CUDA device; this process sees none "
+                           "(torch.cuda.is_available() is False)")
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise RuntimeError(f"the nccl transport needs CuPy with NCCL: pip install 'loongsage[cupy]' "
+                           f"(import failed: {e})") from e
+    return nccl
+
+
+def handshake(address: dict, name: str) -> tuple[int, tuple[int, ...], int]:
+    """(world size, unique id, rank) of receiver `name` from the sender's address; ValueError if the
+    address is not one a sender link made for it."""
+    uid, ranks = address.get("unique_id"), address.get("ranks", {})
+    # bytes as CuPy gives them: C chars, signed on x86-64, unsigned on ARM
+    if not isinstance(uid, (tuple, list)) or len(uid) != UNIQUE_ID_BYTES or \
+            not all(isinstance(b, int) and -128 <= b < 256 for b in uid):
+        raise ValueError(f"the sender's NCCL unique id is not {UNIQUE_ID_BYTES} bytes")
+    if name not in ranks:
+        raise ValueError(f"the sender's communicator has no rank for {name!r} (ranks: {sorted(ranks)})")
+    world = len(ranks) + 1
+    if address.get("world") != world or sorted(ranks.values()) != list(range(1, world)):
+        raise ValueError(f"the sender's ranks {ranks} do not make a world of {address.get('world')}")
+    return world, tuple(uid), ranks[name]
+
+
+def join(nccl, world: int, uid: tuple, rank: int, device: torch.device, timeout_s: float):
+    """This party's communicator; blocks until all `world` ranks have joined, at most timeout_s
+    (NCCL's own init has no timeout: it runs on a thread of its own, left behind on a timeout)."""
+    box: dict = {}
+
+    def run():
+        try:
+            torch.cuda.set_device(device)
+            box["comm"] = nccl.NcclCommunicator(world, uid, rank)
+        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"nccl-join-{rank}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise TimeoutError(f"the NCCL communicator of {world} ranks did not form within {timeout_s:.0f}s "
+                           f"(rank {rank} joined; a peer did not)")
+    if "error" in box:
+        raise box["error"]
+    return box["comm"]
+
+
+class _Wire:
+    """One party's side of the communicator: broadcasts from rank 0 on a stream of its own, each
+    waited for with a deadline (an NCCL error or a lost peer aborts the communicator)."""
+
+    def __init__(self, comm, nccl, device: torch.device, timeout_s: float):
+        self.comm, self.nccl, self.device, self.timeout_s = comm, nccl, device, timeout_s
+        self.stream = torch.cuda.Stream(device)
+        self.types = {torch.uint8: nccl.NCCL_UINT8, torch.int64: nccl.NCCL_INT64}
+
+    def broadcast(self, t: torch.Tensor) -> torch.cuda.Event:
+        """Enqueue a broadcast of `t` (in place) after the work already queued on this device."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.comm.bcast(t.data_ptr(), t.numel(), self.types[t.dtype], 0, self.stream.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        t.record_stream(self.stream)
+        return done
+
+    def wait(self, done: torch.cuda.Event) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            self.comm.check_async_error()
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"a broadcast did not finish within {self.timeout_s:.0f}s")
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.abort()       # never waits for peers (destroy would, for one that is gone)
+            self.comm = None
 
 
 class NcclSend:
     needs_staging = False
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
-        self.receivers, self.ip = list(receivers), party.ip
+        self.nccl = cupy_nccl()
+        self.receivers, self.timeout_s = list(receivers), cfg.timeout_s
         self.device = torch.device(party.device)
-        self.td = timedelta(seconds=cfg.timeout_s)
-        self.store = dist.TCPStore(party.ip, 0, None, True, self.td, wait_for_workers=False)
-        self.prefix = f"{mesh_id}/nccl/{next(_generation)}"
         self.ranks = {name: rank for rank, name in enumerate(self.receivers, start=1)}
-        self.pg = None
+        self.unique_id = tuple(self.nccl.get_unique_id())    # a new link, a new communicator
+        self.wire: _Wire | None = None
 
     def prepare(self, snapshot) -> dict:
-        return {"host": self.ip, "port": self.store.port, "prefix": self.prefix,
-                "ranks": self.ranks}
+        return {"unique_id": self.unique_id, "world": len(self.ranks) + 1, "ranks": self.ranks}
 
     def send(self, snapshot) -> None:
         layout, who = snapshot.layout, ",".join(self.receivers)
-        if self.pg is None:
-            self.pg = nccl_group(self.store, self.prefix, 0, len(self.ranks) + 1,
-                                 self.device, self.td)
-        staging = [torch.empty(layout.bucket_bytes, dtype=torch.uint8, device=self.device)
-                   for _ in range(2)]
+        if self.wire is None:
+            try:
+                comm = join(self.nccl, len(self.ranks) + 1, self.unique_id, 0, self.device, self.timeout_s)
+            except Exception as e:
+                raise TransferError(f"communicator did not form: {e}", receiver=who, transport="nccl",
+                                    version=snapshot.version) from e
+            self.wire = _Wire(comm, self.nccl, self.device, self.timeout_s)
+        staging = [torch.empty(layout.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        header = torch.empty(3, dtype=torch.int64, device=self.device)
         in_flight, views = [None, None], byte_views(snapshot.state)
         for i in range(layout.num_buckets):
             try:
                 start, end = layout.span(i)
-                buf = staging[i % 2][:end - start]
-                if in_flight[i % 2] is not None:     # the broadcast still reading this buffer
-                    in_flight[i % 2].wait(self.td)
-                crc = pack_bucket(views, layout, i, buf)
-                header = torch.tensor([snapshot.version, i, crc], dtype=torch.int64,
-                                      device=self.device)
-                self.pg.broadcast(header, 0, self.td).wait(self.td)
-                in_flight[i % 2] = self.pg.broadcast(buf, 0, self.td)
+                slot = i % 2
+                if in_flight[slot] is not None:     # the broadcast still reading this buffer
+                    self.wire.wait(in_flight[slot])
+                buf = staging[slot][:end - start]
+                crc = pack_bucket(views, layout, i, buf)    # read back to the host: the bucket is packed
+                header.copy_(torch.tensor([snapshot.version, i, crc], dtype=torch.int64))
+                self.wire.wait(self.wire.broadcast(header))
+                in_flight[slot] = self.wire.broadcast(buf)
             except Exception as e:
                 raise TransferError(f"broadcast failed: {e}", receiver=who, transport="nccl",
                                     version=snapshot.version, bucket=i) from e
-        for work in in_flight:
-            if work is not None:
-                work.wait(self.td)
-        torch.cuda.current_stream(self.device).synchronize()
+        for done in in_flight:
+            if done is not None:
+                self.wire.wait(done)
 
     def close(self) -> None:
-        self.pg = None
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
 
 
 class NcclRecv:
     def __init__(self, mesh_id, name, address, cfg, party):
-        self.td = timedelta(seconds=cfg.timeout_s)
-        self.address, self.device = address, torch.device(party.device)
-        self.rank = address["ranks"][name]
-        self.store = dist.TCPStore(address["host"], address["port"], None, False, self.td)
-        self.pg = None
+        self.world, self.unique_id, self.rank = handshake(address, name)
+        self.nccl = cupy_nccl()
+        self.timeout_s, self.device = cfg.timeout_s, torch.device(party.device)
+        self.wire: _Wire | None = None
         self.flat = None
 
     def receive(self, version, layout, verify):
-        if self.pg is None:
-            self.pg = nccl_group(self.store, self.address["prefix"], self.rank,
-                                 len(self.address["ranks"]) + 1, self.device, self.td)
+        if self.wire is None:   # joined here, not in __init__: the sender joins during its send
+            comm = join(self.nccl, self.world, self.unique_id, self.rank, self.device, self.timeout_s)
+            self.wire = _Wire(comm, self.nccl, self.device, self.timeout_s)
         self.flat = reuse_buffer(self.flat, layout.total_bytes, self.device)
         header = torch.empty(3, dtype=torch.int64, device=self.device)
         for i in range(layout.num_buckets):
-            self.pg.broadcast(header, 0, self.td).wait(self.td)
+            self.wire.wait(self.wire.broadcast(header))
             v, j, crc = header.tolist()
             if (v, j) != (version, i):
                 raise RuntimeError(f"expected bucket {i} of version {version}, got bucket {j} of {v}")
             start, end = layout.span(i)
-            self.pg.broadcast(self.flat[start:end], 0, self.td).wait(self.td)
+            self.wire.wait(self.wire.broadcast(self.flat[start:end]))
             verify(i, self.flat[start:end], crc)
         return layout.unpack(self.flat)
 
     def close(self) -> None:
-        self.pg = None
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None

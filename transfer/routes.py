@@ -61,6 +61,24 @@ REACH: dict[str, Callable[[Party, Party], str | None]] = {
 assert tuple(REACH) == TRANSPORTS
 
 
+# what a process needs to run a transport it does not offer (topology.py decides what it offers)
+NEEDS = {"cuda_ipc": "a CUDA device", "nccl": "a CUDA device and CuPy with NCCL (pip install 'loongsage[cupy]')"}
+
+
+def _lacking(transport: str, sender: Party, receiver: Party) -> str:
+    """'sender', 'receiver', 'sender and receiver': which process does not run `transport`."""
+    return " and ".join(who for who, p in (("sender", sender), ("receiver", receiver))
+                        if transport not in p.transports)
+
+
+def _missing(candidates, sender: Party, receiver: Party) -> str:
+    """Why a forced transport is not run by one of the two processes (auto planning names none)."""
+    if len(candidates) != 1 or candidates[0] not in NEEDS or not _lacking(candidates[0], sender, receiver):
+        return ""
+    t = candidates[0]
+    return f" ({_lacking(t, sender, receiver)} cannot run {t}: it needs {NEEDS[t]})"
+
+
 def plan_route(sender: Party, receiver: Party, transport: str = "auto") -> Route:
     """The route for one receiver. `transport` forces one (an error if it cannot reach)."""
     candidates = TRANSPORTS if transport == "auto" else (transport,)
@@ -71,9 +89,13 @@ def plan_route(sender: Party, receiver: Party, transport: str = "auto") -> Route
                 why = f"forced by transfer.transport; {why}"
             elif name == "zmq":
                 why = f"fallback; {why}"
+            slower = TRANSPORTS.index(name) > TRANSPORTS.index("nccl")
+            if transport == "auto" and slower and _gpu_to_gpu(sender, receiver) and _lacking("nccl", sender, receiver):
+                why += f"; not nccl: the {_lacking('nccl', sender, receiver)} lacks {NEEDS['nccl']}"
             return Route(name, why)
     raise TransferError(
-        f"no transport in {list(candidates)} reaches it: sender {sender.device} pid "
+        f"no transport in {list(candidates)} reaches it{_missing(candidates, sender, receiver)}: "
+        f"sender {sender.device} pid "
         f"{sender.pid} on node {sender.node_id[:12]} runs {list(sender.transports)}, "
         f"receiver {receiver.device} pid {receiver.pid} on node {receiver.node_id[:12]} "
         f"runs {list(receiver.transports)}",

@@ -3,6 +3,8 @@
 On a CUDA machine (one GPU is enough): starts an SGLangEngine actor and a GPU policy
 actor that holds the same HF weights, both on the one GPU, so the TransferMesh routes
 CUDA IPC. Then
+  0. the engine contract's checks (tests/engine_contract.py), the ones the HF engine passes in
+     the default test run and vLLM in the `vllm` tier: rows aligned, seeds, greedy, refusals, resume;
   1. greedy generation: every token tagged version 0; the engine's log-probs agree with
      the HF model's own (teacher-forced, same tokens);
   2. the policy perturbs its weights, the mesh publishes version 1, the engine applies it
@@ -11,6 +13,7 @@ CUDA IPC. Then
      log-probs now agree with the *perturbed* HF model: the engine serves the new weights;
   4. partial rollout: a version published while long samples are running; tokens keep
      the version that produced them (reported), then abort_all returns aborted requests.
+It ends with one table: check, PASS/FAIL, what was seen.
 
     python benchmarks/gpu/sglang_check.py [--model DIR] [--dtype bfloat16]
 
@@ -83,6 +86,8 @@ def main() -> int:
         return 1
     import ray
 
+    import tests.engine_contract as contract
+    from stages.agentflow.limits import model_limits
     from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine
     from stages.model import ModelConfig, load_tokenizer, resolve_model_path
     from transfer import TransferConfig, TransferMesh
@@ -105,12 +110,19 @@ def main() -> int:
     texts = ["12+34=", "7+8=", "55+45=", "3+96=", "10+10=", "99+1="]
     prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
     reqs = [{"prompt_ids": p, "max_new_tokens": 8, "temperature": 0.0} for p in prompts]
-    failures = []
+    table: list[tuple[str, bool, str]] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
-        if not ok:
-            failures.append(name)
+        table.append((name, ok, detail))
+
+    generate = lambda rows: ray.get(engine.generate.remote(rows))  # noqa: E731
+    for name, fn, extra in [("contract: generation", contract.check_generation, ()),
+                            ("contract: refusals", contract.check_refusals, (model_limits(path)[0],)),
+                            ("contract: resume", contract.check_resume, ())]:
+        try:
+            check(name, True, fn(generate, tok.eos_token_id, prompts, *extra))
+        except AssertionError as e:
+            check(name, False, str(e)[:200])
 
     t = time.time()
     a = ray.get(engine.generate.remote(reqs))
@@ -148,10 +160,16 @@ def main() -> int:
     threading.Event().wait(0.05)
     ray.get(engine.abort_all.remote())
     d = ray.get(ref)
-    print(f"abort_all: statuses {sorted({o['status'] for o in d})}")
+    statuses = sorted({o["status"] for o in d})
+    check("abort_all", "aborted" in statuses, f"statuses {statuses}")
     ray.get(engine.close.remote())
     mesh.close()
     ray.shutdown()
+    width = max(len(n) for n, _, _ in table)
+    print(f"\n{'check':<{width}}  result  seen")
+    for name, ok, detail in table:
+        print(f"{name:<{width}}  {'PASS' if ok else 'FAIL':<6}  {detail}")
+    failures = [n for n, ok, _ in table if not ok]
     print("sglang_check:", "OK" if not failures else f"FAILED {failures}")
     return 1 if failures else 0
 

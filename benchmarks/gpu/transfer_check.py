@@ -7,8 +7,8 @@ beside a device-to-device copy of the same bytes (cudaMemcpy D2D via torch, the 
 
     python benchmarks/gpu/transfer_check.py [--sizes 256M,1G,4G] [--bucket-bytes 1G]
 
-CUDA IPC needs one GPU (two actors share it); NCCL needs two. Without CUDA it says so
-and exits with status 1."""
+CUDA IPC needs one GPU (two actors share it); NCCL needs two and CuPy (the `cupy` extra).
+Without CUDA it says so and exits with status 1."""
 from __future__ import annotations
 
 import argparse
@@ -121,9 +121,13 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     ray.init(address="local", num_gpus=gpus, log_to_driver=False, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    routes = [("cuda_ipc", 0.5)] + ([("nccl", 1)] if gpus >= 2 else [])
+    from transfer.nccl import available as nccl_available
+
+    routes = [("cuda_ipc", 0.5)] + ([("nccl", 1)] if gpus >= 2 and nccl_available() else [])
     if gpus < 2:
-        print("nccl: skipped, needs 2 GPUs (this machine has 1)")
+        print(f"nccl: skipped, needs 2 GPUs (this machine has {gpus}); benchmarks/gpu/nccl_check.py checks the rest")
+    elif not nccl_available():
+        print("nccl: skipped, CuPy is not installed (pip install 'loongsage[cupy]')")
     print(f"{torch.cuda.get_device_name()} x{gpus}, torch {torch.__version__}, bucket "
           f"{args.bucket_bytes >> 20} MiB, best of {args.repeats}")
     versions = iter(range(1, 1 << 30))

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
-import socket
 import threading
 import time
 import uuid
@@ -50,12 +48,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from stages.agentflow.engine_contract import (
+    RESYNC_TIMEOUT_S,
+    fresh_stats,
+    identity,
+    mesh_call,
+    reconstructed,
+    summarize_stats,
+    wait_synced,
+)
 from stages.agentflow.limits import failed_row, room, row_error
 from stages.lora import SERVERS, LoraConfig
 from stages.model import load_model, load_tokenizer
 from stages.priority import lower_priority
 
-RESYNC_TIMEOUT_S = 120.0
 CALIBRATE_MAX_PARAMS = 50_000_000   # larger models are matmul-bound: they keep every thread they are given
 CALIBRATE_ROUNDS = 5                 # timings per thread setting; the best of each is compared
 CALIBRATE_MARGIN = 0.9               # more threads are kept only when at least 10% faster
@@ -63,20 +69,6 @@ BATCHING = ("continuous", "static")
 IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
 KV_CACHE_MB = 1024.0                 # default rollout.kv_cache_mb
 PREFILL_MASK_ELEMS = 2 ** 24         # a padded prefill's attention mask (distinct contexts x width^2) at most
-
-
-def _reconstructed() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
-    except Exception:  # noqa: BLE001 - not in an actor (tests build engines in-process)
-        return False
-
-
-def _fresh_stats() -> dict:
-    return {"requests": 0, "tokens": 0, "busy_s": 0.0, "decode_steps": 0, "_rows_sum": 0, "running_rows_max": 0,
-            "_wait_sum": 0.0, "_waited": 0, "queue_wait_s_max": 0.0}
 
 
 @dataclass(eq=False)
@@ -203,17 +195,17 @@ class HFEngine:
         self._wake = threading.Condition()              # guards _waiting and _scheduling
         self._scheduling = False                        # the decode thread is running
         self._stats_lock = threading.Lock()
-        self.stats = _fresh_stats()
+        self.stats = fresh_stats()
         self._synced = threading.Event()
         self._synced.set()
         self.threads = self._pick_threads(num_threads)
         torch.set_num_threads(self.threads)
-        self.stats = _fresh_stats()         # the calibration's steps are not served work
+        self.stats = fresh_stats()         # the calibration's steps are not served work
         # A restarted engine (Ray re-ran this constructor after the process died) holds the
         # initial weights: it serves nothing until the controller has re-sent the current version.
         # `incarnation` is new in every process: the controller counts a restart only when it changes.
         self.incarnation = uuid.uuid4().hex
-        self._awaiting_resend = _reconstructed()
+        self._awaiting_resend = reconstructed()
         if self._awaiting_resend:
             self._synced.clear()
 
@@ -248,8 +240,7 @@ class HFEngine:
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "version": self.version, "threads": self.threads, "incarnation": self.incarnation}
+        return identity(self, threads=self.threads, engine="hf")
 
     def weight_version(self) -> int:
         return self.version
@@ -311,11 +302,7 @@ class HFEngine:
         return {n: t.clone() for n, t in self.model.state_dict().items()}
 
     def mesh(self, method: str, *args, **kwargs):
-        if self.mesh_endpoint is None:
-            import transfer
-
-            self.mesh_endpoint = transfer.Receiver(target=self)
-        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+        return mesh_call(self, method, *args, **kwargs)
 
     def abort_all(self) -> None:
         """Abort every request in flight now (used when a run stops or a window is closed)."""
@@ -326,11 +313,8 @@ class HFEngine:
         running_rows_mean/max (rows per step) and queue_wait_s_mean/max (enqueued -> admitted;
         continuous batching only)."""
         with self._stats_lock:
-            st, self.stats = self.stats, _fresh_stats()
-        steps, waited = st.pop("_rows_sum"), st.pop("_waited")
-        st["running_rows_mean"] = steps / max(st["decode_steps"], 1)
-        st["queue_wait_s_mean"] = st.pop("_wait_sum") / max(waited, 1)
-        return st
+            st, self.stats = self.stats, fresh_stats()
+        return summarize_stats(st)
 
     def _count(self, **add) -> None:
         with self._stats_lock:
@@ -352,9 +336,7 @@ class HFEngine:
         and is not decoded: the other rows are served."""
         if not requests:
             return []
-        if not self._synced.wait(timeout=RESYNC_TIMEOUT_S):
-            raise RuntimeError(f"{self.engine_id} restarted and was not re-sent the current weights within "
-                               f"{RESYNC_TIMEOUT_S:.0f}s")
+        wait_synced(self._synced, self.engine_id)
         t0 = time.time()
         groups: dict[tuple, list[int]] = {}
         queued: list[tuple[int, _Row]] = []

@@ -6,6 +6,9 @@ log-probs and per-token weight versions out (`meta_info.output_token_logprobs`,
 `meta_info.weight_versions`). A server process, not an in-process `sglang.Engine`:
 the actor is threaded (many rollout workers call `generate` at once) and the Engine's
 event loop is not; the server batches concurrent requests itself.
+It serves the one engine contract (engine_contract.py) the HF and vLLM engines serve, with
+the pieces they share: the hold/update gate, sampling seeds, statistics, the weight specs, and
+the wait for weights in a restarted process.
 
 Weights (TransferMesh drives them, as for HFEngine):
   load_weights            the Receiver landed a version in this process (CUDA IPC from a
@@ -53,23 +56,12 @@ from datetime import timedelta
 
 import torch
 
+from stages.agentflow import engine_contract as contract
 from stages.agentflow.engine_config import SGLangConfig
+from stages.agentflow.engine_contract import STATUS
 from stages.agentflow.limits import failed_row, model_limits, room, row_error
-from stages.lora import LoraConfig, adapter_specs, meta_model, write_adapter
+from stages.lora import LoraConfig, meta_model, write_adapter
 from stages.model import load_tokenizer
-
-STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def weight_specs_of(model_path: str, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The HF state_dict names and shapes of the model (built on the meta device: no
-    memory), in the dtype the trainer publishes: what the TransferMesh checks against."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    return {n: (tuple(t.shape), DTYPES[dtype]) for n, t in model.state_dict().items()}
 
 
 def versions_of(meta: dict, n: int) -> list[int]:
@@ -134,7 +126,7 @@ def lora_server_args(lora: LoraConfig, names: list[str]) -> dict:
             "max-loras-per-batch": 2}
 
 
-class SGLangEngine:
+class SGLangEngine(contract.LibraryWeights):
     """HFEngine's surface over an SGLang server. Runs as a threaded Ray actor with
     num_gpus = cfg.tp (the server uses exactly the GPUs Ray assigned). The first five
     arguments are HFEngine's, so the controller builds either the same way."""
@@ -154,14 +146,12 @@ class SGLangEngine:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh_endpoint = None
         self.lora = lora if lora is not None and lora.enabled else None
-        self._specs = weight_specs_of(model_path, dtype) if self.lora is None else \
-            adapter_specs(meta_model(model_path), self.lora)
+        self._specs = contract.published_specs(model_path, dtype, self.lora)
         self._adapter: str | None = None          # the adapter new requests are sent with (None: the base)
         self._bound: dict[str, int] = {}          # adapter -> requests in flight bound to it
         self._adapters = threading.Lock()
         if self.lora is not None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._lora_dir = tempfile.mkdtemp(prefix=f"loongsage-lora-{engine_id}-", dir=shm)
+            self._lora_dir = contract.adapter_dir(engine_id)
             # the module names SGLang adapts (every layer's; the controller checked the targets are those)
             self._lora_names = lora_module_names(self._specs)
             # the adapter files name their targets as SGLang reads them: a list of names, never a regex
@@ -172,10 +162,14 @@ class SGLangEngine:
         self.context = int(cfg.server_args.get("context-length") or cfg.server_args.get("context_length")
                            or self.context)
         self.vocab = self.vocab or len(self.tok)
-        self._gate = threading.Condition()   # hold requests vs weight updates
-        self._holding, self._updating = 0, False
+        self._gate = contract.VersionGate()     # hold requests vs weight updates
         self._update_lock = threading.Lock()
-        self.stats = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        self._stats_lock = threading.Lock()
+        self.stats = contract.fresh_stats()
+        # a restarted engine's server holds the initial weights: it waits for the current version
+        self._synced = threading.Event()
+        if not contract.reconstructed():
+            self._synced.set()
         self._launch(seed)
 
     # ---- the server ------------------------------------------------------------------
@@ -243,21 +237,7 @@ class SGLangEngine:
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "version": self.version, "server": self.url, "incarnation": self.incarnation}
-
-    def weight_version(self) -> int:
-        return self.version
-
-    def weight_specs(self) -> dict:
-        return dict(self._specs)
-
-    def mesh(self, method: str, *args, **kwargs):
-        if self.mesh_endpoint is None:
-            import transfer
-
-            self.mesh_endpoint = transfer.Receiver(target=self)
-        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+        return contract.identity(self, server=self.url, engine="sglang")
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version (update_weights_from_tensor, bucket by bucket). Each
@@ -282,18 +262,21 @@ class SGLangEngine:
                     "flush_cache": last, "weight_version": str(version) if last else None})
                 del owned
             self.version = int(version)
+        self._synced.set()
 
     def _load_adapter(self, named: dict, version: int) -> None:
         """A LoRA version: load it as adapter v<version>; new requests use it from the moment it is
         loaded (requests in flight finish on theirs), and the previous one goes when it is free."""
         if not named:       # only the clock (a resumed run): the adapter itself follows in a publish
             self.version = int(version)
+            self._synced.set()
             return
         name = f"v{int(version)}"
         path = write_adapter(named, self._lora_files, self.model_path, os.path.join(self._lora_dir, name))
         self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         with self._adapters:
             previous, self._adapter, self.version = self._adapter, name, int(version)
+        self._synced.set()
         self._release(previous)
 
     @contextmanager
@@ -348,25 +331,18 @@ class SGLangEngine:
                 "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": True, "weight_version": str(version)})
             self.version = int(version)
+        self._synced.set()
 
     @contextmanager
     def _exclusive(self):
         """Keep a version whole: one update at a time, after the `hold` requests in flight
         have finished, with generation paused (queued requests wait for resume)."""
-        with self._update_lock:
-            with self._gate:
-                self._updating = True
-                self._gate.wait_for(lambda: self._holding == 0)
+        with self._update_lock, self._gate.updating():
+            self.pause(self.cfg.pause_mode)
             try:
-                self.pause(self.cfg.pause_mode)
-                try:
-                    yield
-                finally:
-                    self.resume()
+                yield
             finally:
-                with self._gate:
-                    self._updating = False
-                    self._gate.notify_all()
+                self.resume()
 
     # ---- partial rollout controls ----------------------------------------------------
     def pause(self, mode: str = "retract") -> None:
@@ -380,8 +356,10 @@ class SGLangEngine:
         self._post("/abort_request", {"abort_all": True})
 
     def pop_stats(self) -> dict:
-        out, self.stats = self.stats, {"requests": 0, "tokens": 0, "busy_s": 0.0}
-        return out
+        """The contract's figures; the server batches on its own, so decode_steps and the queue wait are 0."""
+        with self._stats_lock:
+            st, self.stats = self.stats, contract.fresh_stats()
+        return contract.summarize_stats(st)
 
     # ---- generation ----------------------------------------------------------------
     def generate(self, requests: list[dict]) -> list[dict]:
@@ -391,6 +369,7 @@ class SGLangEngine:
         decoding (malformed, or over the context) has status failed, `error` and `code`."""
         if not requests:
             return []
+        contract.wait_synced(self._synced, self.engine_id)
         t0 = time.time()
         hold = any(isinstance(r, dict) and r.get("hold") for r in requests)
         out, todo = plan_rows(requests, self.context, self.vocab, self.eos_id, self.version)
@@ -398,42 +377,27 @@ class SGLangEngine:
             payload = {"input_ids": [list(r["prompt_ids"]) + list(r.get("prefix_ids", [])) for _, r, _ in todo],
                        "sampling_params": [self._sampling(r, b) for _, r, b in todo],
                        "return_logprob": True, "logprob_start_len": -1}
-            with self._holding_version(hold), self._bind_adapter() as (adapter, version):
+            with self._gate.holding(hold), self._bind_adapter() as (adapter, version):
                 if adapter is not None:
                     payload["lora_path"] = [adapter] * len(todo)
                 results = self._post("/generate", payload)
             results = results if isinstance(results, list) else [results]
             for (i, r, _), res in zip(todo, results):
                 out[i] = parse_output(res, r, version if self.lora is not None else None)
-        self.stats["requests"] += len(requests)
-        self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
-        self.stats["busy_s"] += time.time() - t0
+        with self._stats_lock:
+            self.stats["requests"] += len(requests)
+            self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
+            self.stats["busy_s"] += time.time() - t0
         return out
 
     @staticmethod
     def _sampling(r: dict, budget: int) -> dict:
-        temp = float(r.get("temperature", 1.0))
-        top_p = float(r.get("top_p", 1.0)) if temp > 0 else 1.0
-        params = {"max_new_tokens": budget, "temperature": temp, "top_p": top_p,
+        s = contract.sampling_of(r)
+        params = {"max_new_tokens": budget, "temperature": s.temperature, "top_p": s.top_p,
                   "skip_special_tokens": False, "no_stop_trim": True}
-        if "seed" in r:     # the sample's own stream, advanced past a resumed prefix (as HFEngine does)
-            params["sampling_seed"] = (int(r["seed"]) + len(r.get("prefix_ids", []))) % (2**63)
+        if s.seed is not None:     # the sample's own stream, advanced past a resumed prefix
+            params["sampling_seed"] = s.seed
         return params
-
-    @contextmanager
-    def _holding_version(self, hold: bool):
-        if not hold:
-            yield
-            return
-        with self._gate:
-            self._gate.wait_for(lambda: not self._updating)
-            self._holding += 1
-        try:
-            yield
-        finally:
-            with self._gate:
-                self._holding -= 1
-                self._gate.notify_all()
 
 
 def plan_rows(requests: list, context: int, vocab: int, eos_id: int, version: int) -> tuple[list[dict], list]:

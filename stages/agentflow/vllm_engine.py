@@ -16,13 +16,11 @@ thread of ours, rather than `AsyncLLM` or an engine core in its own process:
 * killing the actor kills the engine: no orphaned engine-core process to clean up.
 Generate calls from many rollout workers (the actor is threaded) only enqueue and wait.
 
-Contract (what HFEngine and SGLangEngine do): `generate(rows)` with prompt_ids,
-max_new_tokens, temperature, top_p, [seed], [prefix_ids, prefix_logprobs, prefix_versions]
-(a resumed partial rollout), [hold]; each row is one sample (the rollout stage sends a group's
-`n` samples as n rows: vLLM's prefix cache shares their prompt). A row stops on the
-tokenizer's eos or its budget (clipped to the context); `abort_all` ends every row in flight
-with status aborted and the tokens it has. A seeded row's sampler is seeded with
-seed + tokens already in its response, so a resumed row is reproducible too.
+The engine contract (stages/agentflow/engine_contract.py, which HFEngine and SGLangEngine serve
+too): each row is one sample (the rollout stage sends a group's `n` samples as n rows: vLLM's
+prefix cache shares their prompt). A row stops on the tokenizer's eos or its budget (clipped to
+the context). A seeded row's sampler is seeded with seed + tokens already in its response, so a
+resumed row is reproducible too.
 
 Weights: `load_weights(named, version)` between steps: the worker's
 `model_runner.reload_weights` (HF names; vLLM fuses q/k/v and gate/up itself), then the LM
@@ -38,10 +36,9 @@ carry that version), and an adapter is removed once no row uses it and a newer o
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -50,13 +47,24 @@ from dataclasses import dataclass, field
 import torch
 
 from stages.agentflow.engine_config import VLLMConfig
+from stages.agentflow.engine_contract import (
+    STATUS,
+    LibraryWeights,
+    VersionGate,
+    adapter_dir,
+    fresh_stats,
+    identity,
+    published_specs,
+    reconstructed,
+    sampling_of,
+    summarize_stats,
+    wait_synced,
+)
 from stages.agentflow.limits import failed_row, model_limits, room, row_error
-from stages.lora import LoraConfig, adapter_specs, meta_model, write_adapter
+from stages.lora import LoraConfig, write_adapter
 from stages.model import load_tokenizer
 
-RESYNC_TIMEOUT_S = 120.0
 IDLE_WAIT_S = 0.5           # the step thread sleeps this long at most when there is nothing to do
-STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
 @dataclass(eq=False)
@@ -104,13 +112,7 @@ def check_lora(lora: LoraConfig) -> None:
                          "trained in full beside them); leave it empty")
 
 
-def weight_specs_of(model_path: str, dtype: str) -> dict:
-    from stages.agentflow.sglang_engine import weight_specs_of as specs
-
-    return specs(model_path, dtype)
-
-
-class VLLMEngine:
+class VLLMEngine(LibraryWeights):
     """HFEngine's surface over vLLM's LLMEngine. A threaded Ray actor (max_concurrency > 1);
     the first five arguments are HFEngine's, so the controller builds either the same way."""
 
@@ -130,25 +132,23 @@ class VLLMEngine:
         self.version = 0
         self.incarnation = uuid.uuid4().hex      # new in every process: a changed one means restarted
         self.mesh_endpoint = None
-        self._specs = weight_specs_of(model_path, dtype) if self.lora is None else \
-            adapter_specs(meta_model(model_path), self.lora)
+        self._specs = published_specs(model_path, dtype, self.lora)
         self._adapter: tuple[str, int] | None = None      # (name, version) new rows start with
         self._adapters_loaded: dict[str, int] = {}          # name -> lora_int_id, resident in vLLM
         if self.lora is not None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._lora_dir = tempfile.mkdtemp(prefix=f"loongsage-lora-{engine_id}-", dir=shm)
+            self._lora_dir = adapter_dir(engine_id)
         self._lock = threading.Lock()            # engine calls: a step, an update, an abort
-        self._wake = threading.Condition()       # guards _pending, _rows, _holding, _updating
+        self._wake = threading.Condition()       # guards _pending, _rows
+        self._gate = VersionGate()               # hold calls against updates
         self._pending: list[_Row] = []
         self._rows: dict[str, _Row] = {}         # in vLLM
-        self._holding, self._updating = 0, False
         self._abort_before = -1.0
         self._closed = False
         self._next_id = 0
-        self.stats = self._fresh_stats()
+        self.stats = fresh_stats()
         self._synced = threading.Event()
         self._synced.set()
-        if _reconstructed():    # a restarted engine holds the initial weights: it waits for the current version
+        if reconstructed():    # a restarted engine holds the initial weights: it waits for the current version
             self._synced.clear()
         self._thread = threading.Thread(target=self._loop, name=f"{engine_id}-vllm-step", daemon=True)
         self._thread.start()
@@ -188,32 +188,9 @@ class VLLMEngine:
         while engine.has_unfinished_requests():
             engine.step()
 
-    @staticmethod
-    def _fresh_stats() -> dict:
-        return {"requests": 0, "tokens": 0, "busy_s": 0.0, "decode_steps": 0, "_rows_sum": 0, "running_rows_max": 0,
-                "_wait_sum": 0.0, "_waited": 0, "queue_wait_s_max": 0.0}
-
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "version": self.version, "threads": self.threads, "incarnation": self.incarnation,
-                "engine": "vllm"}
-
-    def weight_version(self) -> int:
-        return self.version
-
-    def needs_sync(self) -> bool:
-        return not self._synced.is_set()
-
-    def weight_specs(self) -> dict:
-        return dict(self._specs)
-
-    def mesh(self, method: str, *args, **kwargs):
-        if self.mesh_endpoint is None:
-            import transfer
-
-            self.mesh_endpoint = transfer.Receiver(target=self)
-        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+        return identity(self, threads=self.threads, engine="vllm")
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version between two steps (the tensors are the Receiver's verified
@@ -254,24 +231,11 @@ class VLLMEngine:
                 self.engine.remove_lora(self._adapters_loaded.pop(name))
             shutil.rmtree(os.path.join(self._lora_dir, name), ignore_errors=True)
 
+    @contextlib.contextmanager
     def _exclusive(self):
         """A version lands whole: after the hold rows in flight, between two steps."""
-        engine = self
-
-        class _Gate:
-            def __enter__(self):
-                with engine._wake:
-                    engine._updating = True
-                    engine._wake.wait_for(lambda: engine._holding == 0)
-                engine._lock.acquire()
-
-            def __exit__(self, *exc):
-                engine._lock.release()
-                with engine._wake:
-                    engine._updating = False
-                    engine._wake.notify_all()
-
-        return _Gate()
+        with self._gate.updating(), self._lock:
+            yield
 
     def abort_all(self) -> None:
         """Abort every request in flight now (used when a run stops or a window is closed)."""
@@ -291,11 +255,8 @@ class VLLMEngine:
         """As HFEngine's: requests, tokens, busy_s, decode_steps (engine steps), running_rows_mean/max
         (rows that got a token per step), queue_wait_s_mean/max (generate call -> first token)."""
         with self._wake:
-            st, self.stats = self.stats, self._fresh_stats()
-        rows, waited = st.pop("_rows_sum"), st.pop("_waited")
-        st["running_rows_mean"] = rows / max(st["decode_steps"], 1)
-        st["queue_wait_s_mean"] = st.pop("_wait_sum") / max(waited, 1)
-        return st
+            st, self.stats = self.stats, fresh_stats()
+        return summarize_stats(st)
 
     # ---- generation ----------------------------------------------------------------
     def generate(self, requests: list[dict]) -> list[dict]:
@@ -303,9 +264,7 @@ class VLLMEngine:
         (completed|truncated|aborted|failed); a refused row has `error` and `code`, the others are served."""
         if not requests:
             return []
-        if not self._synced.wait(timeout=RESYNC_TIMEOUT_S):
-            raise RuntimeError(f"{self.engine_id} restarted and was not re-sent the current weights within "
-                               f"{RESYNC_TIMEOUT_S:.0f}s")
+        wait_synced(self._synced, self.engine_id)
         from vllm.exceptions import VLLMValidationError
 
         t0 = time.time()
@@ -344,10 +303,9 @@ class VLLMEngine:
 
         prefix = list(r.get("prefix_ids", []))
         budget = room(r, self.context)
-        temp = float(r.get("temperature", 1.0))
-        seed = (int(r["seed"]) + len(prefix)) % (2 ** 63) if "seed" in r else None
-        params = SamplingParams(max_tokens=max(budget, 1), temperature=temp,
-                                top_p=float(r.get("top_p", 1.0)) if temp > 0 else 1.0, seed=seed, logprobs=0,
+        s = sampling_of(r)
+        params = SamplingParams(max_tokens=max(budget, 1), temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                logprobs=0,
                                 ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False,
                                 skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
         with self._wake:
@@ -363,10 +321,9 @@ class VLLMEngine:
 
     def _submit(self, rows: list[_Row], hold: bool) -> None:
         """Queue rows for the step thread; hold rows wait for an update in progress, then keep it out."""
+        if hold:
+            self._gate.hold()
         with self._wake:
-            if hold:
-                self._wake.wait_for(lambda: not self._updating)
-                self._holding += 1
             for row in rows:
                 row.lora = self._adapter
             self._pending.extend(rows)
@@ -377,9 +334,7 @@ class VLLMEngine:
     def _unhold(self, rows: list[_Row]) -> None:
         for row in rows:
             row.done.wait()
-        with self._wake:
-            self._holding -= 1
-            self._wake.notify_all()
+        self._gate.unhold()
 
     # ---- the step thread -----------------------------------------------------------
     def _loop(self) -> None:
@@ -477,13 +432,4 @@ class VLLMEngine:
             if not row.done.is_set():
                 row.error = f"{self.engine_id}: vLLM failed: {error!r}"
                 row.finish("failed")
-
-
-def _reconstructed() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
-    except Exception:  # noqa: BLE001 - not in an actor (tests build engines in-process)
-        return False
 
