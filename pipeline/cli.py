@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import math
 import os
 import shlex
@@ -92,22 +93,23 @@ def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
 
 
 def cmd_run(args) -> int:
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.cluster import ray_output_to
     from pipeline.config import ConfigError, load_config
-    from pipeline.controller import run
-    from pipeline.rundir import RunDirError, claim
 
     if args.resume and not args.run_dir:
         print("error: --resume continues the run in --run-dir DIR: name it", file=sys.stderr)
         return 2
     overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
-    one_line = (ValueError, ConfigError, CheckpointError, RunDirError)     # errors that are their message
-    try:
+    try:      # before torch and Ray are imported (seconds): a bad key or value is refused at once
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.cluster import ray_output_to
+    from pipeline.controller import run
+    from pipeline.rundir import RunDirError, claim
+
+    one_line = (ValueError, ConfigError, CheckpointError, RunDirError)     # errors that are their message
     run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     # Ray's own output goes to RUN_DIR/ray.log; --verbose leaves it on the terminal
     ray_log = run_dir / "ray.log"
@@ -164,6 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     return args.fn(args)
 
 
+# subcommand -> (its module, the function that adds its parser), in the order -h lists them
+SUBCOMMANDS = {
+    "make-teacher": ("stages.tasks.make_teacher", "add_subcommand"),   # tiny specialist teachers (OPD recipe)
+    "make-model": ("pipeline.make_model", "add_subcommand"),           # a tiny model on Qwen's vocabulary
+    "export": ("pipeline.export", "register"),                         # a checkpoint as an HF model directory
+    "plan": ("pipeline.plan", "add_subcommand"),                       # simulate a run on a cluster
+    "config": ("pipeline.config_doc", "add_subcommand"),               # the config reference, --check RECIPE
+    "serve": ("pipeline.serve", "add_subcommand"),                     # the engines behind the recording proxy
+}
+
+
 def parse_argv(argv: list[str]) -> argparse.Namespace:
     """The command line as every subcommand's parser reads it (nothing is run)."""
     p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
@@ -189,24 +202,12 @@ def parse_argv(argv: list[str]) -> argparse.Namespace:
     pr.add_argument("run_dir", help="a run directory")
     pr.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/profile_report)")
     pr.set_defaults(fn=cmd_profile)
-    from stages.tasks.make_teacher import add_subcommand
-
-    add_subcommand(sub)       # loongsage make-teacher: tiny specialist teachers and mixed prompts (OPD recipe)
-    from pipeline.make_model import add_subcommand as add_make_model
-
-    add_make_model(sub)       # loongsage make-model --vocab qwen OUT_DIR: a tiny model on Qwen's vocabulary
-    from pipeline.export import register as add_export
-
-    add_export(sub)           # loongsage export [--merge] CKPT OUT: a checkpoint as an HF model directory
-    from pipeline.plan import add_subcommand as add_plan
-
-    add_plan(sub)             # loongsage plan: simulate a run on a cluster, calibrated on a run's profile
-    from pipeline.config_doc import add_subcommand as add_config
-
-    add_config(sub)           # loongsage config [SECTION] | --check RECIPE | --markdown: the config reference
-    from pipeline.serve import add_subcommand as add_serve
-
-    add_serve(sub)            # loongsage serve MODEL: the engines behind the recording proxy, outside training
+    # the other subcommands are declared in their own modules, some of which import torch or Ray: only the
+    # one named is imported (all of them for -h or a wrong name), so `run` reaches its config check at once
+    named = argv[0] if argv and argv[0] in (*sub.choices, *SUBCOMMANDS) else None
+    for name, (module, register) in SUBCOMMANDS.items():
+        if named is None or named == name:
+            getattr(importlib.import_module(module), register)(sub)
     return parse(p, sub, argv)
 
 

@@ -1,7 +1,8 @@
 """Recipe config: frozen dataclasses, one per stage, mirrored 1:1 in YAML.
 
 A recipe file is a mapping `section -> {key: value}`; each section is the config
-dataclass of one stage, defined next to that stage. Command-line overrides are
+dataclass of one stage, defined next to that stage in a module that imports neither torch
+nor Ray, so a recipe is read and refused (a bad key or value) in a fraction of a second. Command-line overrides are
 `section.key=value` (values parsed as YAML). Any unknown section or key is an error
 that lists the valid ones, so a typo never silently runs the default.
 """
@@ -18,21 +19,19 @@ import yaml
 
 from pipeline import seeds
 from pipeline.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
-from pipeline.placement import PlacementConfig
-from pipeline.recorder import ReplayConfig
+from pipeline.placement_config import PlacementConfig
+from pipeline.replay_config import ReplayConfig
 from pipeline.trackers import TrackerConfig
-from stages.agentflow.rollout import RolloutConfig
-from stages.agentflow.sglang_engine import SGLangConfig
-from stages.agentflow.vllm_engine import VLLMConfig
-from stages.batcher import BatcherConfig
-from stages.model import ModelConfig
-from stages.prompts import DataConfig
-from stages.reward import RewardConfig
+from stages.agentflow.config import RolloutConfig
+from stages.agentflow.engine_config import SGLangConfig, VLLMConfig
+from stages.batcher_config import BatcherConfig
+from stages.model_config import ModelConfig
+from stages.prompts_config import DataConfig
+from stages.reward_config import RewardConfig
 from stages.teacher.config import TeacherConfig
-from stages.update.losses import AlgorithmConfig
+from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.megatron.config import MegatronConfig
-from stages.update.trainer import TrainerConfig
-from transfer import TransferConfig
+from transfer.config import TransferConfig
 
 
 class ConfigError(ValueError):

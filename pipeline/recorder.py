@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.keys import key
+from pipeline.replay_config import ReplayConfig
 from stages.schema import COLUMNS, SCHEMA_VERSION, conform
 
 VERSION_KEY = b"loongsage.schema_version"
@@ -172,15 +172,6 @@ def _group_index(f: StepFile) -> tuple[pa.Table, int]:
 
 class ReplayError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Which recorded groups to train on (empty / None = no filter)."""
-    steps: tuple[int, ...] = key((), "recorded step numbers to train on (empty = all)")
-    data_sources: tuple[str, ...] = key((), "data_source values to train on (empty = all)")
-    reward_min: float | None = key(None, "inclusive lower bound on a group's mean reward (None = no bound)")
-    reward_max: float | None = key(None, "inclusive upper bound on a group's mean reward (None = no bound)")
 
 
 def select_groups(rec: Recording, f: ReplayConfig | None = None) -> pa.Table:

@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
-import numpy as np
-
 STREAMS = {     # name -> what draws from it
     "data": "the prompt order of every epoch and a built-in task's train subset (stages/prompts.py)",
     "rollout": "the per-sample sampling seeds of training trajectories (stages/agentflow/rollout.py)",
@@ -50,6 +48,8 @@ def derive(run_seed: int, stream: str, *index: int) -> int:
                          f"(known: {', '.join(STREAMS)})")
     if run_seed < 0 or any(i < 0 for i in index):
         raise ValueError(f"seeds and stream indices must be >= 0, got {run_seed}, {index}")
+    import numpy as np  # here, not at the top: a recipe is checked (and refused) without numpy
+
     seq = np.random.SeedSequence(int(run_seed), spawn_key=(_KEYS[stream], *map(int, index)))
     return int(seq.generate_state(1)[0] >> 1)
 

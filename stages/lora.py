@@ -23,66 +23,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.keys import POSITIVE, between, key, one_of
+from stages.lora_config import LoraConfig
 
 PREFIX = "base_model.model."         # peft's saved-adapter keys start with this, then the module path
 ADAPTER_DTYPE = torch.float32        # peft keeps adapters in float32 even on a bf16 / fp16 base
-SERVE = ("merge", "peft")
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """The `trainer.lora:` recipe section."""
-    enabled: bool = key(False, "train LoRA adapters instead of the full model")
-    rank: int = key(8, "adapter rank", POSITIVE)
-    alpha: float = key(16.0, "the update is scaled by alpha / rank", POSITIVE)
-    dropout: float = key(0.0, "on the adapter's input, in the trainer's gradient passes only",
-                              between(0, 1, hi_open=True))
-    target_modules: tuple[str, ...] = key(DEFAULT_TARGETS, "module names: every module whose path ends in one")
-    target_regex: str = key("", "a regex full-matched against module paths; set, it replaces target_modules")
-    modules_to_save: tuple[str, ...] = key((), "modules trained in full beside the adapters (peft's modules_to_save: "
-                                               "every module whose path ends in one), e.g. [model.norm]; sent with "
-                                               "them")
-    serve: str = key("merge", "how the HF engine applies a version: merge | peft (see stages/lora.py)", one_of(*SERVE))
-
-    def __post_init__(self):
-        if self.rank <= 0:
-            raise ValueError(f"trainer.lora.rank must be > 0, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"trainer.lora.alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"trainer.lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.serve not in SERVE:
-            raise ValueError(f"trainer.lora.serve must be one of {', '.join(SERVE)}, got {self.serve!r}")
-        if self.target_regex:
-            try:
-                re.compile(self.target_regex)
-            except re.error as e:
-                raise ValueError(f"trainer.lora.target_regex={self.target_regex!r} is not a valid regex: {e}") from e
-        elif not self.target_modules:
-            raise ValueError("trainer.lora.target_modules is empty (and no trainer.lora.target_regex is set)")
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    @property
-    def targets_key(self) -> str:
-        return "trainer.lora.target_regex" if self.target_regex else "trainer.lora.target_modules"
-
-    @property
-    def targets_spec(self):
-        """What peft's LoraConfig takes as target_modules: a regex string, or a list of names."""
-        return self.target_regex or list(self.target_modules)
-
-
 class LoraTargetError(ValueError):
     """The targets name no linear layer of the model, or one LoRA cannot adapt here."""
 

@@ -11,40 +11,13 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from pipeline.keys import NONNEG, POSITIVE, between, key, one_of
+from stages.model_config import ModelConfig
 from stages.shapes import attention_heads
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str = key("", 'local HF dir; "" = the built-in tiny model (builtin_* keys below); builtin:NAME '
-                        "(builtin_model_dir)")
-    dtype: str = key("float32", "dtype the policy is held and trained in", one_of("bfloat16", "float16", "float32"))
-    builtin_task: str = key("addition", 'built-in tiny model (used only when path is ""): the task it is warmed up on')
-    builtin_digits: int = key(2, "built-in tiny model: digits of the task's operands", POSITIVE)
-    hidden_size: int = key(128, "built-in tiny model: hidden size", POSITIVE)
-    num_layers: int = key(4, "built-in tiny model: transformer layers", POSITIVE)
-    warmup_steps: int = key(300, "built-in tiny model: SFT steps, deliberately partial (~0.2 sampled accuracy), RL "
-                                 "does the rest", NONNEG)
-    warmup_rows: int = key(1000, "built-in tiny model: SFT rows", POSITIVE)
-    warmup_lr: float = key(1e-3, "built-in tiny model: SFT learning rate", POSITIVE)
-    warmup_label_smoothing: float = key(0.0, "built-in tiny model: > 0 makes the warmed policy know answers it samples"
-                                             " with low confidence", between(0, 1, hi_open=True))
-    cache_dir: str = key("~/.cache/loongsage/models", "where built-in tiny models are cached")
-    seed: int = key(0, "picks the built-in model (its init and warm-up), as path picks a checkpoint: not run.seed, so "
-                        "every run seed starts from one cached model (docs/seeds.md)", NONNEG)
-
-    def __post_init__(self):
-        if not 0 <= self.warmup_label_smoothing < 1:
-            raise ValueError(f"model.warmup_label_smoothing must be in [0, 1), got {self.warmup_label_smoothing}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL = ["<pad>", "<eos>", "<bos>"]

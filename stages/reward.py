@@ -36,12 +36,11 @@ import importlib
 import json
 import math
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from pipeline.keys import NONNEG, POSITIVE, at_least, key
+from stages.reward_config import RewardConfig
 from stages.reward_pool import RewardPool, call_reward, error_text
 from stages.schema import with_columns
 
@@ -64,20 +63,6 @@ def numeric(prompt: str, response: str, answer: str, row: dict) -> float:
 
 
 BUILTIN = {"exact_match": exact_match, "numeric": numeric}
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    fn: str = key("exact_match", "exact_match | numeric | dotted path `pkg.module:function`")
-    timeout_s: float = key(10.0, "seconds per row of a user fn, from when a worker starts it", POSITIVE)
-    workers: int = key(4, "worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)", at_least(1))
-    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: row[\"seed\"] for a user fn", NONNEG)
-
-    def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
-        if self.workers < 1:
-            raise ValueError(f"reward.workers must be >= 1, got {self.workers}")
 
 
 def load_reward_fn(name: str):

@@ -62,10 +62,13 @@ def test_out_of_range_values_are_refused_naming_key_value_and_range(override, me
     assert message in str(e.value)
 
 
-def _cli(*args, cwd=ROOT):
+def _cli(*args, cwd=ROOT, python=()):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, env=env, text=True,
+    return subprocess.Popen([sys.executable, *python, "-m", "pipeline.cli", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+HEAVY = {"torch", "ray", "transformers", "vllm", "sglang", "megatron"}   # seconds to import, each
 
 
 def test_bad_values_are_refused_by_the_real_cli_with_one_line(tmp_path):
@@ -75,14 +78,29 @@ def test_bad_values_are_refused_by_the_real_cli_with_one_line(tmp_path):
              "rollout.temperature=.nan": "rollout.temperature must be a finite number >= 0, got nan",
              "eval.every=-5": "eval.every must be >= 0, got -5",
              "eval.num_prompts=-1": "eval.num_prompts must be >= 0, got -1"}
-    # all at once: each process spends its time importing torch and Ray, not on the check
-    procs = {o: _cli("run", "configs/quickstart.yaml", o, "--run-dir", str(tmp_path / o)) for o in cases}
+    # -X importtime: Python lists every module the process imported (on stderr, one "import time:" line each);
+    # a refusal comes before torch and Ray are imported, which is what makes it take a fraction of a second
+    procs = {o: _cli("run", "configs/quickstart.yaml", o, "--run-dir", str(tmp_path / o), python=("-X", "importtime"))
+             for o in cases}
     for override, proc in procs.items():
         out, err = proc.communicate(timeout=300)
-        lines = [x for x in err.splitlines() if x.strip()]
+        timed = [x.rsplit("|", 1)[-1].strip() for x in err.splitlines() if x.startswith("import time:")]
+        lines = [x for x in err.splitlines() if x.strip() and not x.startswith("import time:")]
         assert proc.returncode == 2, (override, err)
-        assert lines == [f"config error: {cases[override]}"], (override, err)
+        assert lines == [f"config error: {cases[override]}"], (override, lines)
         assert not (tmp_path / override).exists()          # refused before the run directory is made
+        assert "pipeline.config" in timed and "yaml" in timed, timed[-20:]      # the list is really read
+        assert sorted({m.split(".")[0] for m in timed} & HEAVY) == [], override
+
+
+def test_the_schema_names_what_the_torch_modules_implement():
+    """The update stage's config (torch-free) lists the advantage estimators, surrogates and KL
+    estimators by name; the modules that implement them hold the same names."""
+    from stages.update import advantages, config, losses
+
+    assert config.ADVANTAGES == tuple(advantages.ESTIMATORS)
+    assert config.SURROGATE_NAMES == tuple(losses.SURROGATES)
+    assert config.KL_ESTIMATOR_NAMES == tuple(losses.KL_ESTIMATORS)
 
 
 def test_config_command_prints_the_reference_and_checks_a_recipe():

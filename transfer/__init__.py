@@ -1,14 +1,23 @@
 """TransferMesh: topology-aware, versioned, bucketed weight sync from the trainer to
 the engines (see mesh.py for the driver side, endpoints.py for the actor side, and one
-module per transport: inproc, shm, gloo, zmq_stream, cuda_ipc, nccl)."""
-from .config import TRANSPORTS, TransferConfig
-from .endpoints import Receiver, Sender, WeightTarget
-from .errors import TransferError
-from .layout import Layout, checksum
-from .mesh import TransferMesh
-from .routes import Route, plan_route
-from .topology import Party, format_table
+module per transport: inproc, shm, gloo, zmq_stream, cuda_ipc, nccl).
 
-__all__ = ["TRANSPORTS", "TransferConfig", "TransferMesh", "TransferError", "Sender",
-           "Receiver", "WeightTarget", "Route", "plan_route", "Party", "format_table",
-           "Layout", "checksum"]
+The names below are loaded on first use (PEP 562), so reading a recipe's `transfer:` section
+(transfer/config.py) does not import torch and Ray with the mesh.
+"""
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {"TRANSPORTS": "config", "TransferConfig": "config", "Receiver": "endpoints", "Sender": "endpoints",
+          "WeightTarget": "endpoints", "TransferError": "errors", "Layout": "layout", "checksum": "layout",
+          "TransferMesh": "mesh", "Route": "routes", "plan_route": "routes", "Party": "topology",
+          "format_table": "topology"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"transfer.{_WHERE[name]}"), name)

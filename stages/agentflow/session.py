@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 from stages.agentflow.chat import cut_at_stop, decode, decode_continuation, encode, split_reasoning
+from stages.agentflow.config import KINDS
 from stages.agentflow.harness import harness_kind
 from stages.agentflow.limits import raise_if_failed
 from stages.agentflow.protocol import custom_input
@@ -50,7 +51,6 @@ from stages.agentflow.stream import TokenStream
 MAX_TIPS = 64   # recent streams kept as extension candidates; older ones are dropped
 KIND_HEADER = "x-loongsage-request-kind"   # main | compaction | subagent: what a call is part of
 AGENT_HEADER = "x-loongsage-agent-id"      # names one subagent among several (optional)
-KINDS = ("main", "compaction", "subagent", "side")
 MAX_SAID = 4096     # tool calls and replies remembered per trajectory, to restore a re-serialised history
 
 

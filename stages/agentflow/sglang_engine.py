@@ -52,13 +52,12 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from pipeline.keys import POSITIVE, at_least, between, key, one_of
 from stages.agentflow import engine_contract as contract
+from stages.agentflow.engine_config import SGLangConfig
 from stages.agentflow.engine_contract import STATUS
 from stages.agentflow.limits import failed_row, model_limits, room, row_error
 from stages.lora import LoraConfig, meta_model, write_adapter
@@ -125,28 +124,6 @@ def lora_server_args(lora: LoraConfig, names: list[str]) -> dict:
     the previous one, while requests bound to it finish)."""
     return {"enable-lora": True, "max-lora-rank": lora.rank, "lora-target-modules": list(names),
             "max-loras-per-batch": 2}
-
-
-@dataclass(frozen=True)
-class SGLangConfig:
-    """The `sglang:` recipe section (used when rollout.engine is sglang)."""
-    tp: int = key(1, "GPUs per engine (SGLang tensor parallel); Ray gives each engine this many", at_least(1))
-    mem_fraction: float = key(0.7, "of each GPU for weights + KV cache (lower when colocated)",
-                                   between(0, 1, lo_open=True, hi_open=True))
-    pause_mode: str = key("retract", "how a weight update interrupts generation: retract | in_place | abort",
-                                     one_of("retract", "in_place", "abort"))
-    server_args: dict = key({}, "any other `sglang.launch_server` flag, without the dashes")
-    startup_timeout_s: float = key(900.0, "seconds an engine may take to start its server", POSITIVE)
-    request_timeout_s: float = key(3600.0, "seconds one generation request may take", POSITIVE)
-    bucket_bytes: int = key(512 << 20, "weights handed to the server per update_weights_from_tensor call", POSITIVE)
-
-    def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"sglang.tp must be >= 1, got {self.tp}")
-        if self.pause_mode not in ("retract", "in_place", "abort"):
-            raise ValueError(f"sglang.pause_mode must be retract, in_place or abort, got {self.pause_mode!r}")
-        if not 0 < self.mem_fraction < 1:
-            raise ValueError(f"sglang.mem_fraction must be in (0, 1), got {self.mem_fraction}")
 
 
 class SGLangEngine(contract.LibraryWeights):

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.keys import at_least, key
+from stages.agentflow.engine_config import VLLMConfig
 from stages.agentflow.engine_contract import (
     STATUS,
     LibraryWeights,
@@ -65,25 +65,6 @@ from stages.lora import LoraConfig, write_adapter
 from stages.model import load_tokenizer
 
 IDLE_WAIT_S = 0.5           # the step thread sleeps this long at most when there is nothing to do
-
-
-@dataclass(frozen=True)
-class VLLMConfig:
-    """The `vllm:` recipe section (used when rollout.engine is vllm)."""
-    kv_cache_mb: int = key(256, "KV cache per engine, MiB (vLLM's default is most of the machine's memory)",
-                           at_least(1))
-    max_num_seqs: int = key(256, "rows decoding at once (more wait in vLLM's queue)", at_least(1))
-    max_num_batched_tokens: int = key(16384, "tokens per engine step; large: vLLM 0.32 on CPU fails a seeded row "
-                                             "that is prefilled in chunks", at_least(1))
-    enforce_eager: bool = key(True, "no torch.compile / graphs (on CPU: +37 s of start, nothing gained here)")
-    prefix_caching: bool = key(True, "share KV blocks of common prefixes (a group's prompt)")
-    max_loras: int = key(2, "adapters resident at once with trainer.lora (the current and the previous)", at_least(1))
-    engine_args: dict = key({}, "any other vllm.EngineArgs field")
-
-    def __post_init__(self):
-        for k in ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"vllm.{k} must be >= 1, got {getattr(self, k)}")
 
 
 @dataclass(eq=False)

@@ -6,10 +6,21 @@
     scoring.py  TeacherScoring: the pipeline stage writing teacher_logprobs (+ top-k for GKD)
 
 The update stage turns the scores into a training signal (stages/update/distill.py).
+The manager's and the scoring stage's names are loaded on first use (PEP 562), so reading a
+recipe's `teacher:` section does not import torch.
 """
+import importlib
+
 from stages.teacher.config import TeacherConfig, TeacherError
-from stages.teacher.manager import TeacherManager, check_teachers
-from stages.teacher.scoring import TeacherScoring, teacher_metrics
+
+_WHERE = {"TeacherManager": "manager", "check_teachers": "manager", "TeacherScoring": "scoring",
+          "teacher_metrics": "scoring"}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'stages.teacher' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"stages.teacher.{_WHERE[name]}"), name)
 
 
 def check_recipe(teacher: TeacherConfig, algorithm) -> None:

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-DISTILL_MODES = ("pg", "gkd")
-
 
 @dataclass
 class TeacherBatch:

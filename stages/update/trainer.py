@@ -18,98 +18,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.keys import NONNEG, POSITIVE, UNIT, Check, key, one_of
 from stages import lora as lora_lib
-from stages.lora import LoraConfig
 from stages.model import load_model
 from stages.token_logprobs import position_stats, split_model
 from stages.update.advantages import compute_advantages
+from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
 from stages.update.distill import apply_distill, gkd_term
-from stages.update.losses import AlgorithmConfig, policy_loss, shape_overlong
+from stages.update.losses import policy_loss, shape_overlong
 from stages.update.microbatch import merge_metrics, token_micro_batches
 
 TRAINABLE = ("completed", "truncated")   # failed/aborted rows are recorded, never trained
-
-
-ON_NONFINITE = ("skip", "stop")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-_BETAS = Check("two numbers, each in [0, 1)", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b))
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = key(2e-4, "peak learning rate (AdamW)", POSITIVE)
-    weight_decay: float = key(0.0, "AdamW weight decay", NONNEG)
-    betas: tuple[float, float] = key((0.9, 0.98), "AdamW betas", _BETAS)
-    grad_clip: float = key(1.0, "clip the gradient's global norm to this", POSITIVE)
-    mini_batch_size: int = key(0, "samples per optimizer step; 0 = the whole step (one optimizer step)", NONNEG)
-    ppo_epochs: int = key(1, "passes over a step's samples", POSITIVE)
-    fused_optimizer: bool = key(True, "torch's fused AdamW where it covers the parameters (else its loop)")
-    num_threads: int = key(0, "torch threads in the trainer actor; 0 = pipeline/resources.py decides", NONNEG)
-    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
-    backend: str = key("torch", "torch (this module) | megatron (stages/update/megatron, `megatron:` section)",
-                                one_of("torch", "megatron"))
-    lr_schedule: str = key("constant", "constant | linear | cosine: decay from lr to lr * lr_min_ratio",
-                                       one_of(*LR_SCHEDULES))
-    lr_warmup_steps: int = key(0, "training steps of linear warm-up from lr / lr_warmup_steps to lr", NONNEG)
-    lr_min_ratio: float = key(0.0, "where linear / cosine decay ends, as a fraction of lr", UNIT)
-    lr_decay_steps: int = key(0, "the step the decay ends at (0 = run.steps, the run's last step)", NONNEG)
-    skip_zero_advantage: bool = key(True, "no forward/backward for rows whose every trained token has advantage 0 (a "
-                                          "group of equal rewards): they add nothing to the gradient, and the loss "
-                                          "keeps their tokens in its denominator, so the update is the same with less "
-                                          "compute. Off by itself with a KL-to-reference, entropy or distillation term"
-                                          " (those give such rows a gradient)")
-    share_prompts: bool = key(True, "rows of a mini-batch with the same prompt (a group's samples) run as one "
-                                    "sequence: the prompt once, each response attending to it and to itself (the same "
-                                    "log-probs; the prompt's compute paid once, not per sample)")
-    mini_batch_split: str = key("rows", "rows: mini-batches of random rows | groups: of whole groups (their rows share"
-                                        " a prompt, so share_prompts computes it once per mini-batch)",
-                                        one_of("rows", "groups"))
-    on_nonfinite: str = key("skip", "a mini-batch whose loss or grad norm is NaN / inf: skip (its optimizer step is "
-                                    "not taken; counted as train/nonfinite_skipped) | stop (raise)",
-                                    one_of(*ON_NONFINITE))
-    logprob_chunk: int = key(256, "response positions whose logits exist at once: log-probs and entropy on response "
-                                  "positions only, the LM head applied this many at a time (each chunk recomputed in "
-                                  "the backward), so memory follows the response, never [sequence, vocabulary] (256 x "
-                                  "151k vocab = 155 MB fp32). 0 = every response position of a mini-batch at once",
-                             NONNEG)
-    max_tokens_per_microbatch: int = key(0, "> 0: an optimizer step's rows run in forward/backward passes of at most "
-                                            "this many laid-out positions each (rows x longest row, or packed width), "
-                                            "gradients accumulated: one 19k-token row and many short ones train in one "
-                                            "step without padding every row to 19k (stages/update/microbatch.py); the "
-                                            "update equals one pass's to float rounding. 0 = one pass per mini-batch",
-                                         NONNEG)
-    lora: LoraConfig = key(LoraConfig, "train LoRA adapters only (stages/lora.py)")
-
-    def __post_init__(self):
-        if self.backend not in ("torch", "megatron"):
-            raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
-        if self.lr <= 0:
-            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
-        if self.max_tokens_per_microbatch < 0:
-            raise ValueError("trainer.max_tokens_per_microbatch must be >= 0 (0 = one pass per mini-batch), "
-                             f"got {self.max_tokens_per_microbatch}")
-        if self.logprob_chunk < 0:
-            raise ValueError(f"trainer.logprob_chunk must be >= 0 (0 = no chunking), got {self.logprob_chunk}")
-        if self.mini_batch_size < 0:
-            raise ValueError(f"trainer.mini_batch_size must be >= 0, got {self.mini_batch_size}")
-        if self.ppo_epochs <= 0:
-            raise ValueError(f"trainer.ppo_epochs must be > 0, got {self.ppo_epochs}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
-            raise ValueError("trainer.lr_warmup_steps and trainer.lr_decay_steps must be >= 0")
-        if not 0 <= self.lr_min_ratio <= 1:
-            raise ValueError(f"trainer.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
-        if self.mini_batch_split not in ("rows", "groups"):
-            raise ValueError(f"trainer.mini_batch_split must be rows or groups, got {self.mini_batch_split!r}")
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
-                             f"got {self.on_nonfinite!r}")
-        if self.lora.enabled and self.backend != "torch":
-            raise ValueError(f"trainer.lora.enabled needs trainer.backend=torch: the {self.backend} trainer has no "
-                             "LoRA (peft adapts HF modules; Megatron's are its own, sharded)")
 
 
 class NonFiniteUpdate(FloatingPointError):

@@ -1,0 +1,50 @@
+"""The `vllm:` and `sglang:` recipe sections (stages/agentflow/vllm_engine.py, sglang_engine.py).
+
+Apart from the engines, which import torch, so a recipe is checked without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.keys import POSITIVE, at_least, between, key, one_of
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """The `vllm:` recipe section (used when rollout.engine is vllm)."""
+    kv_cache_mb: int = key(256, "KV cache per engine, MiB (vLLM's default is most of the machine's memory)",
+                           at_least(1))
+    max_num_seqs: int = key(256, "rows decoding at once (more wait in vLLM's queue)", at_least(1))
+    max_num_batched_tokens: int = key(16384, "tokens per engine step; large: vLLM 0.32 on CPU fails a seeded row "
+                                             "that is prefilled in chunks", at_least(1))
+    enforce_eager: bool = key(True, "no torch.compile / graphs (on CPU: +37 s of start, nothing gained here)")
+    prefix_caching: bool = key(True, "share KV blocks of common prefixes (a group's prompt)")
+    max_loras: int = key(2, "adapters resident at once with trainer.lora (the current and the previous)", at_least(1))
+    engine_args: dict = key({}, "any other vllm.EngineArgs field")
+
+    def __post_init__(self):
+        for k in ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"vllm.{k} must be >= 1, got {getattr(self, k)}")
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """The `sglang:` recipe section (used when rollout.engine is sglang)."""
+    tp: int = key(1, "GPUs per engine (SGLang tensor parallel); Ray gives each engine this many", at_least(1))
+    mem_fraction: float = key(0.7, "of each GPU for weights + KV cache (lower when colocated)",
+                                   between(0, 1, lo_open=True, hi_open=True))
+    pause_mode: str = key("retract", "how a weight update interrupts generation: retract | in_place | abort",
+                                     one_of("retract", "in_place", "abort"))
+    server_args: dict = key({}, "any other `sglang.launch_server` flag, without the dashes")
+    startup_timeout_s: float = key(900.0, "seconds an engine may take to start its server", POSITIVE)
+    request_timeout_s: float = key(3600.0, "seconds one generation request may take", POSITIVE)
+    bucket_bytes: int = key(512 << 20, "weights handed to the server per update_weights_from_tensor call", POSITIVE)
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"sglang.tp must be >= 1, got {self.tp}")
+        if self.pause_mode not in ("retract", "in_place", "abort"):
+            raise ValueError(f"sglang.pause_mode must be retract, in_place or abort, got {self.pause_mode!r}")
+        if not 0 < self.mem_fraction < 1:
+            raise ValueError(f"sglang.mem_fraction must be in (0, 1), got {self.mem_fraction}")

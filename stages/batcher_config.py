@@ -1,0 +1,25 @@
+"""The `batcher:` recipe section (stages/batcher.py turns collected groups into training steps).
+
+Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.keys import POSITIVE, key, one_of
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    groups_per_step: int = key(8, "B: prompt groups per training step", POSITIVE)
+    filter_equal_rewards: bool = key(False, "dynamic sampling: drop groups whose rewards are all equal")
+    stale_policy: str = key("drop", "drop | wait | mask: what to do with a group older than the bound (mask: its "
+                                    "tokens older than the bound leave the loss, kept as context; the group is dropped"
+                                    " only when none is left: long trajectories are not starved)",
+                                    one_of("drop", "wait", "mask"))
+
+    def __post_init__(self):
+        if self.groups_per_step <= 0:
+            raise ValueError(f"batcher.groups_per_step must be > 0, got {self.groups_per_step}")
+        if self.stale_policy not in ("drop", "wait", "mask"):
+            raise ValueError(f"batcher.stale_policy must be drop, wait or mask, got {self.stale_policy!r}")

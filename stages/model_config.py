@@ -1,0 +1,37 @@
+"""The `model:` recipe section: which policy model, and how the built-in tiny one is made.
+
+Apart from stages/model.py (which loads models with torch) so a recipe is checked without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.keys import NONNEG, POSITIVE, between, key, one_of
+
+DTYPES = ("float32", "bfloat16", "float16")     # stages/model.py maps each to its torch dtype
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = key("", 'local HF dir; "" = the built-in tiny model (builtin_* keys below); builtin:NAME '
+                        "(builtin_model_dir)")
+    dtype: str = key("float32", "dtype the policy is held and trained in", one_of("bfloat16", "float16", "float32"))
+    builtin_task: str = key("addition", 'built-in tiny model (used only when path is ""): the task it is warmed up on')
+    builtin_digits: int = key(2, "built-in tiny model: digits of the task's operands", POSITIVE)
+    hidden_size: int = key(128, "built-in tiny model: hidden size", POSITIVE)
+    num_layers: int = key(4, "built-in tiny model: transformer layers", POSITIVE)
+    warmup_steps: int = key(300, "built-in tiny model: SFT steps, deliberately partial (~0.2 sampled accuracy), RL "
+                                 "does the rest", NONNEG)
+    warmup_rows: int = key(1000, "built-in tiny model: SFT rows", POSITIVE)
+    warmup_lr: float = key(1e-3, "built-in tiny model: SFT learning rate", POSITIVE)
+    warmup_label_smoothing: float = key(0.0, "built-in tiny model: > 0 makes the warmed policy know answers it samples"
+                                             " with low confidence", between(0, 1, hi_open=True))
+    cache_dir: str = key("~/.cache/loongsage/models", "where built-in tiny models are cached")
+    seed: int = key(0, "picks the built-in model (its init and warm-up), as path picks a checkpoint: not run.seed, so "
+                        "every run seed starts from one cached model (docs/seeds.md)", NONNEG)
+
+    def __post_init__(self):
+        if not 0 <= self.warmup_label_smoothing < 1:
+            raise ValueError(f"model.warmup_label_smoothing must be in [0, 1), got {self.warmup_label_smoothing}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -1,0 +1,28 @@
+"""The `data:` recipe section (stages/prompts.py reads the prompts it names).
+
+Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.keys import NONNEG, POSITIVE, key
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = key("builtin:addition", ".parquet / .jsonl / .json file, a directory of Parquet, or builtin:TASK")
+    test_path: str = key("", "held-out prompts for eval; \"\" = the built-in task's test split")
+    prompt_key: str = key("prompt", "column holding the prompt")
+    answer_key: str = key("answer", "column holding the reference answer")
+    data_source_key: str = key("data_source", "optional column naming each row's data source; missing -> "
+                                              "data.data_source")
+    data_source: str = key("", 'default source name ("" = task name or file stem)')
+    builtin_digits: int = key(2, "builtin:TASK: digits of the task's operands", POSITIVE)
+    train_size: int = key(0, "training prompts to use (0 = every row)", NONNEG)
+    shuffle: bool = key(True, "shuffle prompts, one seeded permutation per epoch")
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: the prompt order", NONNEG)
+
+    def __post_init__(self):
+        if self.train_size < 0:
+            raise ValueError(f"data.train_size must be >= 0, got {self.train_size}")

@@ -1,0 +1,23 @@
+"""The `reward:` recipe section (stages/reward.py scores trajectories with the function it names).
+
+Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.keys import NONNEG, POSITIVE, at_least, key
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    fn: str = key("exact_match", "exact_match | numeric | dotted path `pkg.module:function`")
+    timeout_s: float = key(10.0, "seconds per row of a user fn, from when a worker starts it", POSITIVE)
+    workers: int = key(4, "worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)", at_least(1))
+    seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: row[\"seed\"] for a user fn", NONNEG)
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.workers < 1:
+            raise ValueError(f"reward.workers must be >= 1, got {self.workers}")

@@ -1,0 +1,201 @@
+"""The quickstart across two hosts that are network namespaces, then the engine's host killed.
+
+Hosts A and B are two network namespaces joined by a veth pair (10.231.0.1 and 10.231.0.2, no other
+route: traffic stays between them and their loopbacks). A runs Ray's head and the driver (the real
+CLI); B joins with `ray start --address`, as a second machine would, with the auth token Ray 2.60
+wants on the head, every worker and the driver. Custom resources put the trainer on A and the engine
+on B. After the first trained step every process of B is killed (the host is gone): the terminal
+must name B and what ran there within 30 s, and the run must stop resumable once run.node_wait_s has
+passed; with B back, `--resume` must continue the data stream with nothing skipped or trained twice.
+
+Needs root (`ip netns add`); skips saying why otherwise. Its own tier: `pytest -m multihost` (.ci/run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.multihost
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+A_IP, B_IP, PORT = "10.231.0.1", "10.231.0.2", 6379
+WAIT_S = 10             # run.node_wait_s
+FAST = ["batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=4", "eval.num_prompts=0",
+        "trainer.mini_batch_size=0", "trainer.lr=0.001", "trackers.tensorboard=false",
+        "reward.fn=stages.tasks.rewards:digit_match", "run.checkpoint_every=0", f"run.node_wait_s={WAIT_S}",
+        f"run.ray_address={A_IP}:{PORT}",
+        "placement.mode=disaggregated", "placement.cpus=0.5", "placement.trainer_gpus=0", "placement.engine_gpus=0",
+        "placement.timeout_s=120", "placement.trainer_resources={node_a: 0.01}",
+        "placement.engine_resources={node_b: 0.01}"]
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+class Hosts:
+    """Two namespaces, a veth pair between them, and the Ray nodes started in them."""
+
+    def __init__(self, tag: str, env: dict, tmp: Path):
+        self.a, self.b, self.env, self.tmp = f"lsA{tag}", f"lsB{tag}", env, tmp
+        self.veth = (f"lsva{tag}", f"lsvb{tag}")
+        self.made: list[str] = []
+
+    def make(self) -> str:
+        """Sets up the namespaces; returns why it could not ("" when it did)."""
+        for ns in (self.a, self.b):
+            r = _ip("netns", "add", ns)
+            if r.returncode:
+                return f"ip netns add failed: {r.stderr.strip()}"
+            self.made.append(ns)
+        steps = [("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1]),
+                 ("link", "set", self.veth[0], "netns", self.a), ("link", "set", self.veth[1], "netns", self.b)]
+        for ns, dev, ip in ((self.a, self.veth[0], A_IP), (self.b, self.veth[1], B_IP)):
+            steps += [("-n", ns, "addr", "add", f"{ip}/24", "dev", dev), ("-n", ns, "link", "set", dev, "up"),
+                      ("-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            r = _ip(*step)
+            if r.returncode:
+                return f"ip {' '.join(step)} failed: {r.stderr.strip()}"
+        return ""
+
+    def run_in(self, ns: str, *cmd: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=self.env, cwd=ROOT, text=True, **kw)
+
+    def start_ray(self, ns: str, *args: str) -> None:
+        temp = tempfile.mkdtemp(dir=self.tmp)        # short: Ray's socket paths must fit in 107 bytes
+        proc = self.run_in(ns, RAY, "start", "--num-cpus=2", "--object-store-memory=200000000",
+                           "--disable-usage-stats", f"--temp-dir={temp}", *args,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out[-3000:]
+
+    def kill(self, ns: str) -> list[int]:
+        """SIGKILL to every process in the namespace: the host is gone, nothing of it says goodbye."""
+        pids = [int(p) for p in _ip("netns", "pids", ns).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def remove(self) -> None:
+        for ns in self.made:
+            self.kill(ns)
+        time.sleep(0.5)
+        for ns in self.made:
+            _ip("netns", "del", ns)          # the veth pair goes with its ends
+        _ip("link", "del", self.veth[0])     # unless it never left this namespace (a failed set-up)
+
+
+@pytest.fixture
+def hosts():
+    if os.geteuid() != 0:
+        pytest.skip("network-namespace hosts need root (ip netns add)")
+    if shutil.which("ip") is None:
+        pytest.skip("network-namespace hosts need iproute2's `ip`")
+    tmp = Path(tempfile.mkdtemp(prefix="lsnet"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
+               RAY_USAGE_STATS_ENABLED="0")
+    h = Hosts(str(os.getpid() % 100000), env, tmp)
+    try:
+        why = h.make()
+        if why:
+            pytest.skip(f"network-namespace hosts unavailable: {why}")
+        h.start_ray(h.a, "--head", f"--node-ip-address={A_IP}", f"--port={PORT}", "--include-dashboard=false",
+                    '--resources={"node_a": 1}')
+        h.start_ray(h.b, f"--address={A_IP}:{PORT}", f"--node-ip-address={B_IP}", '--resources={"node_b": 1}')
+        yield h
+    finally:
+        h.remove()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Terminal:
+    """The CLI's output, line by line, each with the time it arrived."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            print(f"[{time.strftime('%X')}] {line}", end="")
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return rc
+
+    def text(self) -> str:
+        return "\n".join(m for _, m in self.lines)
+
+
+def _cli(h: Hosts, *args: str) -> Terminal:
+    return Terminal(h.run_in(h.a, sys.executable, "-m", "pipeline.cli", "run", "configs/quickstart.yaml", *args,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+
+
+def _trained_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum("train/loss" in json.loads(x) for x in path.read_text().splitlines() if x.strip())
+
+
+def test_engine_host_killed_is_said_then_the_run_stops_resumable_and_resumes(hosts, tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    model = f"model.path={tiny_model_dir}"
+    term = _cli(hosts, *FAST, model, "run.steps=200", "--run-dir", str(run_dir))
+    deadline = time.monotonic() + 400
+    while _trained_steps(run_dir) < 1:
+        assert term.proc.poll() is None, term.text()
+        assert time.monotonic() < deadline, "no trained step in 400 s:\n" + term.text()
+        time.sleep(0.2)
+    topology = (run_dir / "topology.txt").read_text()
+    assert "across nodes" in topology, topology          # the weights do cross from A to B
+    killed_at = time.monotonic()
+    assert hosts.kill(hosts.b)                           # B's raylet, its engine, everything of it
+
+    rc = term.wait(timeout=WAIT_S + 180)
+    said = [(t, m) for t, m in term.lines if "is lost" in m and B_IP in m and "engine0" in m]
+    assert said and said[0][0] - killed_at < 30, term.text()       # the node and what ran there, in 30 s
+    assert rc == 1, term.text()
+    resume = [m for _, m in term.lines if "resume with: loongsage run" in m and "run.resume_from=" in m]
+    assert resume, term.text()
+    ckpt = Path(resume[0].rsplit("run.resume_from=", 1)[1].strip().strip("'"))
+    state = json.loads((ckpt / "controller.json").read_text())
+    assert state["step"] >= 1
+
+    # B is back (a fresh Ray node on it): the run resumes where it stopped, its engine placed on B again
+    hosts.start_ray(hosts.b, f"--address={A_IP}:{PORT}", f"--node-ip-address={B_IP}", '--resources={"node_b": 1}')
+    more = state["step"] + 2
+    again = _cli(hosts, *FAST, model, f"run.steps={more}", "--run-dir", str(run_dir), "--resume")
+    assert again.wait(timeout=600) == 0, again.text()
+    assert f"done: {more} steps" in again.text(), again.text()
+
+    trained = pq.ParquetDataset(run_dir / "rollouts", partitioning="hive").read(columns=["group_id", "step"])
+    by_step: dict[int, set] = {}
+    for g, s in zip(trained.column("group_id").to_pylist(), trained.column("step").to_pylist()):
+        by_step.setdefault(s, set()).add(g)
+    assert sorted(by_step) == list(range(1, more + 1)), sorted(by_step)     # every step once
+    before = set().union(*(by_step[s] for s in by_step if s <= state["step"]))
+    after = set().union(*(by_step[s] for s in by_step if s > state["step"]))
+    assert before == set(state["done_seqs"]) and not before & after, (before, after)   # nothing trained twice
+    assert min(after) == max(before) + 1, (before, after)      # nothing skipped: the stream goes on where it was
