@@ -72,10 +72,10 @@ def _progress(total: int):
     return bar, on_step, say
 
 
-def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
-    """A run stopped by a signal (the summary's "interrupted": "SIGINT" | "SIGTERM"): print
-    how to resume it and return the shell's exit code for that signal (128 + its number:
-    130, 143). None for a run that finished."""
+def resume_hint(summary: dict, config: str, overrides: list[str], run_dir: str | Path) -> int | None:
+    """A run stopped by a signal (the summary's "interrupted": "SIGINT" | "SIGTERM") or by a
+    lost node: print how to resume it in its own run directory and return the shell's exit
+    code (128 + the signal's number: 130, 143; 1 otherwise). None for a run that finished."""
     sig = summary.get("interrupted")
     if not sig:
         return None
@@ -84,9 +84,10 @@ def resume_hint(summary: dict, config: str, overrides: list[str]) -> int | None:
     if summary.get("lost"):     # a Ray node that held engines or the trainer died and did not come back
         where = f"stopped at step {summary.get('steps', '?')}: {summary['lost']}"
     if summary.get("resume_from"):
+        # the same directory, its newest intact checkpoint (the one just written): metrics go on in one file
         again = ["loongsage", "run", config, *(o for o in overrides if not o.startswith("run.resume_from=")),
-                 f"run.resume_from={summary['resume_from']}"]
-        print(f"{where}; resume with: {shlex.join(again)}")
+                 "--run-dir", str(run_dir), "--resume"]
+        print(f"{where}; checkpoint {summary['resume_from']}; resume with: {shlex.join(again)}")
     else:
         print(f"{where}; no checkpoint was written, so there is nothing to resume from")
     return code
@@ -135,7 +136,7 @@ def cmd_run(args) -> int:
         if not args.verbose:
             print(f"(Ray's own log of this run: {ray_log})", file=sys.stderr)
         raise
-    code = resume_hint(summary, args.config, args.overrides)
+    code = resume_hint(summary, args.config, args.overrides, run_dir)
     if code is not None:
         return code
     init, final = summary["initial"].get("eval/accuracy"), summary["final"].get("eval/accuracy")

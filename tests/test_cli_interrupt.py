@@ -50,19 +50,19 @@ def test_sigint_checkpoints_and_the_printed_command_resumes(tiny_model_dir, tmp_
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in out + err and took < 60, (took, err[-2000:])
     line = next(x for x in out.splitlines() + err.splitlines() if "resume with:" in x)
-    ckpt = Path(line.split("run.resume_from=")[1].split()[0])
+    ckpt = Path(line.split("; checkpoint ")[1].split(";")[0])
+    assert line.endswith(f"--run-dir {run} --resume"), line      # the same directory, not a fresh one
     state = json.loads((ckpt / "controller.json").read_text())
     stopped_at = state["step"]
     assert ckpt.name == f"step_{stopped_at:06d}" and (ckpt / "trainer_state.pt").is_file()
     assert stopped_at == _steps_done(run)                  # the checkpoint holds every step the run logged
 
-    # the printed command, with fewer steps left, continues the clock and the data stream
-    resumed = tmp_path / "resumed"
+    # the printed command, with fewer steps left, continues the clock and the data stream in the same directory
     again = [a for a in args if not a.startswith("run.steps=")] + [f"run.steps={stopped_at + 2}",
-                                                                   f"run.resume_from={ckpt}", "--run-dir", str(resumed)]
+                                                                   "--run-dir", str(run), "--resume"]
     out = subprocess.run(_cli(*again), cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-2000:]
-    steps = [json.loads(x)["step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
              if "train/loss" in json.loads(x)]
-    assert steps == [stopped_at + 1, stopped_at + 2]
+    assert steps == list(range(1, stopped_at + 3))

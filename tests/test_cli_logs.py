@@ -140,9 +140,10 @@ def test_the_progress_display_takes_missing_none_and_nonfinite_metrics(tmp_path,
 def test_an_interrupted_run_says_how_to_resume(sig, code, capsys):
     summary = {"steps": 7, "version": 7, "interrupted": sig, "resume_from": "runs/q/checkpoints/step_000007"}
     overrides = ["run.steps=20", "run.resume_from=old/ckpt", "data.path=my prompts.jsonl"]
-    assert resume_hint(summary, "configs/quickstart.yaml", overrides) == code
+    assert resume_hint(summary, "configs/quickstart.yaml", overrides, "runs/q") == code
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["interrupted at step 7; resume with: loongsage run configs/quickstart.yaml run.steps=20 "
-                   "'data.path=my prompts.jsonl' run.resume_from=runs/q/checkpoints/step_000007"]
-    assert resume_hint({"steps": 3, "version": 3}, "c.yaml", []) is None       # a finished run
+    assert out == ["interrupted at step 7; checkpoint runs/q/checkpoints/step_000007; resume with: "
+                   "loongsage run configs/quickstart.yaml run.steps=20 "
+                   "'data.path=my prompts.jsonl' --run-dir runs/q --resume"]
+    assert resume_hint({"steps": 3, "version": 3}, "c.yaml", [], "runs/c") is None       # a finished run
     assert capsys.readouterr().out == ""

@@ -177,9 +177,9 @@ def test_engine_host_killed_is_said_then_the_run_stops_resumable_and_resumes(hos
     said = [(t, m) for t, m in term.lines if "is lost" in m and B_IP in m and "engine0" in m]
     assert said and said[0][0] - killed_at < 30, term.text()       # the node and what ran there, in 30 s
     assert rc == 1, term.text()
-    resume = [m for _, m in term.lines if "resume with: loongsage run" in m and "run.resume_from=" in m]
-    assert resume, term.text()
-    ckpt = Path(resume[0].rsplit("run.resume_from=", 1)[1].strip().strip("'"))
+    resume = [m for _, m in term.lines if "resume with: loongsage run" in m and "--resume" in m]
+    assert resume and f"--run-dir {run_dir} --resume" in resume[0], term.text()
+    ckpt = Path(resume[0].split("; checkpoint ")[1].split(";")[0])
     state = json.loads((ckpt / "controller.json").read_text())
     assert state["step"] >= 1
 
