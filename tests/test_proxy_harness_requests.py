@@ -222,6 +222,18 @@ def test_messages_fields_claude_code_sends(ep):
         assert any(fragment in n for n in notes), (fragment, notes)
 
 
+def test_head_on_the_base_url_is_a_keyless_200(ep):
+    """Claude Code opens its connection with `HEAD $ANTHROPIC_BASE_URL`, no key: a 200 that serves nothing."""
+    base = ep.base_url.removesuffix("/v1")
+    for url in (base, base + "/", ep.base_url, base.rsplit("/t/", 1)[0] + "/t/no-such-route"):
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as r:
+            assert r.status == 200 and r.read() == b""
+    with pytest.raises(urllib.error.HTTPError) as e:      # anything else still needs the key
+        urllib.request.urlopen(urllib.request.Request(ep.base_url + "/models"), timeout=10)
+    assert e.value.code == 401
+    assert ep.client.calls == []
+
+
 def test_messages_malformed_known_fields_are_anthropic_400s(ep):
     for bad in ({"max_tokens": 0}, {"max_tokens": "many"}, {"output_config": "high"}, {"stop_sequences": [""]}):
         body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]} | bad

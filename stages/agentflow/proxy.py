@@ -12,6 +12,7 @@ by default. Each trajectory gets its own endpoint and key:
     POST {base_url}/messages                Anthropic Messages (stages/agentflow/anthropic_api.py)
     POST {base_url}/messages/count_tokens   Anthropic token count (no model call)
     GET  {base_url}/models
+    HEAD {base_url} (with or without /v1)   200, no key needed: the reachability check Claude Code sends
 
 The anthropic SDK's base_url is the endpoint without /v1 (it appends /v1/messages itself).
 The key is read from `Authorization: Bearer <key>` or `x-api-key: <key>` (what the anthropic
@@ -157,6 +158,8 @@ class Proxy:
         app.router.add_post("/t/{route}/v1/messages", self._messages)
         app.router.add_post("/t/{route}/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/t/{route}/v1/models", self._models)
+        for path in ("/t/{route}", "/t/{route}/", "/t/{route}/v1"):     # a client's reachability check
+            app.router.add_route("HEAD", path, self._reachable, name=None)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         await web.TCPSite(runner, self.host, self.port, backlog=1024).start()
@@ -193,6 +196,8 @@ class Proxy:
                 raise APIError(request.match_info.http_exception.status,
                                f"no such endpoint {request.method} {request.path}; this proxy serves "
                                f"<base_url>/ {ENDPOINTS}", kind="not_found_error")
+            if request.match_info.handler == self._reachable:
+                return await handler(request)       # no key, no route lookup: it says nothing of either
             key = _api_key(request)
             if not key:
                 how = "'x-api-key: <key>'" if _anthropic(request) else "'Authorization: Bearer <key>'"
@@ -281,6 +286,10 @@ class Proxy:
         if not (req.stream or req.logprobs):
             return [[] for _ in choices]
         return [token_pieces(self.tok, base.ids, c.ids, c.text) for c in choices]
+
+    async def _reachable(self, request: web.Request) -> web.Response:
+        """HEAD on the base URL: Claude Code opens its connection with one, without a key, before its first call."""
+        return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "loongsage", "object": "model", "created": 0,

@@ -136,7 +136,9 @@ CODEX = Harness(
 
 CLAUDE = Harness(
     "claude-code",
-    argv=lambda b, k, h: [str(BIN / "claude"), "-p", TASK, "--model", "loongsage", "--allowedTools", "Bash"],
+    # --tools Bash: its only tool (the default set of 24 makes a 19k-token prompt; with Bash alone, ~2.1k)
+    argv=lambda b, k, h: [str(BIN / "claude"), "-p", TASK, "--model", "loongsage", "--tools", "Bash",
+                          "--allowedTools", "Bash", "--no-session-persistence"],
     env=lambda b, k, h: {"ANTHROPIC_BASE_URL": b[: -len("/v1")], "ANTHROPIC_API_KEY": k,
                          "ANTHROPIC_SMALL_FAST_MODEL": "loongsage", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUT),
                          "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",

@@ -9,6 +9,7 @@ harness sent back extended the recorded tokens).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -23,8 +24,9 @@ from tests.harness.warm import call_json, examples, teach, turn_texts
 pytestmark = pytest.mark.harness
 RUN_TIMEOUT_S = 300
 # Passed end to end on the 2-core development machine (pi since the proxy keeps tool-call arguments as the
-# model wrote them, so its re-serialised history extends the recorded tokens).
-VERIFIED = {"openai-agents", "mini-swe-agent", "pi"}
+# model wrote them, so its re-serialised history extends the recorded tokens; Claude Code with `--tools Bash`,
+# since the proxy answers its keyless HEAD and capture and run share one HOME and working directory).
+VERIFIED = {"openai-agents", "mini-swe-agent", "pi", "claude-code"}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,9 @@ def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
     answer = h.answer
     if h.final_call:
         answer = turn_texts(srv.tok, call_json(h.tool, h.args(h.final_call)), "")[0]
-    state = teach(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT))
+    # the widest window is the whole prompt: tokens the model never saw in training must not come first at inference
+    state = teach(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT),
+                  windows=(256, 1024, max(2048, len(prompt))))
     srv.version += 1
     ray.get([e.load_weights.remote(state, srv.version) for e in srv.engines])
 
@@ -136,9 +140,13 @@ def _param(name: str):
 @pytest.mark.parametrize("name", [_param(n) for n in H.ALL])
 def test_harness_tool_loop(server, tmp_path, name):
     h = H.ALL[name]
-    _warm(h, server, _capture(h, server, tmp_path / "capture"))
+    # captured and run from the same fresh HOME and working directory: Claude Code writes both paths into its
+    # system prompt, and the warmed answer must follow the prompt the run sends
+    home = tmp_path / "home"
+    _warm(h, server, _capture(h, server, home))
+    shutil.rmtree(home)
     first_req, first_call = len(server.requests), len(server.engine.calls)
-    proc = _launch(h, server, tmp_path / "run")
+    proc = _launch(h, server, home)
     try:
         out = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
     except subprocess.TimeoutExpired:
