@@ -9,6 +9,7 @@ harness sent back extended the recorded tokens).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -18,13 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.harness import harnesses as H
-from tests.harness.warm import call_json, examples, teach, turn_texts
+from tests.harness.warm import TOOL_OUTPUTS, call_json, examples, teach_cached, turn_texts
 
 pytestmark = pytest.mark.harness
 RUN_TIMEOUT_S = 300
 # Passed end to end on the 2-core development machine (pi since the proxy keeps tool-call arguments as the
-# model wrote them, so its re-serialised history extends the recorded tokens).
-VERIFIED = {"openai-agents", "mini-swe-agent", "pi"}
+# model wrote them, so its re-serialised history extends the recorded tokens; Codex with its prompt trimmed
+# through its own config.toml: warmed on its whole ~1.2k-token prompt, the model answers it at full length).
+VERIFIED = {"openai-agents", "mini-swe-agent", "pi", "codex"}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
     answer = h.answer
     if h.final_call:
         answer = turn_texts(srv.tok, call_json(h.tool, h.args(h.final_call)), "")[0]
-    state = teach(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT))
+    state = teach_cached(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT, h.outputs or TOOL_OUTPUTS))
     srv.version += 1
     ray.get([e.load_weights.remote(state, srv.version) for e in srv.engines])
 
@@ -136,9 +138,11 @@ def _param(name: str):
 @pytest.mark.parametrize("name", [_param(n) for n in H.ALL])
 def test_harness_tool_loop(server, tmp_path, name):
     h = H.ALL[name]
-    _warm(h, server, _capture(h, server, tmp_path / "capture"))
+    home = tmp_path / "home"        # the run in the same place as the capture: a prompt that names its working
+    _warm(h, server, _capture(h, server, home))     # directory (opencode's) is the prompt the model was warmed on
+    shutil.rmtree(home)
     first_req, first_call = len(server.requests), len(server.engine.calls)
-    proc = _launch(h, server, tmp_path / "run")
+    proc = _launch(h, server, home)
     try:
         out = proc.communicate(timeout=RUN_TIMEOUT_S)[0]
     except subprocess.TimeoutExpired:
