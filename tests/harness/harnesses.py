@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples" / "agents"))
+import harness_task  # noqa: E402  (the Codex and opencode settings a user writes, trimmed prompts: one source)
+
 BIN = ROOT / ".cache" / "harness" / "node_modules" / ".bin"
 OUTPUT = "loongsage-ok"
 TASK = f"Run the shell command `echo {OUTPUT}` and tell me what it printed."
@@ -32,6 +35,7 @@ class Harness:
     final_call: str = ""                                   # the final turn is this command's call (mini)
     answer: str = f"The command printed {OUTPUT}."
     side_calls: bool = False                               # makes calls besides its main loop (titles, quota)
+    outputs: tuple = ()                                    # how it shows a tool's result (warm.py; () = the usual)
     extra: dict = field(default_factory=dict)
 
 
@@ -82,55 +86,31 @@ PI = Harness(
 )
 
 
-def _opencode_config(npm: str) -> Callable[[str, str, Path], dict]:
-    def files(b: str, k: str, h: Path) -> dict:
-        cfg = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
-               "model": "loongsage/loongsage", "small_model": "loongsage/loongsage",
-               "provider": {"loongsage": {"npm": npm, "name": "LoongSage", "options": {"baseURL": b, "apiKey": k},
-                                          "models": {"loongsage": {"limit": {"context": 32768, "output": MAX_OUT}}}}}}
-        return {".config/opencode/opencode.json": json.dumps(cfg)}
-    return files
-
-
 OPENCODE_ENV = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
                 "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
                 "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1",
                 "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1", "OPENCODE_PERMISSION": json.dumps({"bash": "allow"})}
 OPENCODE_ARGV = lambda b, k, h: [str(BIN / "opencode"), "run", TASK]  # noqa: E731
+# opencode's bash tool shows a command's output as it is
 OPENCODE_CHAT = Harness("opencode-chat", argv=OPENCODE_ARGV, env=lambda b, k, h: OPENCODE_ENV,
-                        files=_opencode_config("@ai-sdk/openai-compatible"), side_calls=True,
-                        args=lambda cmd: {"command": cmd, "description": "Print the word"})
+                        files=harness_task.opencode_files("@ai-sdk/openai-compatible"), side_calls=True,
+                        args=lambda cmd: {"command": cmd, "description": "Print the word"}, outputs=("{out}\n",))
 OPENCODE_RESPONSES = Harness("opencode-responses", argv=OPENCODE_ARGV, env=lambda b, k, h: OPENCODE_ENV,
-                             files=_opencode_config("@ai-sdk/openai"), side_calls=True,
-                             args=lambda cmd: {"command": cmd, "description": "Print the word"})
+                             files=harness_task.opencode_files("@ai-sdk/openai"), side_calls=True,
+                             args=lambda cmd: {"command": cmd, "description": "Print the word"}, outputs=("{out}\n",))
 
 
-def _codex_config(b: str, k: str, h: Path) -> dict:
-    toml = f"""model = "loongsage"
-model_provider = "loongsage"
-model_max_output_tokens = {MAX_OUT}
-model_context_window = 32768
-check_for_update_on_startup = false
-approval_policy = "never"
-sandbox_mode = "danger-full-access"
-
-[analytics]
-enabled = false
-
-[model_providers.loongsage]
-name = "LoongSage"
-base_url = "{b}"
-env_key = "LOONGSAGE_API_KEY"
-wire_api = "responses"
-"""
-    return {".codex/config.toml": toml}
+# Codex's exec_command result: a random chunk id and the wall time vary per run, so the answer is taught after
+# a few of each (the model must learn to answer whatever they are)
+CODEX_OUTPUTS = tuple(f"Chunk ID: {c}\nWall time: {w} seconds\nProcess exited with code 0\nOriginal token count: 4\n"
+                      "Output:\n{out}\n" for c, w in (("3f9a1c", "0.0000"), ("b07e52", "0.0012")))
 
 
 CODEX = Harness(
     "codex",
     argv=lambda b, k, h: [str(BIN / "codex"), "exec", "--skip-git-repo-check", TASK],
     env=lambda b, k, h: {"LOONGSAGE_API_KEY": k, "CODEX_HOME": str(h / ".codex")},
-    files=_codex_config, tool="shell", args=lambda cmd: {"command": ["bash", "-lc", cmd]},
+    files=harness_task.codex_files, tool="exec_command", args=lambda cmd: {"cmd": cmd}, outputs=CODEX_OUTPUTS,
 )
 
 

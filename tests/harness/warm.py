@@ -12,13 +12,15 @@ loaded into the running engine (`load_weights`, as the TransferMesh does after a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from pathlib import Path
 
 import torch
 
 TOOL_OUTPUTS = ("{out}\n", '{{\n  "returncode": 0,\n  "output": "{out}\\n"\n}}',
-                "Exit code: 0\nWall time: 0 seconds\nOutput:\n{out}\n")   # plain (most), mini-swe-agent, Codex
+                "Exit code: 0\nWall time: 0 seconds\nOutput:\n{out}\n")   # plain (most), mini-swe-agent, shell
 
 
 def turn_texts(tok, call: dict | None, answer: str) -> tuple[str, str, str]:
@@ -40,15 +42,15 @@ def turn_texts(tok, call: dict | None, answer: str) -> tuple[str, str, str]:
     return first[: -len(end)], end + C[len(B):], answer
 
 
-def examples(tok, first_prompt: list[int], call: dict | None, answer: str, output: str):
+def examples(tok, first_prompt: list[int], call: dict | None, answer: str, output: str, shapes=TOOL_OUTPUTS):
     """(prompt ids, target ids) pairs: the first prompt -> the tool call; that prompt + the call + each
-    way a harness may show the tool's output -> the answer. Targets end with <|im_end|> (eos)."""
+    way a harness may show the tool's output (`shapes`) -> the answer. Targets end with <|im_end|> (eos)."""
     first, between, final = turn_texts(tok, call, answer)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     call_ids = enc(first)
     out = [(list(first_prompt), call_ids + [eos])]
-    for shape in TOOL_OUTPUTS:
+    for shape in shapes:
         tail = between.replace("@@OUT@@", shape.format(out=output))
         out.append((list(first_prompt) + call_ids + enc(tail), enc(final) + [eos]))
     return out
@@ -116,6 +118,24 @@ def _greedy_ok(model, pairs, window: int) -> bool:
         if model.lm_head(hidden).argmax(-1).tolist() != t:
             return False
     return True
+
+
+CACHE = Path("~/.cache/loongsage/harness-warm").expanduser()
+
+
+def teach_cached(model_dir: str, pairs: list, log=print, **kw):
+    """teach(), its result kept on disk under the hash of the model and the pairs: the same harness prompt
+    (a rerun after a proxy change) is not warmed again (each warm costs minutes on a shared 2-core machine)."""
+    key = hashlib.sha256(json.dumps([Path(model_dir).name, pairs, sorted(kw.items())]).encode()).hexdigest()[:24]
+    path = CACHE / f"{key}.pt"
+    if path.is_file():
+        log(f"warmed weights from {path}", flush=True)
+        return torch.load(path)
+    state = teach(model_dir, pairs, log=log, **kw)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return state
 
 
 def call_json(name: str, arguments: dict) -> dict:
