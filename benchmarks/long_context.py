@@ -94,36 +94,53 @@ def prompt_text(tok, n: int) -> tuple[str, list[int]]:
     return text, ids
 
 
+def title(p: psutil.Process) -> str:
+    """What a process is: a Ray worker's title (ray::Class), else the program and its script or module."""
+    cmd = p.cmdline()
+    if not cmd:
+        return p.name()
+    if cmd[0].startswith("ray::"):
+        return cmd[0].split(" ")[0]
+    prog = Path(cmd[0]).name
+    if prog.startswith("python"):
+        rest = [c for c in cmd[1:] if not c.startswith("-") or c == "-m"]
+        if rest[:1] == ["-m"]:
+            return f"python -m {' '.join(rest[1:3])}"
+        return f"python {Path(rest[0]).parent.name}/{Path(rest[0]).name}" if rest else prog
+    return prog
+
+
 class TreeWatch:
-    """Peak of the summed RSS and PSS over a process and its descendants, sampled every `every` s."""
+    """Peak of the summed RSS and PSS over a process and its descendants, sampled every `every` s;
+    `at_peak`: each process's (rss, pss, title) when the RSS sum peaked."""
 
     def __init__(self, pid: int, every: float = 0.1):
         self.root, self.every = psutil.Process(pid), every
         self.rss = self.pss = 0
         self.largest: tuple[int, str] = (0, "")
-        self.each: dict[int, tuple[int, int, str]] = {}     # pid -> peak rss, peak pss, its title then
+        self.at_peak: list[tuple[int, int, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            rss = pss = 0
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 return
+            now = []
             for p in procs:
                 try:
                     m = p.memory_full_info()
-                    name = " ".join(p.cmdline()[:1])[:40] or p.name()
+                    now.append((m.rss, m.pss, title(p)))
                 except psutil.Error:
                     continue
-                rss, pss = rss + m.rss, pss + m.pss
-                self.largest = max(self.largest, (m.rss, name))
-                was = self.each.get(p.pid, (0, 0, name))
-                self.each[p.pid] = (max(was[0], m.rss), max(was[1], m.pss), name if m.rss >= was[0] else was[2])
-            self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+            rss, pss = sum(x[0] for x in now), sum(x[1] for x in now)
+            if rss > self.rss:
+                self.rss, self.at_peak = rss, sorted(now, reverse=True)
+            self.pss = max(self.pss, pss)
+            self.largest = max([self.largest, *((r, n) for r, _, n in now)])
             self._stop.wait(self.every)
 
     def stop(self) -> None:
@@ -184,7 +201,7 @@ def cell(args, model: Path, tok, n_tokens: int, n_traj: int, work: Path) -> dict
     rc, out, w, killed = watched([sys.executable, "-m", "pipeline.cli", "run", str(d / "recipe.yaml"),
                                   "--run-dir", str(run_dir)], env, args.tree, limit, args.timeout)
     res |= {"killed": killed, "rss": w.rss, "pss": w.pss, "largest": w.largest,
-            "each": sorted(w.each.values(), reverse=True)}
+            "each": w.at_peak}
     if rc == 0:
         res["update_tok_s"] = update_rate(run_dir)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -221,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-only", action="store_true", help="only the engine-alone prefill, no whole run")
     p.add_argument("--rss-limit-gb", type=float, default=8.0, help="kill a cell whose RSS sum passes this")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per process")
-    p.add_argument("--detail", action="store_true", help="each process's peak RSS and PSS too")
+    p.add_argument("--detail", action="store_true", help="each process's RSS and PSS when the RSS sum peaked")
     p.add_argument("--work", type=Path, default=None, help="where cells write (default: a temporary dir)")
     args = p.parse_args(argv)
     args.tree = args.tree.resolve()

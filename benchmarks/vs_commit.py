@@ -1,13 +1,18 @@
 """This checkout against an older commit, same recipes, one invocation, alternating rounds.
 
     python benchmarks/vs_commit.py --ref 39c17c6 [--rounds 3] [--steps 40] [--recipes quickstart,quickstart_async]
+    python benchmarks/vs_commit.py --ref 39c17c6 --recipes quickstart,add_tiny \
+        --set add_tiny:model.path=B --set add_tiny:data.path=B/train.parquet \
+        --set add_tiny:data.test_path=B/test.parquet
 
 The older commit is checked out into a temporary git worktree; each round runs every recipe
 once in each tree (`loongsage run RECIPE run.steps=N eval.num_prompts=0`, each in its own
 process, the order of the two trees swapped every round, so a drift in a shared machine's
 speed hits both alike). Per run it reads metrics.jsonl and prints the median step wall time
 (`step_wall_s`, the first two steps left out: start-up), trained samples/s and the trainer's
-busy fraction; then per recipe the median over rounds and the ratio new / old.
+busy fraction, and the whole process's wall time (start-up, Ray, the steps, the final checkpoint);
+then per recipe the median over rounds and the ratios new / old. `--set RECIPE:key=value` adds an
+override to one recipe's runs in both trees (add_tiny needs its benchmark folder).
 """
 from __future__ import annotations
 
@@ -18,21 +23,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_once(tree: Path, recipe: str, steps: int, out: Path) -> dict:
+def run_once(tree: Path, recipe: str, steps: int, out: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(tree / "configs" / f"{recipe}.yaml"),
-           f"run.steps={steps}", "eval.num_prompts=0", "--run-dir", str(out)]
+           f"run.steps={steps}", "eval.num_prompts=0", *extra, "--run-dir", str(out)]
     env = dict(os.environ, PYTHONPATH=str(tree))
+    t0 = time.perf_counter()
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps_m = [m for m in lines if "train/loss" in m][2:]
     return {"step_s": statistics.median(m["step_wall_s"] for m in steps_m),
             "samples_per_s": statistics.median(m["samples_per_s"] for m in steps_m),
-            "trainer_busy": statistics.median(m["trainer/busy_frac"] for m in steps_m)}
+            "trainer_busy": statistics.median(m["trainer/busy_frac"] for m in steps_m), "wall_s": wall}
 
 
 def main() -> int:
@@ -41,7 +49,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--recipes", default="quickstart,quickstart_async")
+    p.add_argument("--set", action="append", default=[], metavar="RECIPE:KEY=VALUE",
+                   help="an override for one recipe's runs, in both trees (repeatable)")
     a = p.parse_args()
+    extra: dict[str, list[str]] = {}
+    for item in a.set:
+        recipe, sep, override = item.partition(":")
+        if not sep or "=" not in override:
+            p.error(f"--set {item!r}: expected RECIPE:key=value")
+        extra.setdefault(recipe, []).append(override)
     work = Path(tempfile.mkdtemp(prefix="vs_commit_"))
     old = work / "old"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.ref], check=True,
@@ -53,16 +69,20 @@ def main() -> int:
             order = ["new", "old"] if r % 2 == 0 else ["old", "new"]
             for recipe in a.recipes.split(","):
                 for name in order:
-                    m = run_once(trees[name], recipe, a.steps, work / f"{name}-{recipe}-{r}")
+                    m = run_once(trees[name], recipe, a.steps, work / f"{name}-{recipe}-{r}", extra.get(recipe, []))
                     results.setdefault((recipe, name), []).append(m)
                     print(f"round {r + 1} {recipe:18s} {name}: step {m['step_s'] * 1000:6.1f} ms, "
-                          f"{m['samples_per_s']:6.1f} samples/s, trainer busy {m['trainer_busy']:.2f}", flush=True)
+                          f"{m['samples_per_s']:6.1f} samples/s, trainer busy {m['trainer_busy']:.2f}, "
+                          f"whole run {m['wall_s']:.1f} s", flush=True)
         for recipe in a.recipes.split(","):
             new = statistics.median(m["step_s"] for m in results[(recipe, "new")])
             old_s = statistics.median(m["step_s"] for m in results[(recipe, "old")])
             ratios = [n["step_s"] / o["step_s"] for n, o in zip(results[(recipe, "new")], results[(recipe, "old")])]
             print(f"{recipe}: median step new {new * 1000:.1f} ms vs old {old_s * 1000:.1f} ms; "
                   f"new/old per round {', '.join(f'{x:.3f}' for x in ratios)}, median {statistics.median(ratios):.3f}")
+            walls = [n["wall_s"] / o["wall_s"] for n, o in zip(results[(recipe, "new")], results[(recipe, "old")])]
+            print(f"{recipe}: whole-run wall new/old per round {', '.join(f'{x:.3f}' for x in walls)}, "
+                  f"median {statistics.median(walls):.3f}")
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
     return 0

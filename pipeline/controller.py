@@ -54,6 +54,7 @@ from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
 from stages.schema import conform
 from stages.teacher import TeacherScoring, check_recipe, check_teachers, teacher_metrics
+from stages.tokenizer import tokenizer_class_of
 from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
 from transfer import TransferError, TransferMesh
@@ -77,6 +78,7 @@ class Controller:
         self.resume_path = ckpt.resolve(cfg.run.resume_from, self.run_dir, log) if cfg.run.resume_from else None
         self.resume_state = self._load_resume(str(self.resume_path)) if self.resume_path else None
         self.tok = load_tokenizer(self.model_path)
+        self.tok_class = tokenizer_class_of(self.tok)     # workers load it by name: no AutoTokenizer, no torch
         self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
         self.test = self._load_test()
         if cfg.teacher.enabled:    # teacher dirs, tokenizers, budget and routes, before any actor starts
@@ -219,11 +221,11 @@ class Controller:
         c, res = self.cfg, self.res
         return Pipeline([
             self.source,
-            Stage(AgentFlowRollout, c.rollout, self.engines, self.gate, self.model_path,
+            Stage(AgentFlowRollout, c.rollout, self.engines, self.gate, self.model_path, self.tok_class,
                   workers=c.rollout.num_workers, num_cpus=res.worker_cpus),
             *([Stage(TeacherScoring, c.teacher, self.model_path, res.engine_threads, workers=c.teacher.workers,
                      num_cpus=res.worker_cpus)] if c.teacher.enabled else []),
-            Stage(Reward, c.reward, self.model_path, c.rollout.nice, num_cpus=res.worker_cpus),
+            Stage(Reward, c.reward, self.model_path, c.rollout.nice, self.tok_class, num_cpus=res.worker_cpus),
             WindowedBatcher(c.batcher, c.rollout.n_samples, c.rollout.stale_steps, make_strategy(c.rollout.window)),
             Update(self.trainer),
         ])

@@ -18,6 +18,7 @@ import torch
 
 from stages.model_config import ModelConfig
 from stages.shapes import attention_heads
+from stages.tokenizer import load_tokenizer  # noqa: F401 - engines, trainer and teachers load it from here
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL = ["<pad>", "<eos>", "<bos>"]
@@ -32,23 +33,6 @@ def build_char_tokenizer(chars: str):
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     tok.padding_side = "left"
-    return tok
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        raise ValueError(f"model directory {p} has no tokenizer (expected tokenizer.json or tokenizer_config.json)")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:  # noqa: BLE001 - HF raises many types; the message names the directory
-        raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
-    if tok.eos_token_id is None:
-        raise ValueError(f"model directory {p}: tokenizer has no eos token")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     return tok
 
 

@@ -28,8 +28,10 @@ make a refused text shorter than it reads: such a text is refused for its length
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -50,7 +52,15 @@ class ContextLengthExceeded(RequestRejected):
 
 def model_limits(model_path: str) -> tuple[int, int]:
     """(context, vocabulary size) in tokens from the model's HF config (max_position_embeddings,
-    vocab_size); 0 where unknown."""
+    vocab_size); 0 where unknown.
+
+    Read from config.json where it states both at its top level (the values AutoConfig would
+    read); AutoConfig otherwise (a nested text config, a model type that names them differently).
+    Importing AutoConfig imports torch: ~170 MB more in a rollout worker that needs neither."""
+    stated = _config_json(model_path)
+    if "text_config" not in stated and all(isinstance(stated.get(k), int)
+                                           for k in ("max_position_embeddings", "vocab_size")):
+        return stated["max_position_embeddings"], stated["vocab_size"]
     from transformers import AutoConfig
 
     try:
@@ -59,6 +69,14 @@ def model_limits(model_path: str) -> tuple[int, int]:
         return 0, 0
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return int(getattr(text, "max_position_embeddings", 0) or 0), int(getattr(text, "vocab_size", 0) or 0)
+
+
+def _config_json(model_path: str) -> dict:
+    try:
+        stated = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return stated if isinstance(stated, dict) else {}
 
 
 def longest_token_chars(tok) -> int:

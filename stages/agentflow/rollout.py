@@ -82,14 +82,16 @@ class AgentFlowRollout:
     outputs = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "token_versions",
                "version_start", "version_end", "status", "error", "t_dispatch", "t_done", *EXTRA_TYPES)
 
-    def __init__(self, cfg: RolloutConfig, engines: list, gate=None, model_path: str = ""):
+    def __init__(self, cfg: RolloutConfig, engines: list, gate=None, model_path: str = "", tokenizer_class: str = ""):
+        """tokenizer_class: the class AutoTokenizer picks for model_path (stages/tokenizer.py), so that
+        this worker loads it without importing torch."""
         from stages.agentflow.proxy import Proxy
-        from stages.model import load_tokenizer
+        from stages.tokenizer import load_tokenizer
 
         lower_priority(cfg.nice)
         self.cfg = cfg
         self.gate = gate
-        self.tok = ensure_chat_template(load_tokenizer(model_path))
+        self.tok = ensure_chat_template(load_tokenizer(model_path, tokenizer_class))
         self.limit = PromptLimit.for_model(model_path, self.tok, cfg.max_prompt_tokens)
         self.agent = load_agent(cfg.agent, cfg.agent_preload)
         if hasattr(self.agent, "configure"):    # an agent with settings in this config (rollout.sandbox)
