@@ -27,7 +27,7 @@ RUN_TIMEOUT_S = 300
 # model wrote them, so its re-serialised history extends the recorded tokens; Codex with its prompt trimmed
 # through its own config.toml: warmed on its whole ~1.2k-token prompt, the model answers it at full length;
 # opencode likewise through its opencode.json, ~1.5k tokens).
-VERIFIED = {"openai-agents", "mini-swe-agent", "pi", "codex", "opencode-chat"}
+VERIFIED = {"openai-agents", "mini-swe-agent", "pi", "codex", "opencode-chat", "opencode-responses"}
 
 
 @pytest.fixture(scope="module")
