@@ -28,7 +28,7 @@ RUN_TIMEOUT_S = 300
 # since the proxy answers its keyless HEAD and capture and run share one HOME and working directory; Codex with
 # its prompt trimmed through its own config.toml: warmed on its whole ~1.2k-token prompt, the model answers it
 # at full length; opencode likewise through its opencode.json, ~1.5k tokens).
-VERIFIED = {"openai-agents", "mini-swe-agent", "pi", "claude-code", "codex", "opencode-chat"}
+VERIFIED = {"openai-agents", "mini-swe-agent", "pi", "claude-code", "codex", "opencode-chat", "opencode-responses"}
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +125,8 @@ def _check_tokens(rows: list[dict], calls: list[dict]) -> None:
                                                                 f"what the engine returned for that context"
 
 
-# The CLIs with agent-length prompts (Claude Code, Codex, opencode) have not passed yet: they are skipped, not
-# run as expected failures, because warming the tiny model on their 7k-19k-token prompts costs minutes each
-# (LOONGSAGE_HARNESS_TRY=1 runs them as expected failures; LOONGSAGE_HARNESS_MODEL picks the model).
+# A harness that has not passed yet is skipped, not run as an expected failure, because warming the tiny
+# model on its prompt costs minutes (LOONGSAGE_HARNESS_TRY=1 runs them as expected failures; LOONGSAGE_HARNESS_MODEL picks the model).
 RUNS_AS_XFAIL: set[str] = set() if not os.environ.get("LOONGSAGE_HARNESS_TRY") else set(H.ALL) - VERIFIED
 
 
