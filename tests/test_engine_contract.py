@@ -28,8 +28,9 @@ def test_every_engine_class_answers_the_contract(cls):
     assert len(METHODS) == 9
     for name in METHODS:
         want = inspect.signature(getattr(contract.RolloutEngine, name)).parameters
-        got = inspect.signature(getattr(cls, name)).parameters
-        assert list(got)[:len(want)] == list(want), (cls.__name__, name, list(got))
+        # Ray's tracing adds `_ray_trace_ctx` to a class's methods once the class has been an actor class
+        got = [p for p in inspect.signature(getattr(cls, name)).parameters if p != "_ray_trace_ctx"]
+        assert got[:len(want)] == list(want), (cls.__name__, name, got)
     # the controller builds every engine with the same five leading arguments
     init = list(inspect.signature(cls.__init__).parameters)[1:6]
     assert init == ["model_path", "dtype", "seed", "num_threads", "engine_id"], (cls.__name__, init)
