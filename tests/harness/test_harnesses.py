@@ -126,7 +126,8 @@ def _check_tokens(rows: list[dict], calls: list[dict]) -> None:
 
 
 # A harness that has not passed yet is skipped, not run as an expected failure, because warming the tiny
-# model on its prompt costs minutes (LOONGSAGE_HARNESS_TRY=1 runs them as expected failures; LOONGSAGE_HARNESS_MODEL picks the model).
+# model on its prompt costs minutes (LOONGSAGE_HARNESS_TRY=1 runs them as expected failures;
+# LOONGSAGE_HARNESS_MODEL picks the model).
 RUNS_AS_XFAIL: set[str] = set() if not os.environ.get("LOONGSAGE_HARNESS_TRY") else set(H.ALL) - VERIFIED
 
 
