@@ -64,6 +64,7 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
     assert (run / "checkpoints" / "step_000003" / "tokenizer.json").is_file()
 
 
+@pytest.mark.e2e
 def test_a_run_whose_every_trajectory_fails_skips_every_step_and_goes_on_to_its_end(ray_session, tiny_model_dir,
                                                                                     tmp_path):
     """`cmd:false` exits before its first model call: no row has a token. Each step is skipped and
@@ -113,6 +114,7 @@ def test_an_engine_landing_weights_in_place_is_not_taken_for_a_restarted_one(tin
 
 
 
+@pytest.mark.e2e
 def test_cli_run_and_unknown_key(ray_session, tiny_model_dir, tmp_path, capsys):
     from pipeline.cli import main
 
@@ -149,6 +151,7 @@ def test_bad_input_fails_at_start(tmp_path, tiny_model_dir, override, match):
         Controller(load_config("configs/quickstart.yaml", FAST + extra + [o]), tmp_path / "r", log=lambda *_: None)
 
 
+@pytest.mark.e2e
 def test_async_run_keeps_staleness_bound_and_trains_each_group_once(ray_session, tiny_model_dir, tmp_path):
     cfg = load_config("configs/quickstart_async.yaml", FAST + [
         f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "rollout.num_engines=1",
@@ -180,6 +183,7 @@ def _trained_prompts(run_dir, steps):
             for k in steps]
 
 
+@pytest.mark.e2e
 def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_dir, tmp_path):
     base = FAST + [f"model.path={tiny_model_dir}", "eval.num_prompts=0", "rollout.num_engines=1",
                    "batcher.groups_per_step=2", "data.train_size=5",   # 5 prompts: the stream crosses epochs
@@ -300,6 +304,7 @@ def test_megatron_recipe_trains_through_the_same_pipeline(ray_session, tiny_mode
     assert len(lines) == 2 and all(m["train/loss"] == m["train/loss"] for m in lines)
 
 
+@pytest.mark.e2e
 def test_an_engine_killed_mid_run_is_restarted_and_its_groups_rerun(ray_session, tiny_model_dir, tmp_path):
     """ray.kill one of two engines after step 1: Ray restarts it, the controller re-sends the
     current weights, the trajectories it was generating run again; no group lost or doubled."""

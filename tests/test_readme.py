@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.metrics import read_metrics
 
@@ -17,6 +18,7 @@ def compose_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.e2e
 def test_readme_compose_example_runs(ray_session, tiny_model_dir, tmp_path, monkeypatch):
     code = compose_example()
     assert '["run.steps=5"]' in code and '"runs/custom"' in code     # what the substitutions below rely on

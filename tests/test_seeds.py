@@ -88,6 +88,7 @@ def _rollouts(run_dir, step: int) -> list[dict]:
                          columns=["prompt_id", "sample_idx", "response_ids", "response_logprobs", "reward"]).to_pylist()
 
 
+@pytest.mark.e2e
 def test_same_seed_same_run_other_seed_other_rollouts(ray_session, tiny_model_dir, tmp_path):
     from pipeline.cli import main
     from pipeline.controller import run

@@ -44,6 +44,7 @@ def served(tmp_path):
             proc.wait()
 
 
+@pytest.mark.e2e
 def test_serve_all_four_apis_rotate_record_and_replay(served):
     import anthropic
     import openai

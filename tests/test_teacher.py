@@ -117,6 +117,7 @@ print(json.dumps({"grew": peak - base, "teacher": m.specs["t0"].nbytes, "swaps":
 """
 
 
+@pytest.mark.e2e
 def test_process_rss_stays_within_budget(tmp_path):
     """Measured by the OS, not by the manager: budget 1 of 3 teachers grows RSS by about one
     teacher, all resident by about three. A fixed mmap threshold makes glibc return freed
