@@ -152,7 +152,8 @@ def _pushed_errors_to(logger: logging.Logger):
 
 def on_driver_node() -> dict:
     """Actor options that keep a driver-side helper (the window gate, the span sink) on this
-    driver's node: there it lives and dies with the run, not with a worker host that may be lost."""
+    driver's node: there it lives and dies with the run, not with a worker host that may be lost.
+    The affinity is hard: a soft one let Ray place the gate on another host, which took it down with it."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}

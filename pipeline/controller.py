@@ -268,7 +268,10 @@ class Controller:
                 return self._close_run(initial, signals)
         finally:
             self.loop.close()
-            ray.get(self.gate.close.remote())
+            try:
+                ray.get(self.gate.close.remote())
+            except (RayActorError, ActorUnavailableError) as e:   # lost with its node: nothing to close
+                self.log(f"window gate not closed: {type(e).__name__}")
             self.mesh.close()
             self.metrics.close()
             try:
