@@ -1,4 +1,4 @@
-"""The embedded engine and trainer, and the rollout stage on a fake batch with a real engine actor."""
+"""The embedded engine and trainer, and the rollout stage on a hand-made batch with a real engine actor."""
 import time
 
 import numpy as np
@@ -314,7 +314,7 @@ class Exploding:
         await ctx.generate()
 
 
-def test_rollout_stage_on_fake_batch(ray_session, tiny_model_dir):
+def test_rollout_stage_on_a_hand_made_batch(ray_session, tiny_model_dir):
     ray = ray_session
     eng = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir)
     batch = table_from_columns({"prompt_id": ["p0"] * 3, "group_id": [0, 0, 0], "sample_idx": [0, 1, 2],

@@ -24,8 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
+
+from tests.resume_checks import assert_stream_resumed
 
 pytestmark = pytest.mark.multihost
 
@@ -190,12 +191,4 @@ def test_engine_host_killed_is_said_then_the_run_stops_resumable_and_resumes(hos
     assert again.wait(timeout=600) == 0, again.text()
     assert f"done: {more} steps" in again.text(), again.text()
 
-    trained = pq.ParquetDataset(run_dir / "rollouts", partitioning="hive").read(columns=["group_id", "step"])
-    by_step: dict[int, set] = {}
-    for g, s in zip(trained.column("group_id").to_pylist(), trained.column("step").to_pylist()):
-        by_step.setdefault(s, set()).add(g)
-    assert sorted(by_step) == list(range(1, more + 1)), sorted(by_step)     # every step once
-    before = set().union(*(by_step[s] for s in by_step if s <= state["step"]))
-    after = set().union(*(by_step[s] for s in by_step if s > state["step"]))
-    assert before == set(state["done_seqs"]) and not before & after, (before, after)   # nothing trained twice
-    assert min(after) == max(before) + 1, (before, after)      # nothing skipped: the stream goes on where it was
+    assert_stream_resumed(run_dir, state, more)

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.controller import Controller
+from tests.resume_checks import assert_stream_resumed
 
 OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
 
@@ -132,15 +132,7 @@ def test_losing_the_engine_node_is_said_then_the_run_stops_resumable(cluster, ti
         assert resumed.run()["steps"] == more
     finally:
         resumed.stop()
-    trained = pq.ParquetDataset(run_dir / "rollouts", partitioning="hive").read(columns=["group_id", "step"])
-    by_step = {}
-    for g, s in zip(trained.column("group_id").to_pylist(), trained.column("step").to_pylist()):
-        by_step.setdefault(s, set()).add(g)
-    assert sorted(by_step) == list(range(1, more + 1)), sorted(by_step)     # every step once
-    before = set().union(*(by_step[s] for s in by_step if s <= state["step"]))
-    after = set().union(*(by_step[s] for s in by_step if s > state["step"]))
-    assert before == set(state["done_seqs"]) and not before & after, (before, after)   # nothing trained twice
-    assert min(after) == max(before) + 1, (before, after)      # nothing skipped: the stream goes on where it was
+    assert_stream_resumed(run_dir, state, more)
 
 
 def test_custom_resources_ride_in_each_bundle_and_bad_ones_fail_at_load():
