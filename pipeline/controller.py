@@ -74,7 +74,8 @@ class Controller:
         self.validate()
         self.model_path = resolve_model_path(cfg.model, log=log)
         self._check_lora()
-        self.done_seqs: set[int] = set()        # groups trained or dropped: never dispatched again
+        self.done_seqs: set[int] = set()        # groups taken or dropped: never dispatched again
+        self.settled: set[int] = set()          # groups trained or dropped: what a checkpoint calls done
         self.resume_path = ckpt.resolve(cfg.run.resume_from, self.run_dir, log) if cfg.run.resume_from else None
         self.resume_state = self._load_resume(str(self.resume_path)) if self.resume_path else None
         self.tok = load_tokenizer(self.model_path)
@@ -152,6 +153,7 @@ class Controller:
                 raise ConfigError(f"run.resume_from={path}: not a resumable checkpoint (no {f}){hint}")
         state = json.loads((p / "controller.json").read_text())
         self.done_seqs = set(state["done_seqs"])
+        self.settled = set(self.done_seqs)
         if lora:    # engines and the trainer start from the base; the trainer loads the adapter, engines get it sent
             base = base_of(p)
             if os.path.realpath(base) != os.path.realpath(self.model_path):
@@ -319,6 +321,8 @@ class Controller:
         """Not waited for: the gate runs this driver's calls in order, so the next batch sees it;
         the previous step's call is long done and surfaces any error."""
         self._wait_window()
+        with self._seqs_lock:
+            self.settled.update(batch.groups)
         self._consumed = self.gate.consumed.remote(batch.groups, version)
 
     def _wait_window(self) -> None:
@@ -453,6 +457,7 @@ class Controller:
                     if dropped:
                         with self._seqs_lock:
                             self.done_seqs.update(dropped)
+                            self.settled.update(dropped)
                         ray.get(self.gate.release.remote(dropped))
                     if table is None:
                         break
@@ -639,12 +644,14 @@ class Controller:
         """Weights (HF), optimizer + RNGs, and the controller's clock and consumed-group set.
 
         Groups in flight are not saved: they were never trained, so a resumed run dispatches
-        them again; `done_seqs` makes sure no trained or dropped group comes back. Groups of
-        a batch already taken for the next step (`untrained`) are not done yet either."""
+        them again; the saved `done_seqs` (the settled groups: trained or dropped) make sure no
+        trained or dropped group comes back. A batch the stream takes while the trainer saves is
+        not settled, so it is not saved as done however the two threads interleave; `untrained`
+        (the step loop's batches taken but not trained) can only confirm that."""
         def fill(tmp: Path) -> None:
             ray.get(self.trainer.save.remote(str(tmp), self.model_path))
             with self._seqs_lock:
-                done = sorted(self.done_seqs - set(untrained))
+                done = sorted(self.settled - set(untrained))
             (tmp / "controller.json").write_text(json.dumps(
                 {"step": self.step, "version": self.version, "done_seqs": done}))
 
