@@ -93,6 +93,8 @@ def stage_tokenizer(tok, where: str | Path) -> str:
     files (save_tokenizer) instead of loading the tokenizer again to save it."""
     tok.save_pretrained(str(where))
     (Path(where) / STAGED_MARK).touch()
+    gc.collect()
+    trim_heap()     # the serialised JSON (~20 MB of Python string for 151k tokens) and its parse's heap
     return str(where)
 
 
