@@ -65,7 +65,7 @@ from stages.priority import lower_priority
 CALIBRATE_MAX_PARAMS = 50_000_000   # larger models are matmul-bound: they keep every thread they are given
 CALIBRATE_ROUNDS = 5                 # timings per thread setting; the best of each is compared
 CALIBRATE_MARGIN = 0.9               # more threads are kept only when at least 10% faster
-CDF_CELLS = 2 ** 21                  # inverse_cdf's rows at a time: rows x vocabulary (float64: 16 MB)
+CDF_CELLS = 2 ** 21                  # sampling's rows at a time: rows x vocabulary cells (a float64 CDF: 16 MB)
 BATCHING = ("continuous", "static")
 IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
 KV_CACHE_MB = 1024.0                 # default rollout.kv_cache_mb
