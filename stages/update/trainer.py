@@ -502,7 +502,9 @@ class TorchTrainer:
         """Activation checkpointing on while a pass over `rows` runs, if they lay out more than
         trainer.activation_checkpointing_tokens positions (rows x the longest of them)."""
         limit = self.cfg.activation_checkpointing_tokens
-        if not limit or len(rows) * int(b.attn[rows].sum(1).max()) <= limit:
+        if not limit or len(rows) * b.attn.shape[1] <= limit:      # the batch's width bounds the longest row
+            return contextlib.nullcontext()
+        if len(rows) * int(b.attn[rows].sum(1).max()) <= limit:
             return contextlib.nullcontext()
         return activation_checkpointing(self.model)
 
