@@ -112,13 +112,18 @@ def title(p: psutil.Process) -> str:
 
 class TreeWatch:
     """Peak of the summed RSS and PSS over a process and its descendants, sampled every `every` s;
-    `at_peak`: each process's (rss, pss, title) when the RSS sum peaked."""
+    `at_peak` / `at_pss_peak`: each process's (rss, pss, title) when the RSS / PSS sum peaked;
+    `timeline`: a file that gets one JSON line a sample (seconds since start, the sums, and each
+    process's RSS/PSS/title)."""
 
-    def __init__(self, pid: int, every: float = 0.1):
+    def __init__(self, pid: int, every: float = 0.1, timeline: Path | None = None):
         self.root, self.every = psutil.Process(pid), every
+        self.timeline = open(timeline, "w") if timeline else None
+        self.t0 = time.time()
         self.rss = self.pss = 0
         self.largest: tuple[int, str] = (0, "")
         self.at_peak: list[tuple[int, int, str]] = []
+        self.at_pss_peak: list[tuple[int, int, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -137,22 +142,29 @@ class TreeWatch:
                 except psutil.Error:
                     continue
             rss, pss = sum(x[0] for x in now), sum(x[1] for x in now)
+            if self.timeline:
+                self.timeline.write(json.dumps({"t": round(time.time() - self.t0, 2), "rss": rss, "pss": pss,
+                                                "each": now}) + "\n")
             if rss > self.rss:
                 self.rss, self.at_peak = rss, sorted(now, reverse=True)
-            self.pss = max(self.pss, pss)
+            if pss > self.pss:
+                self.pss, self.at_pss_peak = pss, sorted(now, key=lambda x: -x[1])
             self.largest = max([self.largest, *((r, n) for r, _, n in now)])
             self._stop.wait(self.every)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self.timeline:
+            self.timeline.close()
 
 
-def watched(cmd: list[str], env: dict, cwd: Path, limit: float, timeout: float) -> tuple[int, str, TreeWatch, bool]:
+def watched(cmd: list[str], env: dict, cwd: Path, limit: float, timeout: float,
+            timeline: Path | None = None) -> tuple[int, str, TreeWatch, bool]:
     """Run cmd, watching its tree; kill the tree if its RSS sum passes `limit` bytes or time runs out."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    watch, killed = TreeWatch(proc.pid), False
+    watch, killed = TreeWatch(proc.pid, timeline=timeline), False
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
     reader.start()
@@ -187,21 +199,19 @@ def cell(args, model: Path, tok, n_tokens: int, n_traj: int, work: Path) -> dict
     (d / "ids.json").write_text(json.dumps({"ids": ids}))
     (d / "recipe.yaml").write_text(RECIPE.format(model=model, data=d / "data.jsonl", n=n_traj))
     (d / "prefill.py").write_text(PREFILL)
-    res = {"tokens": n_tokens, "trajectories": n_traj}
-
-    rc, out, w, killed = watched([sys.executable, str(d / "prefill.py"), str(model), str(d / "ids.json"), str(n_traj)],
-                                 env, args.tree, limit, args.timeout)
-    res["engine_rss"] = None if killed else w.rss
-    res["prefill_tok_s"] = n_tokens / json.loads(out.strip().splitlines()[-1])["seconds"] if rc == 0 else None
-    if rc and not killed:
-        res["error"] = out[-2000:]
+    res = {"tokens": n_tokens, "trajectories": n_traj, "engine_rss": None, "prefill_tok_s": None}
+    if args.no_prefill:
+        res["engine_rss"] = "-"
+    else:
+        res |= prefill(args, model, d, n_tokens, n_traj, env, limit)
     if args.engine_only:
         return res
     run_dir = d / "run"
     rc, out, w, killed = watched([sys.executable, "-m", "pipeline.cli", "run", str(d / "recipe.yaml"),
-                                  "--run-dir", str(run_dir)], env, args.tree, limit, args.timeout)
+                                  "--run-dir", str(run_dir)], env, args.tree, limit, args.timeout,
+                                 d / "timeline.jsonl" if args.timeline else None)
     res |= {"killed": killed, "rss": w.rss, "pss": w.pss, "largest": w.largest,
-            "each": w.at_peak}
+            "each": w.at_peak, "each_pss": w.at_pss_peak}
     if rc == 0:
         res["update_tok_s"] = update_rate(run_dir)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -211,9 +221,21 @@ def cell(args, model: Path, tok, n_tokens: int, n_traj: int, work: Path) -> dict
     return res
 
 
+def prefill(args, model: Path, d: Path, n_tokens: int, n_traj: int, env: dict, limit: float) -> dict:
+    """The engine alone: its peak RSS and prefill tokens/s on the cell's prompt."""
+    res = {}
+    rc, out, w, killed = watched([sys.executable, str(d / "prefill.py"), str(model), str(d / "ids.json"), str(n_traj)],
+                                 env, args.tree, limit, args.timeout)
+    res["engine_rss"] = None if killed else w.rss
+    res["prefill_tok_s"] = n_tokens / json.loads(out.strip().splitlines()[-1])["seconds"] if rc == 0 else None
+    if rc and not killed:
+        res["error"] = out[-2000:]
+    return res
+
+
 def fmt(res: dict, limit_gb: float) -> str:
     def gb(x):
-        return f"> {limit_gb:g} (killed)" if x is None else f"{x / 2 ** 30:.2f}"
+        return x if isinstance(x, str) else f"> {limit_gb:g} (killed)" if x is None else f"{x / 2 ** 30:.2f}"
 
     def rate(x):
         return "-" if x is None else f"{x:,.0f}"
@@ -236,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="", help="a name for the tree in the output")
     p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "loongsage-long-context-model")
     p.add_argument("--engine-only", action="store_true", help="only the engine-alone prefill, no whole run")
+    p.add_argument("--no-prefill", action="store_true", help="only the whole run, no engine-alone prefill")
+    p.add_argument("--timeline", action="store_true",
+                   help="write each cell's samples (sums and every process) to CELL/timeline.jsonl")
     p.add_argument("--rss-limit-gb", type=float, default=8.0, help="kill a cell whose RSS sum passes this")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per process")
     p.add_argument("--detail", action="store_true", help="each process's RSS and PSS when the RSS sum peaked")
@@ -261,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             res = cell(args, model, tok, n_tokens, n_traj, work)
             print(fmt(res, args.rss_limit_gb), flush=True)
             if args.detail:
-                for rss, pss, name in res.get("each", []):
-                    print(f"    {rss / 2 ** 20:7.0f} MB RSS {pss / 2 ** 20:7.0f} MB PSS  {name.strip()}")
+                for label, key in (("RSS", "each"), ("PSS", "each_pss")):
+                    print(f"  each process when the {label} sum peaked:")
+                    for rss, pss, name in res.get(key, []):
+                        print(f"    {rss / 2 ** 20:7.0f} MB RSS {pss / 2 ** 20:7.0f} MB PSS  {name.strip()}")
             if res.get("error"):
                 print(f"  failed: {res['error'][-600:]}", flush=True)
     return 0

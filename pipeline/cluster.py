@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -17,6 +18,12 @@ import ray
 # sat idle through the run (~80 MB RSS each, measured). Not prestarted, a worker starts when one
 # is needed, as every actor's does.
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+# Two of the processes a local Ray starts serve nothing a run uses (~80 MB RSS each, measured): the
+# autoscaler monitor (no autoscaler on one machine) and the log monitor (it streams workers' output to
+# the driver, which a run turns off: log_to_driver=False; the files stay in Ray's session dir).
+# ray.init has no switch for them; Ray's own head-node settings (what `ray start --no-monitor
+# --include-log-monitor=False` sets) do, and are passed through while ray.init builds them.
+LOCAL_HEAD_SETTINGS = {"no_monitor": True, "include_log_monitor": False}
 
 
 def init_ray(cfg, num_cpus: int) -> None:
@@ -25,15 +32,38 @@ def init_ray(cfg, num_cpus: int) -> None:
     if cfg.run.ray_address:
         ray.init(address=cfg.run.ray_address, log_to_driver=False)
     else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_code_roots())}},
-                 _system_config=LOCAL_SYSTEM_CONFIG)
+        with _head_settings(LOCAL_HEAD_SETTINGS):
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_code_roots())}},
+                     _system_config=LOCAL_SYSTEM_CONFIG)
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.verbose_stats_logs = False
     ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
+
+
+@contextlib.contextmanager
+def _head_settings(settings: dict):
+    """While the block runs, the head-node parameters ray.init makes (ray._private.parameter.RayParams)
+    get `settings` too. A Ray whose RayParams lacks one of them starts as it would without."""
+    from ray._private import parameter
+
+    cls = parameter.RayParams
+    if not set(settings) <= set(inspect.signature(cls).parameters):
+        yield
+        return
+
+    class WithSettings(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **(kwargs | settings))
+
+    parameter.RayParams = WithSettings
+    try:
+        yield
+    finally:
+        parameter.RayParams = cls
 
 
 def _code_roots() -> list[str]:

@@ -19,9 +19,12 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -54,7 +57,7 @@ from stages.prompts import PromptSource, load_prompts
 from stages.reward import Reward, load_reward_fn
 from stages.schema import conform
 from stages.teacher import TeacherScoring, check_recipe, check_teachers, teacher_metrics
-from stages.tokenizer import tokenizer_class_of
+from stages.tokenizer import stage_tokenizer, tokenizer_class_of
 from stages.update.stage import Update
 from stages.update.trainer import TorchTrainer
 from transfer import TransferError, TransferMesh
@@ -72,16 +75,25 @@ class Controller:
         cfg = seeds.resolve(cfg)    # a Config built in code, not by load_config, gets its seeds here
         self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
         self.validate()
-        self.model_path = resolve_model_path(cfg.model, log=log)
+        self.model_path = resolve_model_path(cfg.model, log=log, check_tokenizer=False)   # loaded below
         self._check_lora()
         self.done_seqs: set[int] = set()        # groups taken or dropped: never dispatched again
         self.settled: set[int] = set()          # groups trained or dropped: what a checkpoint calls done
         self.resume_path = ckpt.resolve(cfg.run.resume_from, self.run_dir, log) if cfg.run.resume_from else None
         self.resume_state = self._load_resume(str(self.resume_path)) if self.resume_path else None
-        self.tok = load_tokenizer(self.model_path)
-        self.tok_class = tokenizer_class_of(self.tok)     # workers load it by name: no AutoTokenizer, no torch
+        # The driver's one tokenizer load: what workers need to load theirs by class (no AutoTokenizer,
+        # no torch), the special ids HF engines need (they load none), and evaluation's encoding.
+        tok = load_tokenizer(self.model_path)
+        self.tok_class = tokenizer_class_of(tok)
+        self.special_ids = (tok.eos_token_id, tok.pad_token_id)
+        # what checkpoints copy (the trainer then loads no tokenizer at the end of an update)
+        self.tokenizer_staged = stage_tokenizer(tok, tempfile.mkdtemp(prefix="loongsage-tokenizer-"))
+        self._unstage = weakref.finalize(self, shutil.rmtree, self.tokenizer_staged, True)
         self.source = PromptSource(cfg.data, cfg.rollout.n_samples, rows=rows)
         self.test = self._load_test()
+        self.tok = tok if self.test is not None else None     # held only for evaluation (~45 MB at 151k tokens)
+        del tok
+        self._reward_local: Reward | None = None
         if cfg.teacher.enabled:    # teacher dirs, tokenizers, budget and routes, before any actor starts
             sources = set(self.source.table.column("data_source").to_pylist())
             check_teachers(cfg.teacher, self.model_path, sources)
@@ -186,7 +198,7 @@ class Controller:
             self.log(f"run.data_wake={c.run.data_wake}: not applied on this Ray Data, which changed what it relies on "
                      f"({'; '.join(stream_poll_internals())}); block hand-offs wait up to Ray's own 0.1 s")
         self.placement = _placement(c)
-        self.engines = _start_engines(c, self.model_path, res, self.placement)
+        self.engines = _start_engines(c, self.model_path, res, self.placement, self.special_ids)
         self.trainer = _start_trainer(c, self.model_path, res, self.placement)
         self.gate = ray.remote(Gate).options(num_cpus=0, **on_driver_node()).remote(
             c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, self.version)
@@ -208,7 +220,14 @@ class Controller:
             self.mesh.publish(self.version)     # the engines hold the base: the resumed adapter reaches them
         if not early:
             self.pipeline = self.build_pipeline()
-        self.reward_local = Reward(c.reward, self.model_path)
+
+    @property
+    def reward_local(self) -> Reward:
+        """The reward stage in this process, for evaluation: made on first use, with the driver's
+        tokenizer (a run without evaluation never makes it)."""
+        if self._reward_local is None:
+            self._reward_local = Reward(self.cfg.reward, self.model_path, tokenizer=self.tok)
+        return self._reward_local
 
     def _start_mesh(self) -> None:
         """The TransferMesh from the trainer to every engine; its topology and routes go to topology.txt."""
@@ -238,8 +257,8 @@ class Controller:
             early[1].close()
         if getattr(self, "_eval_rollout", None) is not None:
             self._eval_rollout.close()
-        if getattr(self, "reward_local", None) is not None:
-            self.reward_local.close()           # its reward worker processes
+        if getattr(self, "_reward_local", None) is not None:
+            self._reward_local.close()          # its reward worker processes
         if getattr(self, "trainer", None) is not None and self.cfg.trainer.backend == "megatron":
             ray.get(self.trainer.shutdown.remote())        # the leader stops its peer ranks
         for h in getattr(self, "engines", []) + [getattr(self, "trainer", None), getattr(self, "gate", None)]:
@@ -247,6 +266,8 @@ class Controller:
                 ray.kill(h)
         if getattr(self, "placement", None) is not None:
             self.placement.remove()
+        if getattr(self, "_unstage", None) is not None:
+            self._unstage()
 
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> dict:
@@ -544,7 +565,7 @@ class Controller:
             if getattr(self, "_eval_rollout", None) is None:
                 self._eval_rollout = AgentFlowRollout(_replace(c.rollout, temperature=c.eval.temperature,
                                                                seed=seeds.derive(c.run.seed, "eval")),
-                                                      self.engines, None, self.model_path)
+                                                      self.engines, None, self.model_path, self.tok_class)
             m = evaluate_agent(self._eval_rollout, self.reward_local, self.test, c.eval.n_samples)
         self.profiler.add("eval", t, time.time(), actor="engines", step=step)
         if write:
@@ -649,7 +670,7 @@ class Controller:
         not settled, so it is not saved as done however the two threads interleave; `untrained`
         (the step loop's batches taken but not trained) can only confirm that."""
         def fill(tmp: Path) -> None:
-            ray.get(self.trainer.save.remote(str(tmp), self.model_path))
+            ray.get(self.trainer.save.remote(str(tmp), self.model_path, tokenizer_staged=self.tokenizer_staged))
             with self._seqs_lock:
                 done = sorted(self.settled - set(untrained))
             (tmp / "controller.json").write_text(json.dumps(
@@ -752,13 +773,15 @@ def _placement(c: Config) -> Placement | None:
 
 
 # rollout.engine -> (engine class, extra constructor arguments from the config)
-ENGINES = {"hf": (HFEngine, lambda c: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
-                                        c.rollout.engine_max_rows, c.rollout.kv_cache_mb)),
-           "vllm": (VLLMEngine, lambda c: (c.vllm, c.trainer.lora)),
-           "sglang": (SGLangEngine, lambda c: (c.sglang, c.trainer.lora))}
+ENGINES = {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
+                                                 c.rollout.engine_max_rows, c.rollout.kv_cache_mb, special)),
+           "vllm": (VLLMEngine, lambda c, special: (c.vllm, c.trainer.lora)),
+           "sglang": (SGLangEngine, lambda c, special: (c.sglang, c.trainer.lora))}
 
 
-def _start_engines(c: Config, model_path: str, res, placement: Placement | None) -> list:
+def _start_engines(c: Config, model_path: str, res, placement: Placement | None,
+                   special_ids: tuple[int, int] | None = None) -> list:
+    """special_ids: (eos, pad) of the model's tokenizer, which an HF engine then does not load."""
     cls, extra = ENGINES[c.rollout.engine]
     if placement is not None:
         opts = placement.options("rollout")
@@ -766,7 +789,8 @@ def _start_engines(c: Config, model_path: str, res, placement: Placement | None)
         gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
         opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
     return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.rollout.engine_restarts).remote(
-        model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}", *extra(c))
+        model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}",
+        *extra(c, special_ids))
         for i, o in enumerate(opts)]
 
 

@@ -47,22 +47,24 @@ def load_model(path: str, dtype: str = "float32"):
     return model
 
 
-def validate_model_dir(path: str) -> None:
-    """Fail at start, before any actor exists, if the directory is not usable."""
+def validate_model_dir(path: str, check_tokenizer: bool = True) -> None:
+    """Fail at start, before any actor exists, if the directory is not usable. check_tokenizer=False:
+    the caller loads the tokenizer itself next (load_tokenizer's errors name the directory too)."""
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"model.path {path!r} is not a directory")
     if not (p / "config.json").is_file():
         raise ValueError(f"model directory {p} has no config.json (not an HF model directory)")
-    load_tokenizer(path)
+    if check_tokenizer:
+        load_tokenizer(path)
 
 
-def resolve_model_path(cfg: ModelConfig, log=print) -> str:
+def resolve_model_path(cfg: ModelConfig, log=print, check_tokenizer: bool = True) -> str:
     """The directory engines and the trainer load: cfg.path, or the cached built-in model."""
     if cfg.path.startswith("builtin:"):
         return builtin_model_dir(cfg.path.split(":", 1)[1], cfg.cache_dir, log=log)
     if cfg.path:
-        validate_model_dir(cfg.path)
+        validate_model_dir(cfg.path, check_tokenizer)
         return cfg.path
     key = {k: v for k, v in asdict(cfg).items() if k not in ("path", "cache_dir")}
     if attention_heads(cfg.hidden_size)[0] != 4:     # narrower than 128: no longer 4 heads of 16 (their old caches)

@@ -97,16 +97,18 @@ class Reward:
     inputs = ("prompt", "answer", "response_ids", "status")
     outputs = ("reward", "reward_info", "status", "error")
 
-    def __init__(self, cfg: RewardConfig, model_path: str = "", nice: int = 0, tokenizer_class: str = ""):
+    def __init__(self, cfg: RewardConfig, model_path: str = "", nice: int = 0, tokenizer_class: str = "",
+                 tokenizer=None):
         """tokenizer_class: the class AutoTokenizer picks for model_path (stages/tokenizer.py), so that
-        this worker loads it without importing torch."""
+        this worker loads it without importing torch. tokenizer: model_path's, already loaded in this
+        process (the driver's), used instead of loading another."""
         from stages.priority import lower_priority
         from stages.tokenizer import load_tokenizer
 
         lower_priority(nice)        # the pool's workers inherit it
         self.cfg = cfg
         self.fn = load_reward_fn(cfg.fn)    # imported here too: a bad path fails at construction, not per row
-        self.tok = load_tokenizer(model_path, tokenizer_class)
+        self.tok = tokenizer if tokenizer is not None else load_tokenizer(model_path, tokenizer_class)
         self.pool = None if cfg.fn in BUILTIN else RewardPool(cfg.fn, cfg.workers, cfg.timeout_s)
         self._texts: dict[tuple, str] = {}    # response ids -> text: a group's samples often give the same answer
 

@@ -13,18 +13,32 @@ cheaper than a plain `AutoTokenizer.from_pretrained`, measured on Qwen's 151,669
   AutoTokenizer picked elsewhere (`tokenizer_class_of`) and loads it directly: the same tokenizer
   (tests/test_tokenizer.py), no torch.
 
+And one more for the run as a whole: parsing a large tokenizer.json (Qwen's is 18.6 MB) peaks
+~200 MB above what the loaded tokenizer holds, for a second or two. The processes of a run start
+together (rollout and reward workers, the driver's evaluation), and their peaks stacked up into the
+run's; a large tokenizer is therefore parsed by one process of a host at a time (a file lock), so
+the run pays that peak once. A small one (the built-in tasks' character tokenizers) never waits.
+
 This module imports neither torch nor transformers at import time.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # attributes transformers' tokenizer classes fill at construction and never read again: the Rust
 # tokenizer (`_tokenizer`) was built from them and holds its own copy
 _BUILD_COPIES = ("_vocab", "_merges")
+# tokenizer files larger than this are parsed one process at a time on a host (a 151k-token BPE: 18.6 MB)
+LARGE_TOKENIZER_BYTES = 4 * 2 ** 20
+LOAD_LOCK = Path(tempfile.gettempdir()) / "loongsage-tokenizer-load.lock"
+STAGED_MARK = ".staged-tokenizer"       # in a directory stage_tokenizer wrote
 
 
 def load_tokenizer(path: str, cls: str = ""):
@@ -36,15 +50,65 @@ def load_tokenizer(path: str, cls: str = ""):
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise ValueError(f"model directory {p} has no tokenizer (expected tokenizer.json or tokenizer_config.json)")
     try:
-        tok = _tokenizer_class(cls).from_pretrained(str(p))
-    except Exception as e:  # noqa: BLE001 - HF raises many types; the message names the directory
+        klass = _tokenizer_class(cls)       # its imports outside the lock: they take no tokenizer-sized memory
+    except Exception as e:  # noqa: BLE001 - a bad class name; the message names the directory
         raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
-    if tok.eos_token_id is None:
-        raise ValueError(f"model directory {p}: tokenizer has no eos token")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    release_build_copies(tok)
+    with one_load_at_a_time(p):
+        try:
+            tok = klass.from_pretrained(str(p))
+        except Exception as e:  # noqa: BLE001 - HF raises many types; the message names the directory
+            raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
+        if tok.eos_token_id is None:
+            raise ValueError(f"model directory {p}: tokenizer has no eos token")
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        release_build_copies(tok)       # the parse's freed heap goes back before the next process parses
     return tok
+
+
+@contextlib.contextmanager
+def one_load_at_a_time(path: Path):
+    """Hold this host's tokenizer-load lock while the block runs, if `path`'s tokenizer is large."""
+    size = sum(f.stat().st_size for f in path.glob("*") if f.name.startswith(("tokenizer", "vocab", "merges"))
+               and f.is_file())
+    if size < LARGE_TOKENIZER_BYTES:
+        yield
+        return
+    try:
+        import fcntl
+
+        fd = os.open(LOAD_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)
+    except (ImportError, OSError):      # no flock here, or another user's lock file: load unserialised
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)      # the kernel releases it too if this process dies holding it
+        yield
+    finally:
+        os.close(fd)
+
+
+def stage_tokenizer(tok, where: str | Path) -> str:
+    """`tok` written into `where` as save_pretrained writes it, marked as such: checkpoints copy these
+    files (save_tokenizer) instead of loading the tokenizer again to save it."""
+    tok.save_pretrained(str(where))
+    (Path(where) / STAGED_MARK).touch()
+    gc.collect()
+    trim_heap()     # the serialised JSON (~20 MB of Python string for 151k tokens) and its parse's heap
+    return str(where)
+
+
+def save_tokenizer(dst: str | Path, model_dir: str, staged: str = "") -> None:
+    """The tokenizer of `model_dir` written into `dst` as save_pretrained writes it: copied from `staged`
+    (a stage_tokenizer directory) when this host has it, else loaded and saved. A checkpoint comes at
+    the end of an update, when the trainer holds the most; a 151k-token load would add ~250 MB there."""
+    src = Path(staged) if staged else None
+    if src is not None and (src / STAGED_MARK).is_file():
+        for f in src.iterdir():
+            if f.is_file() and f.name != STAGED_MARK:
+                shutil.copyfile(f, Path(dst) / f.name)
+        return
+    load_tokenizer(model_dir).save_pretrained(str(dst))
 
 
 def tokenizer_class_of(tok) -> str:

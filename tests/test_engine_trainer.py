@@ -431,3 +431,37 @@ def test_a_step_with_no_trainable_row_is_skipped_counted_and_the_clock_moves_on(
     tr.save(str(tmp_path / "ck"))
     again = TorchTrainer(str(tmp_path / "ck"), tr.cfg, AlgorithmConfig())
     assert again.load_state(str(tmp_path / "ck")) == 3 and again.skipped_steps == 2
+
+
+def test_inverse_cdf_in_row_chunks_picks_what_the_whole_batch_does(monkeypatch):
+    """A large vocabulary's CDF is taken a few rows at a time (float64 [64, 151k] would be 78 MB): the same tokens."""
+    import stages.agentflow.engine as engine_mod
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(37, 1000, generator=g), -1)
+    probs[::3, ::2] = 0.0                   # top-p cuts: rows that do not sum to 1
+    u = 1.0 - torch.rand(37, generator=g, dtype=torch.float64)
+    whole = engine_mod.inverse_cdf(probs, u)
+    monkeypatch.setattr(engine_mod, "CDF_CELLS", 5000)      # 5 rows a chunk
+    assert torch.equal(engine_mod.inverse_cdf(probs, u), whole)
+
+
+def test_sampling_in_row_chunks_gives_the_whole_batchs_tokens_and_logprobs(raw_model_dir, monkeypatch):
+    """_sample takes a large vocabulary's rows a few at a time (each [64, 151k] tensor of its math is
+    39 MB): the same tokens and log-probs, seeded rows and the engine's own draws alike, top-p or not."""
+    import stages.agentflow.engine as engine_mod
+
+    eng = engine_mod.HFEngine(raw_model_dir, seed=5)
+    logits = torch.randn(23, 300, generator=torch.Generator().manual_seed(1))
+    seeds = [None if i % 3 == 0 else 100 + i for i in range(23)]
+    steps = list(range(23))
+
+    def sampled(temp, top_p):
+        eng._gen.manual_seed(7)
+        return eng._sample(logits, temp, top_p, seeds, steps)
+
+    cases = [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)]
+    whole = [sampled(*c) for c in cases]
+    monkeypatch.setattr(engine_mod, "CDF_CELLS", 1000)      # 3 rows a chunk
+    for (tok, lp), (tok_c, lp_c) in zip(whole, [sampled(*c) for c in cases]):
+        assert torch.equal(tok, tok_c) and torch.equal(lp, lp_c)

@@ -2,6 +2,8 @@
 the micro-batches gives the one-batch update (same weights after the step, to round-off)."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -95,3 +97,45 @@ def test_a_negative_budget_is_rejected():
         TrainerConfig(max_tokens_per_microbatch=-1)
     with pytest.raises(ValueError, match="logprob_chunk"):
         TrainerConfig(logprob_chunk=-1)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_activation_checkpointing_recomputes_long_passes_and_gives_the_same_gradient(raw_model_dir, share):
+    """Above trainer.activation_checkpointing_tokens a pass runs each decoder layer again in the backward
+    (it held only the layer's input); the gradient is the one without checkpointing."""
+    table = pa.Table.from_pylist(_rows())
+    grads, calls = {}, {}
+    for limit in (0, 1):        # 0 = never; 1 = every pass is over it
+        tr = TorchTrainer(raw_model_dir, TrainerConfig(num_threads=1, mini_batch_size=0, share_prompts=share,
+                                                       activation_checkpointing_tokens=limit),
+                          AlgorithmConfig(loss_agg="token_mean", entropy_coef=0.01))
+        inner = tr.model.model.layers[0].mlp        # inside the layer: the recompute calls it again
+        calls[limit] = {"grad": 0, "no_grad": 0}
+
+        def counted(x, _f=inner.forward, _c=calls[limit]):      # (module hooks do not see a recompute)
+            _c["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+            return _f(x)
+
+        inner.forward = counted
+        step, grads[limit] = tr.opt.step, []
+
+        def keep_grads(*a, _step=step, _g=grads[limit], _tr=tr, **kw):
+            _g.append({n: p.grad.clone() for n, p in _tr.model.named_parameters() if p.grad is not None})
+            return _step(*a, **kw)
+
+        tr.opt.step = keep_grads
+        tr.train_step(table)
+        assert not tr.model.is_activation_checkpointing     # off again after the pass
+    # one forward with grad per step without checkpointing; with it, the backward runs the layer again
+    assert calls[0]["grad"] == 1 and calls[1]["grad"] == 2
+    assert grads[0][0].keys() == grads[1][0].keys()
+    for name, g in grads[0][0].items():
+        torch.testing.assert_close(grads[1][0][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_short_passes_are_not_checkpointed(raw_model_dir):
+    """The default threshold leaves the quickstart's passes (a few hundred positions) as they were."""
+    tr = TorchTrainer(raw_model_dir, TrainerConfig(num_threads=1, mini_batch_size=0), AlgorithmConfig())
+    b = to_batch(pa.Table.from_pylist(_rows()), 0)
+    assert tr.cfg.activation_checkpointing_tokens > 16 * int(b.attn.sum(1).max())
+    assert isinstance(tr._checkpointing(b, torch.arange(16)), type(contextlib.nullcontext()))

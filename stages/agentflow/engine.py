@@ -65,6 +65,7 @@ from stages.priority import lower_priority
 CALIBRATE_MAX_PARAMS = 50_000_000   # larger models are matmul-bound: they keep every thread they are given
 CALIBRATE_ROUNDS = 5                 # timings per thread setting; the best of each is compared
 CALIBRATE_MARGIN = 0.9               # more threads are kept only when at least 10% faster
+CDF_CELLS = 2 ** 21                  # sampling's rows at a time: rows x vocabulary cells (a float64 CDF: 16 MB)
 BATCHING = ("continuous", "static")
 IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
 KV_CACHE_MB = 1024.0                 # default rollout.kv_cache_mb
@@ -153,7 +154,11 @@ class HFEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
                  engine_id: str = "engine0", nice: int = 0, lora: LoraConfig | None = None,
-                 batching: str = "continuous", max_running_rows: int = 256, kv_cache_mb: float = KV_CACHE_MB):
+                 batching: str = "continuous", max_running_rows: int = 256, kv_cache_mb: float = KV_CACHE_MB,
+                 special_ids: tuple[int, int] | None = None):
+        """special_ids: (eos, pad) of the model's tokenizer, from a process that loaded it (the driver):
+        they are all generation needs of it, and a 151k-token tokenizer costs ~200 MB to load, ~45 MB
+        to hold. Without them the engine loads the tokenizer itself (`self.tok`)."""
         if batching not in BATCHING:
             raise ValueError(f"rollout.engine_batching must be continuous or static, got {batching!r}")
         if max_running_rows < 1:
@@ -174,9 +179,10 @@ class HFEngine:
         self.adapter = SERVERS[lora.serve](self.model, lora) if lora is not None and lora.enabled else None
         if self.adapter is not None:
             self.model = self.adapter.model
-        self.tok = load_tokenizer(model_path)
-        self.eos_id = self.tok.eos_token_id
-        self.pad_id = self.tok.pad_token_id
+        if special_ids is None:
+            self.tok = load_tokenizer(model_path)
+            special_ids = (self.tok.eos_token_id, self.tok.pad_token_id)
+        self.eos_id, self.pad_id = special_ids
         # a row over the context fails alone; every row's budget is clipped to the room it leaves
         text_cfg = self.model.config.get_text_config()
         self.context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
@@ -649,27 +655,44 @@ class HFEngine:
 
         One uniform per row, then the inverse of the (top-p cut) CDF: the whole batch in a few
         vector ops. Rows with a seed take their uniform from `seeded_uniform(seed, step)` (step:
-        the response token's index); the others from the engine's own generator."""
-        if temp <= 0:  # greedy
-            logp = torch.log_softmax(logits, -1)
-            tok = logits.argmax(-1)
-            return tok, logp.gather(-1, tok[:, None])[:, 0]
-        logp = torch.log_softmax(logits / temp, -1)
-        probs = logp.exp()
-        if top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)
-            keep = sp.cumsum(-1) - sp < top_p
-            probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        seeds = seeds or [None] * probs.shape[0]
-        u = torch.empty(probs.shape[0], dtype=torch.float64)
+        the response token's index); the others from the engine's own generator. Rows go CDF_CELLS
+        (rows x vocabulary) at a time: each [rows, V] tensor of the math is 39 MB at 64 rows of a
+        151k vocabulary, and a handful of them lived at once."""
+        u = None if temp <= 0 else self._uniforms(logits.shape[0], seeds, steps)
+        step = max(1, CDF_CELLS // logits.shape[-1])
+        if logits.shape[0] <= step:
+            return sample_rows(logits, temp, top_p, u)
+        parts = [sample_rows(logits[i:i + step], temp, top_p, None if u is None else u[i:i + step])
+                 for i in range(0, logits.shape[0], step)]
+        return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
+
+    def _uniforms(self, n: int, seeds=None, steps=None) -> torch.Tensor:
+        """One uniform in (0, 1] per row: from the row's seed and step, or from the engine's generator."""
+        seeds = seeds or [None] * n
+        u = torch.empty(n, dtype=torch.float64)
         own = [i for i, x in enumerate(seeds) if x is None]
         if own:     # in (0, 1]
             u[own] = 1.0 - torch.rand(len(own), generator=self._gen, dtype=torch.float64)
         if len(own) < len(seeds):
             rows = [i for i, x in enumerate(seeds) if x is not None]
             u[rows] = torch.from_numpy(seeded_uniform([seeds[i] for i in rows], [steps[i] for i in rows]))
-        tok = inverse_cdf(probs, u)
+        return u
+
+
+def sample_rows(logits: torch.Tensor, temp: float, top_p: float, u: torch.Tensor | None):
+    """_sample's math on some rows: (tokens, their log-probs); greedy (u None) at temp <= 0."""
+    if temp <= 0:  # greedy
+        logp = torch.log_softmax(logits, -1)
+        tok = logits.argmax(-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / temp, -1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sp, si = probs.sort(-1, descending=True)
+        keep = sp.cumsum(-1) - sp < top_p
+        probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
+    tok = inverse_cdf(probs, u)
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
 _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
@@ -693,7 +716,11 @@ def seeded_uniform(seeds, steps) -> np.ndarray:
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose cumulative probability reaches u x the row's total: a token of
-    probability 0 is never chosen (u > 0), and rows need not sum to 1 (a top-p cut)."""
+    probability 0 is never chosen (u > 0), and rows need not sum to 1 (a top-p cut). Rows are taken
+    CDF_CELLS at a time: the float64 CDF of 64 rows of a 151k vocabulary would be 78 MB, twice over."""
+    step = max(1, CDF_CELLS // probs.shape[-1])
+    if probs.shape[0] > step:
+        return torch.cat([inverse_cdf(probs[i:i + step], u[i:i + step]) for i in range(0, probs.shape[0], step)])
     cdf = probs.double().cumsum(-1)
     target = (u * cdf[:, -1])[:, None]
     return (cdf < target).sum(-1).clamp(max=probs.shape[-1] - 1)

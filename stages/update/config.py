@@ -178,6 +178,11 @@ class TrainerConfig:
                                             "step without padding every row to 19k (stages/update/microbatch.py); the "
                                             "update equals one pass's to float rounding. 0 = one pass per mini-batch",
                                          NONNEG)
+    activation_checkpointing_tokens: int = key(16384, "a forward/backward pass laying out more than this many "
+                                                      "positions (rows x longest row) keeps only each decoder layer's "
+                                                      "input and recomputes the layer in the backward (HF activation "
+                                                      "checkpointing): long rows hold one layer's activations at a "
+                                                      "time, for one more forward of compute. 0 = never", NONNEG)
     lora: LoraConfig = key(LoraConfig, "train LoRA adapters only (stages/lora.py)")
 
     def __post_init__(self):

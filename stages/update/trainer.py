@@ -201,6 +201,30 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
     return Packed(ids, position, mask[:, None], torch.from_numpy(inverse), pos)
 
 
+@contextlib.contextmanager
+def activation_checkpointing(model):
+    """HF activation checkpointing on `model` (a peft model: its base) while the block runs: each
+    decoder layer keeps its input only and is run again in the backward. Non-reentrant checkpoints
+    need no gradient on their inputs, so the embedding hook HF adds for them is taken off again (it
+    would pile up, one per call). The backward's recompute needs no flag (torch holds the layer's
+    function), so it may run after the block. A model without HF's support runs as it is."""
+    hf = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        yield
+        return
+    if hasattr(hf, "activation_checkpointing_enable"):       # transformers >= 5.x's name
+        hf.activation_checkpointing_enable({"use_reentrant": False})
+        off = hf.activation_checkpointing_disable
+    else:
+        hf.gradient_checkpointing_enable({"use_reentrant": False})
+        off = hf.gradient_checkpointing_disable
+    hf.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        off()
+
+
 def _sample_weights(table: pa.Table) -> torch.Tensor | None:
     """1 / (rows of the row's sample) when some sample made several rows (segments), else None."""
     if "sample_idx" not in table.column_names:
@@ -346,15 +370,16 @@ class TorchTrainer:
                 if name in tensors:
                     tensors[name].data = view
 
-    def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True) -> str:
-        """HF-format weights (+ tokenizer); with_state adds what resuming needs: optimizer, RNGs, version.
-        With LoRA: the adapter in peft's format (adapter_model.safetensors, adapter_config.json whose
-        base_model_name_or_path is the HF base it was trained on)."""
+    def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True, tokenizer_staged: str = "") -> str:
+        """HF-format weights (+ tokenizer_dir's tokenizer, copied from tokenizer_staged when this host has
+        it: stages/tokenizer.py save_tokenizer); with_state adds what resuming needs: optimizer, RNGs,
+        version. With LoRA: the adapter in peft's format (adapter_model.safetensors, adapter_config.json
+        whose base_model_name_or_path is the HF base it was trained on)."""
         self.model.save_pretrained(path)
         if tokenizer_dir:
-            from stages.model import load_tokenizer
+            from stages.tokenizer import save_tokenizer
 
-            load_tokenizer(tokenizer_dir).save_pretrained(path)
+            save_tokenizer(path, tokenizer_dir, tokenizer_staged)
         if with_state:
             torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                         "np_rng": self.rng.bit_generator.state, "version": self.version,
@@ -455,8 +480,9 @@ class TorchTrainer:
         algo, parts, values, lps = self.algo, [], [], []
         micro = self._micro_batches(b, rows)
         for mrows in micro:
-            lp, ent, top = self.logprobs(self.model, b, mrows, with_entropy=algo.entropy_coef != 0,
-                                         topk_ids=None if t.tb is None else t.tb.topk_ids[mrows])
+            with self._checkpointing(b, mrows):
+                lp, ent, top = self.logprobs(self.model, b, mrows, with_entropy=algo.entropy_coef != 0,
+                                             topk_ids=None if t.tb is None else t.tb.topk_ids[mrows])
             whole = mrows is full
             loss, m = policy_loss(algo, lp, t.old[mrows], t.adv[mrows], t.mask[mrows],
                                   ref_logprobs=None if t.ref is None else t.ref[mrows], entropy=ent,
@@ -471,6 +497,16 @@ class TorchTrainer:
             lps.append(lp.detach())
         order = torch.argsort(torch.cat(micro))          # micro-batches back in `rows` order
         return sum(values), merge_metrics(parts), torch.cat(lps)[order] if len(lps) > 1 else lps[0]
+
+    def _checkpointing(self, b: Batch, rows: torch.Tensor):
+        """Activation checkpointing on while a pass over `rows` runs, if they lay out more than
+        trainer.activation_checkpointing_tokens positions (rows x the longest of them)."""
+        limit = self.cfg.activation_checkpointing_tokens
+        if not limit or len(rows) * b.attn.shape[1] <= limit:      # the batch's width bounds the longest row
+            return contextlib.nullcontext()
+        if len(rows) * int(b.attn[rows].sum(1).max()) <= limit:
+            return contextlib.nullcontext()
+        return activation_checkpointing(self.model)
 
     def _mini_batches(self, b: Batch, n: int, mb: int) -> list[np.ndarray]:
         return mini_batches(self.cfg, self.rng, b, n, mb)

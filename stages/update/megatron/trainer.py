@@ -173,7 +173,7 @@ class MegatronTrainer:
             self.mesh_endpoint = transfer.Sender(state_fn=self._hf_state)
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
-    def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True) -> str:
+    def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True, tokenizer_staged: str = "") -> str:
         """HF format (config, safetensors with shared tensors once, tokenizer); with_state
         adds what resuming needs: every rank's optimizer shard and RNGs, and the version
         (trainer_state.pt, the file the controller looks for). Resume needs the same layout."""
@@ -185,10 +185,10 @@ class MegatronTrainer:
         os.makedirs(path, exist_ok=True)
         save_torch_state_dict({n: t.detach().cpu().contiguous() for n, t in state.items()}, path)
         self.hf.save_pretrained(path)
-        if tokenizer_dir:
-            from stages.model import load_tokenizer
+        if tokenizer_dir:      # copied from tokenizer_staged where this host has it (stages/tokenizer.py)
+            from stages.tokenizer import save_tokenizer
 
-            load_tokenizer(tokenizer_dir).save_pretrained(path)
+            save_tokenizer(path, tokenizer_dir, tokenizer_staged)
         if with_state:
             self._everywhere("rank_save_state", path)
             torch.save({"backend": "megatron", "version": self.version, "layout": self._layout()},
