@@ -54,7 +54,7 @@ ANSWER = "Done."
 
 
 def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
-    """The harness's main prompt for one task: its longest within its first calls, run as a rollout runs it."""
+    """The harness's main prompt for one task, as its first model call sends it, run as a rollout runs it."""
     from stages.agentflow import jail
     from stages.agentflow.blackbox import SHADOWED, agent_env
 
@@ -75,10 +75,13 @@ def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
         pass
     proc.wait()
     srv.rotate(record=False)
-    calls = srv.engine.calls[first:]
+    calls = [c["prompt_ids"] for c in srv.engine.calls[first:]]
     if not calls:
         raise SystemExit(f"{name} made no model call for {sample['prompt']!r}")
-    return max((c["prompt_ids"] for c in calls), key=len)
+    # the first call that offers the tools: a side call (opencode's title) offers none, and a later call is the
+    # harness's reaction to the untrained model's reply (Claude Code asks again for "visible output")
+    main = [c for c in calls if "<tools>" in srv.tok.decode(c[:4096])]
+    return main[0] if main else calls[0]
 
 
 def demonstrations(tok, name: str, prompt: list[int], word: str, wrong: int) -> tuple[list, list]:
