@@ -78,10 +78,9 @@ def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
     calls = [c["prompt_ids"] for c in srv.engine.calls[first:]]
     if not calls:
         raise SystemExit(f"{name} made no model call for {sample['prompt']!r}")
-    # the first call that offers the tools: a side call (opencode's title) offers none, and a later call is the
-    # harness's reaction to the untrained model's reply (Claude Code asks again for "visible output")
-    main = [c for c in calls if "<tools>" in srv.tok.decode(c[:4096])]
-    return main[0] if main else calls[0]
+    from stages.tasks.harness_sft import main_prompt
+
+    return main_prompt(srv.tok, calls)
 
 
 def demonstrations(tok, name: str, prompt: list[int], word: str, wrong: int) -> tuple[list, list]:

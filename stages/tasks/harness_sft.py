@@ -159,6 +159,14 @@ def teach_cached(model_dir: str, pairs: list, log=print, **kw):
     return state
 
 
+def main_prompt(tok, prompts: list[list[int]]) -> list[int]:
+    """The harness's main prompt among the prompts of its first calls: the first that offers the tools. A side
+    call (opencode's title) offers none, and a later call is the harness's reaction to the untrained model's
+    reply (Claude Code asks again for "visible output"), a prompt no run sends first."""
+    main = [p for p in prompts if "<tools>" in tok.decode(p[:4096])]
+    return main[0] if main else prompts[0]
+
+
 def call_json(name: str, arguments: dict) -> dict:
     """A tool call as the chat template takes it (arguments as an object: rendered with json.dumps)."""
     return {"name": name, "arguments": json.loads(json.dumps(arguments))}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from stages.tasks.harness_sft import TOOL_OUTPUTS, call_json, examples, teach_cached, turn_texts
+from stages.tasks.harness_sft import TOOL_OUTPUTS, call_json, examples, main_prompt, teach_cached, turn_texts
 from tests.harness import harnesses as H
 
 pytestmark = pytest.mark.harness
@@ -80,7 +80,7 @@ def _kill(proc: subprocess.Popen) -> str:
 
 
 def _capture(h: H.Harness, srv, home: Path) -> list[int]:
-    """The harness's main prompt: its longest one within its first calls (side calls are shorter)."""
+    """The harness's main prompt within its first calls (stages/tasks/harness_sft.py main_prompt)."""
     first = len(srv.engine.calls)
     proc = _launch(h, srv, home)
     deadline = time.time() + RUN_TIMEOUT_S
@@ -91,7 +91,7 @@ def _capture(h: H.Harness, srv, home: Path) -> list[int]:
     srv.rotate(record=False)
     calls = srv.engine.calls[first:]
     assert calls, f"{h.name} made no model call:\n{out[-3000:]}"
-    return max((c["prompt_ids"] for c in calls), key=len)
+    return main_prompt(srv.tok, [c["prompt_ids"] for c in calls])
 
 
 def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
