@@ -1,6 +1,7 @@
-"""The harness recipes (configs/agent_codex.yaml, configs/agent_opencode.yaml) load and name a task agent that
-exists; the task's checker rewards exactly the file the task asks for. Their real runs (a warm-up, then training
-with the real CLIs) are not in the test suite yet: see docs/harnesses-running.md."""
+"""The harness recipes (configs/agent_claude_code.yaml, agent_codex.yaml, agent_opencode.yaml) load and name a
+task agent that exists; the task's checker rewards exactly the file the task asks for; the agent starts each
+harness with its telemetry off. Their real runs (the warm-up, then training with the real CLIs) are in the
+harness tier: tests/harness/test_recipes.py."""
 from __future__ import annotations
 
 import json
@@ -16,15 +17,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 import harness_task  # noqa: E402
 
+RECIPES = [("agent_claude_code", "claude-code"), ("agent_codex", "codex"), ("agent_opencode", "opencode-chat")]
 
-@pytest.mark.parametrize("recipe, harness", [("agent_codex", "codex"), ("agent_opencode", "opencode-chat")])
+
+@pytest.mark.parametrize("recipe, harness", RECIPES)
 def test_harness_recipe_loads_and_runs_its_harness_through_the_task_agent(recipe, harness):
     cfg = load_config(str(ROOT / "configs" / f"{recipe}.yaml"))
     assert cfg.rollout.agent == f"cmd:python examples/agents/harness_task.py {harness}"
     assert harness in harness_task.HARNESSES
     rows = [json.loads(line) for line in (ROOT / cfg.data.path).read_text().splitlines()]
     assert rows and all(r["prompt"].endswith("into the file answer.txt.") and r["answer"] in r["prompt"] for r in rows)
-    assert cfg.eval.num_prompts == 0 and cfg.rollout.agent_sandbox == "auto"
+    assert cfg.eval.num_prompts == 0 and cfg.rollout.agent_sandbox == "auto" and cfg.rollout.proxy_force_sampling
+    # the warm-up script writes the recipe's model.path
+    assert cfg.model.path == f"runs/warm/{harness}"
+
+
+def test_recipe_rejects_a_bad_override():
+    from pipeline.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="max_turn"):
+        load_config(str(ROOT / "configs" / "agent_claude_code.yaml"), ["rollout.max_turn=3"])
 
 
 def test_checker_rewards_only_the_named_file_holding_the_answer(tmp_path):
@@ -37,7 +49,17 @@ def test_checker_rewards_only_the_named_file_holding_the_answer(tmp_path):
     assert harness_task.check(tmp_path, "maple") == 1.0
 
 
+def test_claude_code_runs_with_only_its_shell_tool_and_no_outside_traffic(tmp_path):
+    files, env, argv = harness_task.HARNESSES["claude-code"]
+    cmd = argv("do it")
+    assert cmd[1:3] == ["-p", "do it"] and cmd[cmd.index("--tools") + 1] == "Bash"
+    e = env("http://127.0.0.1:9/t/r/v1", "sk-x", tmp_path)
+    assert e["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/t/r" and e["ANTHROPIC_API_KEY"] == "sk-x"
+    assert e["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1" and e["DISABLE_TELEMETRY"] == "1"
+    assert json.loads(files("", "", tmp_path)[".claude.json"])["hasCompletedOnboarding"] is True
+
+
 def test_task_agent_refuses_an_unknown_harness():
     p = subprocess.run([sys.executable, str(ROOT / "examples/agents/harness_task.py"), "vim"], capture_output=True,
                        text=True)
-    assert p.returncode != 0 and "usage: harness_task.py codex|opencode-chat|opencode-responses" in p.stderr
+    assert p.returncode != 0 and "usage: harness_task.py claude-code|codex|opencode-chat|opencode-responses" in p.stderr

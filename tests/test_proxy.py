@@ -296,6 +296,8 @@ def test_malformed_requests_get_400_with_a_message(ep, body, fragment):
     status, err = post(ep.base_url + "/chat/completions", body, ep.api_key)
     assert status == 400 and fragment in err["error"]["message"]
     assert ep.client.calls == []
+    # the trajectory records the status its program saw (a harness's error statuses show in a run's rows)
+    assert ep.session.notes == ["answered HTTP 400 to POST /chat/completions"]
 
 
 @pytest.mark.parametrize("extra, note", [

@@ -1,18 +1,20 @@
-"""A real coding harness (Codex CLI or opencode), unmodified, on a file task: one trajectory.
+"""A real coding harness (Claude Code, Codex CLI or opencode), unmodified, on a file task: one trajectory.
 
 Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agents/harness_task.py codex"`;
-configs/agent_codex.yaml, configs/agent_opencode.yaml), or by hand against `loongsage serve`:
+configs/agent_claude_code.yaml, configs/agent_codex.yaml, configs/agent_opencode.yaml), or by hand against
+`loongsage serve`:
 
     OPENAI_BASE_URL=... OPENAI_API_KEY=... \\
     LOONGSAGE_SAMPLE='{"prompt": "Write the word maple into the file answer.txt.", "answer": "maple"}' \\
-    python examples/agents/harness_task.py codex|opencode-chat|opencode-responses
+    python examples/agents/harness_task.py claude-code|codex|opencode-chat|opencode-responses
 
 It does what a user does to point the harness at a model: writes the harness's own config into $HOME
 (the endpoint from OPENAI_BASE_URL / OPENAI_API_KEY; telemetry, update checks and model lists off through
-the harness's own switches), makes a fresh working directory ($HOME/work), runs the harness there with
-the task (its shell tool runs in that directory), then checks the directory: reward 1 if `answer.txt`
-holds exactly the answer, else 0, printed as the last stdout line. The harness's own exit status is
-recorded in `info`, not fatal: the checker decides. In a rollout the whole process runs in the agent
+the harness's own switches; Claude Code takes its endpoint and switches from its environment, and only
+the Bash tool), makes a fresh working directory ($HOME/work), runs the harness there with the task (its
+shell tool runs in that directory), then checks the directory: reward 1 if `answer.txt` holds exactly
+the answer, else 0, printed as the last stdout line. The harness's own exit status is recorded in
+`info`, not fatal: the checker decides. In a rollout the whole process runs in the agent
 jail (rollout.agent_sandbox, stages/agentflow/jail.py): HOME is a private /tmp/home, the host's file
 system read-only, so the harness's commands can change nothing but its working directory.
 """
@@ -92,14 +94,33 @@ OPENCODE_ENV = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FET
                 "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
                 "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1",
                 "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1", "OPENCODE_PERMISSION": json.dumps({"bash": "allow"})}
-# name -> (config files, extra environment, command line less the task)
+
+
+def claude_files(base_url: str, key: str, home: Path) -> dict[str, str]:
+    return {".claude.json": json.dumps({"hasCompletedOnboarding": True})}     # starts without asking
+
+
+def claude_env(base_url: str, key: str, home: Path) -> dict[str, str]:
+    # its endpoint (Messages: the base URL without /v1); telemetry, error reports, update checks and other
+    # non-essential traffic off
+    return {"ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": key,
+            "ANTHROPIC_SMALL_FAST_MODEL": "loongsage", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUT),
+            "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_BUG_COMMAND": "1"}
+
+
+# name -> (config files, extra environment, command line for a task)
 HARNESSES = {
-    "codex": (codex_files, lambda home, key: {"CODEX_HOME": str(home / ".codex"), "LOONGSAGE_API_KEY": key},
-              [str(BIN / "codex"), "exec", "--skip-git-repo-check"]),
-    "opencode-chat": (opencode_files("@ai-sdk/openai-compatible"), lambda home, key: OPENCODE_ENV,
-                      [str(BIN / "opencode"), "run"]),
-    "opencode-responses": (opencode_files("@ai-sdk/openai"), lambda home, key: OPENCODE_ENV,
-                           [str(BIN / "opencode"), "run"]),
+    # --tools Bash: its shell tool alone (its default 24 tools make a ~19k-token prompt; Bash alone ~2.1k)
+    "claude-code": (claude_files, claude_env,
+                    lambda task: [str(BIN / "claude"), "-p", task, "--model", "loongsage", "--tools", "Bash",
+                                  "--allowedTools", "Bash", "--no-session-persistence"]),
+    "codex": (codex_files, lambda base_url, key, home: {"CODEX_HOME": str(home / ".codex"), "LOONGSAGE_API_KEY": key},
+              lambda task: [str(BIN / "codex"), "exec", "--skip-git-repo-check", task]),
+    "opencode-chat": (opencode_files("@ai-sdk/openai-compatible"), lambda base_url, key, home: OPENCODE_ENV,
+                      lambda task: [str(BIN / "opencode"), "run", task]),
+    "opencode-responses": (opencode_files("@ai-sdk/openai"), lambda base_url, key, home: OPENCODE_ENV,
+                           lambda task: [str(BIN / "opencode"), "run", task]),
 }
 
 
@@ -123,9 +144,9 @@ def run(name: str, task: str, answer: str, home: Path, base_url: str, key: str) 
     env = {k: v for k, v in os.environ.items() if k in keep} | {
         "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
         "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".local/state"),
-        "NO_PROXY": "127.0.0.1,localhost", "CI": "1"} | extra_env(home, key)
+        "NO_PROXY": "127.0.0.1,localhost", "CI": "1"} | extra_env(base_url, key, home)
     try:
-        p = subprocess.run([*argv, task], cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+        p = subprocess.run(argv(task), cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                            text=True, timeout=TIMEOUT_S)
         rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
     except subprocess.TimeoutExpired:

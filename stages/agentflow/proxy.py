@@ -501,8 +501,11 @@ def _api_key(request: web.Request) -> str:
 
 
 def _error(request: web.Request, e: APIError, headers: dict | None = None) -> web.Response:
-    """An error in the protocol of the path it answers."""
+    """An error in the protocol of the path it answers, noted with the trajectory it was for (proxy_notes:
+    a run's rows then show what status a harness saw, as `loongsage serve`'s requests.jsonl does)."""
     status, body = anthropic_api.error_response(e) if _anthropic(request) else (e.status, e.body())
+    if request.get(SESSION) is not None:
+        request[SESSION].note(f"answered HTTP {status} to {request.method} {request.path.rsplit('/v1', 1)[-1]}")
     return web.json_response(body, status=status, headers=headers)
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
-import harness_task  # noqa: E402  (the Codex and opencode settings a user writes, trimmed prompts: one source)
+import harness_task  # noqa: E402  (the settings a user writes, trimmed prompts: one source with the recipes)
 
 BIN = ROOT / ".cache" / "harness" / "node_modules" / ".bin"
 OUTPUT = "loongsage-ok"
@@ -86,11 +86,8 @@ PI = Harness(
 )
 
 
-OPENCODE_ENV = {"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
-                "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
-                "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_CLAUDE_CODE": "1",
-                "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1", "OPENCODE_PERMISSION": json.dumps({"bash": "allow"})}
-OPENCODE_ARGV = lambda b, k, h: [str(BIN / "opencode"), "run", TASK]  # noqa: E731
+OPENCODE_ENV = harness_task.OPENCODE_ENV
+OPENCODE_ARGV = lambda b, k, h: harness_task.HARNESSES["opencode-chat"][2](TASK)  # noqa: E731
 # opencode's bash tool shows a command's output as it is
 OPENCODE_CHAT = Harness("opencode-chat", argv=OPENCODE_ARGV, env=lambda b, k, h: OPENCODE_ENV,
                         files=harness_task.opencode_files("@ai-sdk/openai-compatible"), side_calls=True,
@@ -108,7 +105,7 @@ CODEX_OUTPUTS = tuple(f"Chunk ID: {c}\nWall time: {w} seconds\nProcess exited wi
 
 CODEX = Harness(
     "codex",
-    argv=lambda b, k, h: [str(BIN / "codex"), "exec", "--skip-git-repo-check", TASK],
+    argv=lambda b, k, h: harness_task.HARNESSES["codex"][2](TASK),
     env=lambda b, k, h: {"LOONGSAGE_API_KEY": k, "CODEX_HOME": str(h / ".codex")},
     files=harness_task.codex_files, tool="exec_command", args=lambda cmd: {"cmd": cmd}, outputs=CODEX_OUTPUTS,
 )
@@ -116,14 +113,9 @@ CODEX = Harness(
 
 CLAUDE = Harness(
     "claude-code",
-    # --tools Bash: its only tool (the default set of 24 makes a 19k-token prompt; with Bash alone, ~2.1k)
-    argv=lambda b, k, h: [str(BIN / "claude"), "-p", TASK, "--model", "loongsage", "--tools", "Bash",
-                          "--allowedTools", "Bash", "--no-session-persistence"],
-    env=lambda b, k, h: {"ANTHROPIC_BASE_URL": b[: -len("/v1")], "ANTHROPIC_API_KEY": k,
-                         "ANTHROPIC_SMALL_FAST_MODEL": "loongsage", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUT),
-                         "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
-                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_BUG_COMMAND": "1"},
-    files=lambda b, k, h: {".claude.json": json.dumps({"hasCompletedOnboarding": True})},
+    argv=lambda b, k, h: harness_task.HARNESSES["claude-code"][2](TASK),     # --tools Bash: its shell tool only
+    env=lambda b, k, h: harness_task.claude_env(b, k, h) | {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUT)},
+    files=harness_task.claude_files,
     tool="Bash", args=lambda cmd: {"command": cmd, "description": "Print the word"}, side_calls=True,
 )
 

@@ -1,25 +1,27 @@
 """The real harness programs against `loongsage serve`'s proxy (marker `harness`; `.ci/run` runs it).
 
 Per harness: capture its first prompt, warm the tiny model to answer it with one tool call in the
-harness's own tool and the tool's result with a final answer (tests/harness/warm.py), run the
+harness's own tool and the tool's result with a final answer (stages/tasks/harness_sft.py), run the
 program for real, then check: exit 0, no 4xx/5xx on any request, every model token the recording
 holds is the engine's own, and the tool call and the answer are one segment (the history the
 harness sent back extended the recorded tokens).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from stages.tasks.harness_sft import TOOL_OUTPUTS, call_json, examples, main_prompt, teach_cached, turn_texts
 from tests.harness import harnesses as H
-from tests.harness.warm import TOOL_OUTPUTS, call_json, examples, teach_cached, turn_texts
 
 pytestmark = pytest.mark.harness
 RUN_TIMEOUT_S = 300
@@ -60,6 +62,15 @@ def _launch(h: H.Harness, srv, home: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def _home(name: str) -> Path:
+    """The harness's HOME, the same path on every run from this checkout: Claude Code and opencode write their
+    working directory into the system prompt, and a prompt that stays the same finds its warmed weights cached."""
+    tag = hashlib.sha256(str(H.ROOT).encode()).hexdigest()[:8]
+    home = Path(tempfile.gettempdir()) / f"loongsage-harness-{tag}" / name / "home"
+    shutil.rmtree(home, ignore_errors=True)
+    return home
+
+
 def _kill(proc: subprocess.Popen) -> str:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -69,7 +80,7 @@ def _kill(proc: subprocess.Popen) -> str:
 
 
 def _capture(h: H.Harness, srv, home: Path) -> list[int]:
-    """The harness's main prompt: its longest one within its first calls (side calls are shorter)."""
+    """The harness's main prompt within its first calls (stages/tasks/harness_sft.py main_prompt)."""
     first = len(srv.engine.calls)
     proc = _launch(h, srv, home)
     deadline = time.time() + RUN_TIMEOUT_S
@@ -80,7 +91,7 @@ def _capture(h: H.Harness, srv, home: Path) -> list[int]:
     srv.rotate(record=False)
     calls = srv.engine.calls[first:]
     assert calls, f"{h.name} made no model call:\n{out[-3000:]}"
-    return max((c["prompt_ids"] for c in calls), key=len)
+    return main_prompt(srv.tok, [c["prompt_ids"] for c in calls])
 
 
 def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
@@ -140,11 +151,11 @@ def _param(name: str):
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in H.ALL])
-def test_harness_tool_loop(server, tmp_path, name):
+def test_harness_tool_loop(server, name):
     h = H.ALL[name]
     # captured and run from the same fresh HOME and working directory: Claude Code and opencode write both paths
     # into their system prompts, and the warmed answer must follow the prompt the run sends
-    home = tmp_path / "home"
+    home = _home(name)
     _warm(h, server, _capture(h, server, home))
     shutil.rmtree(home)
     first_req, first_call = len(server.requests), len(server.engine.calls)

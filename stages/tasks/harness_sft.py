@@ -1,5 +1,8 @@
 """Warm a tiny Qwen-vocabulary model, by SFT in code, to drive one real harness through a tool loop.
 
+Used by the harness recipes' warm-up (examples/agents/warm_harness.py) and the harness test tier
+(tests/harness/): one piece of code for both.
+
 The model must answer the harness's own first prompt (its system prompt, tools and our task, as
 the proxy renders them) with ONE tool call in that harness's tool, and a prompt that ends with the
 tool's result with a final answer. So: capture the harness's real first prompt (one short run
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -70,30 +74,38 @@ def _loss(model, prompt: list[int], target: list[int], window: int, vocab: torch
 
 
 def _sample_vocab(pairs, size: int, n_vocab: int, gen: torch.Generator) -> torch.Tensor:
+    if size <= 0:           # the full softmax: what sampling at inference sees (a sampled one leaves mass elsewhere)
+        return torch.arange(n_vocab)
     need = torch.tensor(sorted({i for p, t in pairs for i in t + p[-64:]}))
     return torch.unique(torch.cat([need, torch.randint(0, n_vocab, (size,), generator=gen)]))
 
 
 def teach(model_dir: str, pairs: list, steps: int = 300, lr: float = 1e-2, windows=(256, 1024, 2048),
-          sample: int = 4096, log=print):
+          sample: int = 4096, full_steps: int = 0, threads: int = 1, log=print):
     """SFT the model at `model_dir` on (prompt, target) pairs until every target is its greedy answer
-    (checked at the widest window) or `steps` run out; returns its state dict."""
+    (checked at the widest window) or `steps` run out; returns its state dict. `sample`: vocabulary ids
+    in each step's softmax (0: all of them); the last `full_steps` steps use all of them, which takes
+    the mass a sampled softmax leaves on the untrained ids (what sampling at temperature 1 would find).
+    `threads`: torch threads (1: measured 4.0 s a step against 20 s with 2 on the shared 2-core machine)."""
     from stages.model import load_model
 
     torch.manual_seed(0)
+    torch.set_num_threads(threads)
     model = load_model(model_dir)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     n_vocab = model.lm_head.weight.shape[0]
     t0 = time.time()
+    # a pair given k times weighs k (a deliberately uneven mix of demonstrations), computed once
+    weights = Counter((tuple(p), tuple(t)) for p, t in pairs)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        vocab = _sample_vocab(pairs, sample, n_vocab, gen)
-        for p, t in pairs:
+        vocab = _sample_vocab(pairs, 0 if step >= steps - full_steps else sample, n_vocab, gen)
+        for (p, t), k in weights.items():
             w = windows[step % len(windows)]
-            loss = _loss(model, p, t, w, vocab) / len(pairs)
+            loss = _loss(model, list(p), list(t), w, vocab) * (k / len(pairs))
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -105,6 +117,15 @@ def teach(model_dir: str, pairs: list, steps: int = 300, lr: float = 1e-2, windo
     model.eval()
     log(f"warmed in {step + 1} steps, {time.time() - t0:.1f}s, loss {total:.4f}", flush=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def sequence_probability(model, prompt: list[int], target: list[int], temperature: float = 1.0) -> float:
+    """P(a sample at `temperature` from the full softmax is exactly `target`), the whole prompt as context."""
+    ids = torch.tensor([prompt + target[:-1]])
+    hidden = model.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1:]
+    logp = torch.log_softmax(model.lm_head(hidden).float() / temperature, -1)
+    return float(logp[torch.arange(len(target)), torch.tensor(target)].sum().exp())
 
 
 @torch.no_grad()
@@ -136,6 +157,14 @@ def teach_cached(model_dir: str, pairs: list, log=print, **kw):
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)
     return state
+
+
+def main_prompt(tok, prompts: list[list[int]]) -> list[int]:
+    """The harness's main prompt among the prompts of its first calls: the first that offers the tools. A side
+    call (opencode's title) offers none, and a later call is the harness's reaction to the untrained model's
+    reply (Claude Code asks again for "visible output"), a prompt no run sends first."""
+    main = [p for p in prompts if "<tools>" in tok.decode(p[:4096])]
+    return main[0] if main else prompts[0]
 
 
 def call_json(name: str, arguments: dict) -> dict:
