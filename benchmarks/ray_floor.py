@@ -69,10 +69,10 @@ def main() -> None:
     helpers += [actor.options(num_cpus=0, **on_driver_node()).remote(False) for _ in range(2)]   # gate, span sink
     ray.get([h.ping.remote() for h in helpers])
     ds = ray.data.range(8, override_num_blocks=2)
-    ds = ds.map_batches(Stage, fn_constructor_args=(a.hold / 2,), batch_size=4, compute=ray.data.ActorPoolStrategy(size=1),
-                        num_cpus=0.5)
-    ds = ds.map_batches(Stage, fn_constructor_args=(a.hold / 2,), batch_size=4, compute=ray.data.ActorPoolStrategy(size=1),
-                        num_cpus=0.5)
+    ds = ds.map_batches(Stage, fn_constructor_args=(a.hold / 2,), batch_size=4, num_cpus=0.5,
+                        compute=ray.data.ActorPoolStrategy(size=1))
+    ds = ds.map_batches(Stage, fn_constructor_args=(a.hold / 2,), batch_size=4, num_cpus=0.5,
+                        compute=ray.data.ActorPoolStrategy(size=1))
     rows = sum(len(b["id"]) for b in ds.iter_batches(batch_size=4))
     watch.stop()
     ray.shutdown()
