@@ -1,10 +1,11 @@
 """Does a harness recipe learn? Warm-up (optional), then the recipe's run, both watched; per-step reward series.
 
-    python benchmarks/harness_recipes.py claude-code|codex|opencode [--warm-steps 40] [--run-dir DIR] [key=value ...]
+    python benchmarks/harness_recipes.py claude-code|codex|opencode [--warm-steps 300] [--run-dir DIR] [key=value ...]
 
 Runs the recipe's documented commands, as a user does:
 
-    python examples/agents/warm_harness.py HARNESS runs/warm/HARNESS --steps N     (unless --no-warm)
+    python examples/agents/warm_harness.py HARNESS runs/warm/HARNESS --tasks 1 --temperature 0.5 --steps N
+                                                                                    (unless --no-warm)
     python -m pipeline.cli run configs/agent_X.yaml [key=value ...] --run-dir DIR
 
 and prints: the warm-up's time and its probabilities line; per step, the rollout's mean reward (the task
@@ -61,16 +62,16 @@ def series(run_dir: Path) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", choices=sorted(RECIPES))
-    p.add_argument("--warm-steps", type=int, default=40)
+    p.add_argument("--warm-steps", type=int, default=300)
     p.add_argument("--no-warm", action="store_true", help="use the model already at the recipe's model.path")
     p.add_argument("--run-dir", default="")
     p.add_argument("overrides", nargs="*", help="key=value for the run")
-    a = p.parse_args()
+    a = p.parse_intermixed_args()
     config, harness = RECIPES[a.recipe]
     model = f"runs/warm/{harness}"
     if not a.no_warm:
         rc, secs, w, tail = watched([sys.executable, "examples/agents/warm_harness.py", harness, model,
-                                     "--steps", str(a.warm_steps)])
+                                     "--tasks", "1", "--temperature", "0.5", "--steps", str(a.warm_steps)])
         print(f"warm-up: exit {rc}, {secs:.0f} s, peak RSS {gb(w.rss)} (PSS {gb(w.pss)})", flush=True)
         if rc:
             sys.exit(tail)
