@@ -374,8 +374,8 @@ class Controller:
         return summary | {"final": final}
 
     def _on_interrupt(self, signum: int) -> None:
-        self.log(f"{signal.Signals(signum).name}: stopping after step {self.step + 1}, then writing a checkpoint "
-                 f"(press Ctrl-C again to exit at once)")
+        self.log(f"{signal.Signals(signum).name}: stopping after step {self.loop.last_step()}, then writing a "
+                 f"checkpoint (press Ctrl-C again to exit at once)")
 
     def _finish(self, step: int, batch: Batch, line: dict) -> None:
         """A trained step's bookkeeping: rollouts, metrics, periodic eval. Runs while the

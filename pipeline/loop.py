@@ -62,6 +62,7 @@ class StepLoop:
         self.checkpoint_every = checkpoint_every
         self.overlap = Overlap(parts, queue_next)
         self.stop = threading.Event()         # set (e.g. on SIGINT): the loop ends after the step in hand
+        self._in_hand = False                 # a batch is being trained (its step not yet counted)
         self._closed = False
 
     def run(self) -> int:
@@ -73,11 +74,13 @@ class StepLoop:
                 batch = o.next_batch(self.stop)
                 if batch is None:
                     break
+                self._in_hand = True
                 with p.lock:                  # a restarted engine is re-sent weights between steps, not mid-update
                     batch.version, batch.step = self.version, self.step + 1
                     metrics = o.train(batch)                    # the previous step's bookkeeping runs meanwhile
                     self.version += 1
                     self.step += 1
+                    self._in_hand = False
                     metrics |= o.publish(self.version, self._may_queue_next())
                     p.window_moved(batch, self.version)
                     if self._checkpoint_due():
@@ -87,6 +90,11 @@ class StepLoop:
         finally:
             self.close()
         return self.step
+
+    def last_step(self) -> int:
+        """The last step trained if `stop` is set now: the step in hand and a queued update finish; a batch
+        still being rolled out is not waited for."""
+        return self.step + int(self._in_hand) + int(self.overlap.queued)
 
     def close(self) -> None:
         """Stop the stream: its producers are released first, so the prefetch thread can end."""

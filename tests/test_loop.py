@@ -148,6 +148,7 @@ def test_stop_abandons_the_wait_but_finishes_a_queued_update():
     t = threading.Thread(target=loop.run)
     t.start()
     time.sleep(0.3)
+    assert loop.last_step() == 1         # what the stop message names: the step already trained
     loop.stop.set()                      # the loop waits for batch 1, which never comes
     t.join(5)
     assert not t.is_alive() and loop.step == 1 and released == [1]
@@ -166,6 +167,22 @@ def test_stop_abandons_the_wait_but_finishes_a_queued_update():
     loop.overlap.parts.submit = submit
     loop.run()
     assert loop.step == 2 and "landed v2" in run.events    # the queued update was published, not dropped
+
+
+def test_stop_during_an_update_names_that_step_as_the_last():
+    run = FakeRun(steps=5)
+    loop = StepLoop(run.parts(), steps=5)
+    named = []
+
+    def submit(ref):
+        if not named:
+            loop.stop.set()              # Ctrl-C while step 1 trains
+            named.append(loop.last_step())
+        return run.submit(ref)
+
+    loop.parts.submit = loop.overlap.parts.submit = submit
+    loop.run()
+    assert named == [1] and loop.step == 1
 
 
 def test_errors_in_the_stream_surface_in_the_loop():
