@@ -4,7 +4,9 @@ A recipe file is a mapping `section -> {key: value}`; each section is the config
 dataclass of one stage, defined next to that stage in a module that imports neither torch
 nor Ray, so a recipe is read and refused (a bad key or value) in a fraction of a second. Command-line overrides are
 `section.key=value` (values parsed as YAML). Any unknown section or key is an error
-that lists the valid ones, so a typo never silently runs the default.
+that lists the valid ones, so a typo never silently runs the default. Every refusal is a
+ConfigError of one line: a hostile file (too big, not UTF-8, nested too deep, an alias bomb)
+included, and no message formats a value whole.
 """
 from __future__ import annotations
 
@@ -97,6 +99,97 @@ class Config:
     placement: PlacementConfig = key(PlacementConfig, "Ray placement groups on a cluster")
 
 
+MAX_BYTES = 2**20      # a recipe is a few KB of YAML: a bigger file is refused before it is parsed
+MAX_DEPTH = 64         # nesting levels: PyYAML composes recursively, so 50,000 levels overflow Python's stack
+MAX_VALUES = 10_000    # values of the document as built: an alias counts its anchor's whole value at each use
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """A recipe's value or key as an error shows it: at most `limit` characters (a value may be huge)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _shown(value) -> str:
+    return _cut(repr(value))
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded while it composes (before any Python value is built): the
+    nesting depth, and the size of the document with every alias expanded. An alias bomb (ten
+    aliases of ten aliases of ...) is a few hundred bytes whose value, walked or formatted, does
+    not end; a value holding an alias of its own anchor (a cycle) is refused too."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.keys: list[str] = []                           # where the composer is, for the error
+        self.sizes: dict[yaml.Node, tuple[int, int]] = {}   # composed node -> (values, depth), aliases expanded
+
+    def refuse(self, problem: str, mark) -> None:
+        at = _cut("".join(k if k.startswith("[") or not k else "." + k for k in self.keys).lstrip("."), 40)
+        raise ConfigError(f"{at + ': ' if at else ''}{problem} (line {mark.line + 1})")
+
+    def compose_node(self, parent, index):
+        self.keys.append(f"[{index}]" if isinstance(index, int) else
+                         _cut(str(index.value), 40) if isinstance(index, yaml.ScalarNode) else "")
+        try:
+            if len(self.keys) > MAX_DEPTH:
+                self.refuse(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+            alias = self.check_event(yaml.AliasEvent)
+            node = super().compose_node(parent, index)
+            if alias and node not in self.sizes:        # an anchor still being composed: its own value
+                self.refuse("an alias inside its own anchor's value (a cycle)", node.start_mark)
+            if not alias:
+                self.sizes[node] = self.measure(node)
+            return node
+        finally:
+            self.keys.pop()
+
+    def measure(self, node) -> tuple[int, int]:
+        kids = (node.value if isinstance(node, yaml.SequenceNode) else
+                [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else [])
+        values = 1 + sum(self.sizes[k][0] for k in kids)
+        depth = 1 + max((self.sizes[k][1] for k in kids), default=0)
+        if values > MAX_VALUES:
+            self.refuse(f"holds more than {MAX_VALUES} values, aliases expanded", node.start_mark)
+        if depth > MAX_DEPTH:
+            self.refuse(f"nested deeper than {MAX_DEPTH} levels, aliases expanded", node.start_mark)
+        return values, depth
+
+
+def parse_yaml(text: str, where: str):
+    """YAML text -> its value, bounded (_Loader); any problem is a ConfigError of one line naming `where`."""
+    try:
+        return _Loader(text).get_single_data()      # its reader refuses control characters as it is made
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{where}: not valid YAML: {_cut(', '.join(filter(None, (e.context, e.problem))))}{at}") \
+            from None
+    except (yaml.YAMLError, ValueError, OverflowError) as e:   # a bad character; a date such as 2024-13-01
+        raise ConfigError(f"{where}: not valid YAML: {_cut(' '.join(str(e).split()))}") from None
+
+
+def read_yaml(path: str | Path):
+    """A YAML file's value: at most MAX_BYTES of UTF-8, bounded as parse_yaml is; refusals name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read: {e.strerror}") from None
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{p}: larger than {MAX_BYTES // 2**20} MiB (a recipe is a few KB of YAML)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from None
+    return parse_yaml(text, str(p))
+
+
 # YAML 1.1 (PyYAML) reads a float only with a dot: `5e-5` and `1e3` come back as strings
 _FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
@@ -111,12 +204,12 @@ def _coerce(value, typ, where: str):
         return None if value is None else _coerce(value, args[0], where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
         (item,) = typing.get_args(typ)[:1] or (object,)
         return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {_shown(value)}")
         return dict(value)
     if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -125,7 +218,7 @@ def _coerce(value, typ, where: str):
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if typ in (int, float, str, bool) and not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {_shown(value)}")
     return value
 
 
@@ -133,23 +226,23 @@ def _build(cls, data, where: str):
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+        raise ConfigError(f"{where}: expected a mapping of keys, got {_shown(data)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise ConfigError(f"unknown key {where + '.' if where else ''}{unknown[0]}; valid keys"
+        raise ConfigError(f"unknown key {where + '.' if where else ''}{_cut(str(unknown[0]), 80)}; valid keys"
                           f"{' of ' + where if where else ''}: {', '.join(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k, v in kwargs.items():
         why = None if dataclasses.is_dataclass(v) else problem(v, check_of(fields[k]))
         if why:
-            raise ConfigError(f"{where + '.' if where else ''}{k} must be {why}, got {v!r}")
+            raise ConfigError(f"{where + '.' if where else ''}{k} must be {why}, got {_shown(v)}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where or 'config'}: {e}") from e
+        raise ConfigError(f"{where or 'config'}: {_cut(str(e), 400)}") from e
 
 
 def to_dict(cfg) -> dict:
@@ -162,30 +255,24 @@ def to_dict(cfg) -> dict:
 
 def apply_override(tree: dict, override: str) -> None:
     if "=" not in override:
-        raise ConfigError(f"override {override!r} is not of the form section.key=value")
+        raise ConfigError(f"override {_shown(override)} is not of the form section.key=value")
     dotted, raw = override.split("=", 1)
     keys = dotted.strip().split(".")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {k} is not a section")
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            raise ConfigError(f"override {_cut(dotted, 80)}: {_cut(k, 80)} is not a section")
+    node[keys[-1]] = parse_yaml(raw, f"override {_cut(dotted, 80)}") if raw.strip() else ""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML recipe (or start from defaults), apply `a.b=value` overrides, validate."""
     tree: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        tree = read_yaml(path) or {}
         if not isinstance(tree, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections")
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
     for o in overrides:
         apply_override(tree, o)
     try:

@@ -19,8 +19,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
+from pipeline.config import parse_yaml
 from pipeline.planner.calibrate import Calibration, calibrate
 from pipeline.planner.cluster import SCHEMA, build_costs, load_cluster
 from pipeline.planner.model import Costs, Layout, PlanError
@@ -60,7 +59,7 @@ def _split(overrides, has_cluster: bool) -> tuple[list[str], dict]:
         if key.split(".")[0] in SCHEMA:
             if not has_cluster:
                 raise PlanError(f"override {o!r}: {key} is a cluster-file key; give --cluster FILE")
-            cluster[key] = yaml.safe_load(value)
+            cluster[key] = parse_yaml(value, f"override {key}")
         else:
             recipe.append(f"{key}={value}")
     return recipe, cluster
@@ -81,7 +80,10 @@ def setup(inp: PlanInput, cal: Calibration | None = None):
 
     if inp.cluster is None and inp.calibrate is None:
         raise PlanError("give --calibrate RUN (costs measured on a run) or --cluster FILE (a cluster's presets)")
-    recipe_over, cluster_over = _split(inp.overrides, inp.cluster is not None)
+    try:
+        recipe_over, cluster_over = _split(inp.overrides, inp.cluster is not None)
+    except ConfigError as e:        # a cluster override's value, refused as a recipe's is
+        raise PlanError(str(e)) from e
     if inp.calibrate is not None and cal is None:
         cal = calibrate(inp.calibrate)
     config = inp.config or (str(Path(inp.calibrate) / "config.yaml") if inp.calibrate else None)
@@ -89,8 +91,8 @@ def setup(inp: PlanInput, cal: Calibration | None = None):
         raise PlanError("no recipe: give CONFIG (e.g. configs/quickstart_async.yaml)")
     try:
         cfg = load_config(config, recipe_over)
-    except (ConfigError, ValueError, OSError) as e:
-        raise PlanError(f"{config}: {e}") from e
+    except ConfigError as e:        # its one line names the file where the file is what is wrong
+        raise PlanError(str(e)) from e
     if inp.cluster is not None:
         data = load_cluster(inp.cluster, cluster_over)
         costs = build_costs(data)

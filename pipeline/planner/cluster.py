@@ -22,8 +22,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import yaml
-
+from pipeline.config import ConfigError, read_yaml
 from pipeline.planner.model import Costs, EngineModel, Layout, PlanError, StageCosts, SyncModel, TrainerModel
 
 NUM, INT, BOOL, STR = "number", "integer", "boolean", "string"
@@ -84,9 +83,9 @@ def load_cluster(path: str | Path, overrides: dict | None = None) -> dict:
     if not path.is_file():
         raise PlanError(f"--cluster {path}: no such file (presets: {', '.join(presets())})")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise PlanError(f"{path}: not YAML ({e})") from e
+        data = read_yaml(path) or {}        # bounded as a recipe is: size, encoding, depth, aliases
+    except ConfigError as e:
+        raise PlanError(str(e)) from e
     data = copy.deepcopy(data)
     for key, value in (overrides or {}).items():
         *parents, leaf = key.split(".")
