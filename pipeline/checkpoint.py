@@ -1,10 +1,11 @@
 """Checkpoints you can trust: written atomically with a manifest, verified before a resume.
 
-A checkpoint RUN/checkpoints/step_N is written into a hidden temporary directory next to it;
+A checkpoint RUN/checkpoints/step_N is written into a hidden temporary directory next to it,
+created new (owner-only, a random name: a planted directory or symlink is never written into);
 every file is fsynced, `manifest.json` records each file's size and checksum, then the
 directory is renamed into place (and its parent fsynced). A crash or a full disk mid-write
-leaves at most a `.step_N.tmp-PID` directory, never a half-written step_N, and the previous
-checkpoint is untouched.
+leaves at most a `.step_N.tmp-XXXXXXXX-PID` directory, never a half-written step_N, and the
+previous checkpoint is untouched.
 
 Before a resume, `verify` checks the manifest (every file present, same size, same checksum)
 and that every weight in the checkpoint's safetensors files is finite; `newest_intact` is
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -89,15 +91,14 @@ def is_no_space(e: BaseException) -> bool:
 
 
 def write(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Write a checkpoint at `final`: `fill(tmp)` writes the files into a temporary directory,
+    """Write a checkpoint at `final`: `fill(tmp)` writes the files into a new empty directory,
     which gets a manifest, is fsynced and renamed into place. On a full disk the temporary
     directory is removed and CheckpointError says so in one line; earlier checkpoints stay as
     they were."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(final.parent)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", suffix=f"-{os.getpid()}", dir=final.parent))
     try:
         fill(tmp)
         write_manifest(tmp)

@@ -37,6 +37,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.recorder import write_atomic
+
 SPAN_SCHEMA = pa.schema([
     ("stage", pa.string()), ("actor", pa.string()), ("step", pa.int64()), ("batch_id", pa.int64()),
     ("rows_in", pa.int64()), ("rows_out", pa.int64()), ("tokens", pa.int64()),
@@ -89,9 +91,7 @@ class SpanSink:
         if not self.buf:
             return
         name = f"part-{self.session}-{self.parts:05d}.parquet"
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(pa.Table.from_pylist(self.buf, schema=SPAN_SCHEMA), tmp)
-        os.replace(tmp, self.dir / name)
+        write_atomic(pa.Table.from_pylist(self.buf, schema=SPAN_SCHEMA), self.dir / name)
         self.count += len(self.buf)
         self.parts += 1
         self.buf = []

@@ -6,9 +6,11 @@
 A hive-partitioned Parquet dataset: `ray.data.read_parquet(dir)`, `pyarrow.dataset.dataset(
 dir, partitioning="hive")` and `pandas.read_parquet(dir)` all read it and get `step` as a
 column. Each step is written once, when it is consumed, so memory never holds more than one
-step. A file is written under a hidden temporary name and renamed when complete: an
-aborted run leaves at most a `.part-0.parquet.tmp` that no reader picks up, never a
-truncated `part-0.parquet`.
+step. A file is written under a hidden temporary name of its own (random, created exclusively:
+a planted file or symlink is never written through) and renamed when complete: an aborted run
+leaves at most a `.part-0.parquet.*.tmp` that no reader picks up, never a truncated
+`part-0.parquet`. A recording holds every prompt and completion: its directories are created
+0700 and its files 0600.
 
 File metadata carries the schema version (stages/schema.py), the step and the group size.
 `Recording.open` checks every file before anything reads rows: a file that is not whole
@@ -17,7 +19,9 @@ error that names the file, so replay never trains on partial rows.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +37,7 @@ VERSION_KEY = b"loongsage.schema_version"
 STEP_KEY = b"loongsage.step"
 N_SAMPLES_KEY = b"loongsage.n_samples"
 PART = "part-0.parquet"
-TMP = ".part-0.parquet.tmp"       # leading dot: pyarrow skips it; .tmp suffix: Ray's Parquet reader skips it
+TMP = f".{PART}.*.tmp"        # temporaries (glob): a leading dot, pyarrow skips them; .tmp, Ray's reader does
 INDEX_COLUMNS = ("group_id", "data_source", "reward")
 
 
@@ -61,12 +65,25 @@ class Recorder:
         meta = dict(table.schema.metadata or {}) | {
             VERSION_KEY: str(SCHEMA_VERSION).encode(), STEP_KEY: str(step).encode(),
             N_SAMPLES_KEY: str(self.n_samples).encode()}
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         d = step_dir(self.root, step)
-        d.mkdir(parents=True, exist_ok=True)
-        tmp, final = d / TMP, d / PART
-        pq.write_table(table.replace_schema_metadata(meta), tmp)
-        os.replace(tmp, final)       # atomic: readers see the whole step or nothing
-        return final
+        d.mkdir(mode=0o700, exist_ok=True)
+        return write_atomic(table.replace_schema_metadata(meta), d / PART)
+
+
+def write_atomic(table: pa.Table, final: Path) -> Path:
+    """Write `table` to `final` whole or not at all: into a hidden temporary of a random name in the same
+    directory (created exclusively, owner-only: a planted symlink is never followed), then renamed."""
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f)
+        os.replace(tmp, final)       # atomic: readers see the whole file or nothing
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return final
 
 
 @dataclass(frozen=True)

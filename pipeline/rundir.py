@@ -5,7 +5,8 @@ the run lives: the kernel drops the lock when the holder dies, so a lock left by
 on this host is stale and taken over (said in one line). A lock written on another host
 cannot be checked from here: it is refused, naming the host, until that run ends or the
 file is removed. The lock is shared within a process (the CLI takes it, the controller's
-run inside it finds it held).
+run inside it finds it held). The lock file is owner-only and never opened through a symlink: a
+`.lock` that is not a regular file (a planted symlink, a fifo, a directory) is refused, naming it.
 
 `claim` adds the rule for a finished run's directory: a new run into it is refused unless
 it resumes (run.resume_from / --resume) or overwrites (--overwrite: the old run's files go).
@@ -18,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Callable
@@ -46,18 +48,44 @@ def _describe(info: dict) -> str:
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started {when})"
 
 
+def _open_lock(path: Path) -> int | None:
+    """An fd of the regular file `path`, created owner-only if missing (None: it vanished meanwhile).
+    Never through a symlink (a planted `.lock -> ~/.bashrc` would be truncated) nor into a fifo or
+    directory: those are refused naming the file."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError:         # ELOOP: a symlink; EISDIR: a directory; ENXIO: a socket
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    kind = {stat.S_IFLNK: "a symlink", stat.S_IFDIR: "a directory", stat.S_IFIFO: "a fifo"}.get(
+        stat.S_IFMT(os.lstat(path).st_mode), "not a regular file")
+    if fd is not None:
+        os.close(fd)
+    raise RunDirError(f"{path} is {kind}, not a lock file: refusing to use it; remove it if no run holds "
+                      f"this directory")
+
+
 def _open_locked(path: Path) -> int:
     """An fd of `path` holding its flock, or RunDirError naming the holder. Retries when the file
     was replaced between open and flock (another run took it over)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(path)
+        if fd is None:
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
             os.close(fd)
             raise RunDirError(f"run directory {path.parent} is in use by {_describe(info)}; "
-                              f"choose another --run-dir or wait for that run to end") from None
+                              f"choose another directory or wait for that run to end") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:

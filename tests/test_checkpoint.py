@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _fill(step: int, nan: bool = False):
     """What the trainer and controller write: weights (safetensors), trainer_state.pt, controller.json."""
     def fill(tmp: Path) -> None:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, exist_ok=True)      # as save_pretrained does: the directory is new and empty
         g = torch.Generator().manual_seed(step)
         w = {"layer.weight": torch.randn(256, 256, generator=g), "layer.bias": torch.zeros(256)}
         if nan:
@@ -129,6 +129,18 @@ def test_a_temporary_left_by_a_dead_writer_is_not_a_checkpoint(tmp_path):
     assert ckpt.resolve("latest", run) == run / "checkpoints" / "step_000001"
     ckpt.write(run / "checkpoints" / "step_000003", _fill(3))       # the next write clears it
     assert not dead.exists()
+
+
+def test_a_planted_temporary_is_never_written_through(tmp_path):
+    """The temporary directory was `.step_N.tmp-PID`: a symlink planted there led the weights elsewhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ckdir = tmp_path / "run" / "checkpoints"
+    ckdir.mkdir(parents=True)
+    (ckdir / f".step_000001.tmp-{os.getpid()}").symlink_to(elsewhere)
+    path = ckpt.write(ckdir / "step_000001", _fill(1))
+    assert list(elsewhere.iterdir()) == [] and ckpt.verify(path) is None
+    assert path.stat().st_mode & 0o777 == 0o700
 
 
 # ---- through the real CLI: a run, its checkpoints damaged, refusals, then --resume -----------

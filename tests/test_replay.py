@@ -113,8 +113,8 @@ def test_unfinished_write_is_not_part_of_the_recording(tmp_path):
     root = record(tmp_path, steps=2)
     d = root / "step=000003"
     d.mkdir()
-    (d / TMP).write_bytes(b"PAR1 half a file")
-    with pytest.warns(RecordingWarning, match="step=000003/.part-0.parquet.tmp: unfinished write"):
+    (d / TMP.replace("*", "k3j9x0")).write_bytes(b"PAR1 half a file")
+    with pytest.warns(RecordingWarning, match="step=000003/.part-0.parquet.k3j9x0.tmp: unfinished write"):
         rec = Recording.open(root)
     assert rec.steps == [1, 2]
     assert pads.dataset(root, partitioning="hive").to_table().num_rows == 8    # other readers skip it too
@@ -127,6 +127,20 @@ def test_partial_group_is_refused(tmp_path):
     pq.write_table(t.slice(0, 3), bad)     # group 1 keeps 1 of its 2 samples
     with pytest.raises(RecordingError, match="step=000001/part-0.parquet: group 1 has 1 rows, expected 2"):
         Recording.open(root)
+
+
+def test_the_recorder_never_writes_through_a_planted_file_and_keeps_recordings_owner_only(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    d = tmp_path / "rollouts" / "step=000001"
+    d.mkdir(parents=True)
+    (d / ".part-0.parquet.tmp").symlink_to(victim)      # the temporary's name before it was random
+    Recorder(tmp_path, 2).write(1, step_table(1))
+    assert victim.read_text() == "keep me"
+    assert pq.read_table(d / "part-0.parquet").to_pylist() == step_table(1).to_pylist()
+    assert sorted(p.name for p in d.iterdir()) == [".part-0.parquet.tmp", "part-0.parquet"]   # no temporary left
+    new = Recorder(tmp_path / "new", 2).write(1, step_table(1))     # what the recorder creates is owner-only
+    assert [p.stat().st_mode & 0o777 for p in (new, new.parent, new.parent.parent)] == [0o600, 0o700, 0o700]
 
 
 # ---- filters and the replay source ----------------------------------------------------------

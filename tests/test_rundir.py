@@ -4,6 +4,7 @@ holder; a lock left by a dead run is taken over; a finished run's directory need
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -71,3 +72,20 @@ def test_a_finished_run_dir_needs_resume_or_overwrite(tmp_path):
     assert any("--overwrite" in x for x in said)
     with claim(tmp_path / "new", resume=False, overwrite=False):  # a new directory needs nothing
         pass
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "directory"])
+def test_a_lock_that_is_not_a_regular_file_is_refused_naming_it(tmp_path, plant):
+    """A planted `RUN/.lock -> victim` made a run truncate the victim and write its pid into it."""
+    victim, run = tmp_path / "victim", tmp_path / "run"
+    victim.write_text("keep me")
+    run.mkdir()
+    lock = run / LOCK
+    {"symlink": lambda: lock.symlink_to(victim), "fifo": lambda: os.mkfifo(lock), "directory": lock.mkdir}[plant]()
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "configs/quickstart.yaml", "--run-dir", str(run)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"error: {lock} is a {plant}, not a lock file: refusing to use it; remove it "
+                                     f"if no run holds this directory"]
+    assert victim.read_text() == "keep me" and os.listdir(run) == [LOCK]
+
