@@ -94,7 +94,7 @@ def resume_hint(summary: dict, config: str, overrides: list[str], run_dir: str |
 
 
 def cmd_run(args) -> int:
-    from pipeline.config import ConfigError, load_config
+    from pipeline.config import ConfigError, check_names, load_config
 
     if args.resume and not args.run_dir:
         print("error: --resume continues the run in --run-dir DIR: name it", file=sys.stderr)
@@ -102,6 +102,7 @@ def cmd_run(args) -> int:
     overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
     try:      # before torch and Ray are imported (seconds): a bad key or value is refused at once
         cfg = load_config(args.config, overrides)
+        check_names(cfg)          # as `config --check` does: reward.fn imports, the paths it names exist
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

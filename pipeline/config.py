@@ -282,6 +282,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return seeds.resolve(_build(Config, tree, ""))
 
 
+def check_names(cfg: Config) -> None:
+    """What a recipe names outside itself is there: reward.fn and rollout.window import, the model,
+    data and teacher paths exist. `loongsage run` and `loongsage config --check` both call this
+    before anything starts, so --check passes what the run takes and both refuse with one line."""
+    from pipeline.window import make_strategy
+    from stages.model_config import validate_model_dir
+    from stages.reward import load_reward_fn
+    from stages.tasks import get_task
+
+    c = cfg.data
+    try:
+        load_reward_fn(cfg.reward.fn)
+        make_strategy(cfg.rollout.window)
+        if cfg.model.path and not cfg.model.path.startswith("builtin:"):
+            validate_model_dir(cfg.model.path, check_tokenizer=False)
+        for tid, path in cfg.teacher.teachers.items():
+            validate_model_dir(path, check_tokenizer=False, key=f"teacher.teachers.{tid}")
+        for name, path in (("data.path", c.path), ("data.test_path", c.test_path if cfg.eval.num_prompts else "")):
+            if path.startswith("builtin:"):
+                get_task(path.split(":", 1)[1], digits=c.builtin_digits)
+            elif path and not Path(path).exists():
+                raise ValueError(f"{name} {path!r}: no such file or directory")
+    except ValueError as e:
+        raise ConfigError(_cut(" ".join(str(e).split()), 400)) from e     # one line, whatever the user's module said
+
+
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(seeds.strip(to_dict(cfg)), sort_keys=False)   # derived seeds: run.seed says it all
 

@@ -100,7 +100,10 @@ def markdown() -> str:
            "(`section.key=value`). A value of the wrong type or out of its range is refused when the",
            "recipe is read, naming the key, the value and what it accepts. Float keys refuse NaN and",
            "infinities. `loongsage config [SECTION]` prints this reference; `loongsage config --check",
-           "RECIPE [key=value ...]` validates a recipe and prints the resolved config.", ""]
+           "RECIPE [key=value ...]` validates a recipe as `loongsage run` does at start (its `reward.fn`",
+           "imports, the paths it names exist) and prints the resolved config. A recipe file over 1 MiB,",
+           "not UTF-8, nested over 64 levels or over 10,000 values with its aliases expanded is refused in",
+           "one line.", ""]
     for name, doc in sections():
         own = _own_rows(name)
         if not own:
@@ -114,7 +117,7 @@ def markdown() -> str:
 
 
 def cmd_config(args) -> int:
-    from pipeline.config import ConfigError, dump_yaml, load_config
+    from pipeline.config import ConfigError, check_names, dump_yaml, load_config
 
     if args.markdown:
         sys.stdout.write(markdown())
@@ -122,6 +125,7 @@ def cmd_config(args) -> int:
     if args.check:
         try:
             cfg = load_config(args.check, args.args)
+            check_names(cfg)        # what the run checks at start: reward.fn imports, the paths exist
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

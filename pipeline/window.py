@@ -85,8 +85,8 @@ def make_strategy(name: str) -> WindowStrategy:
         mod, _, attr = name.replace(":", ".").rpartition(".")
         try:
             return getattr(importlib.import_module(mod), attr)()
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"window strategy {name!r} does not import: {e}") from e
+        except Exception as e:      # the user's module may raise anything while it imports
+            raise ValueError(f"window strategy {name!r} does not import: {type(e).__name__}: {e}") from e
     raise ValueError(f"unknown window strategy {name!r}; built-in: {', '.join(STRATEGIES)} (or a dotted path)")
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from stages.model_config import ModelConfig
+from stages.model_config import ModelConfig, validate_model_dir
 from stages.shapes import attention_heads
 from stages.tokenizer import load_tokenizer  # noqa: F401 - engines, trainer and teachers load it from here
 
@@ -45,18 +45,6 @@ def load_model(path: str, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=_DTYPES[dtype])
     model.eval()
     return model
-
-
-def validate_model_dir(path: str, check_tokenizer: bool = True) -> None:
-    """Fail at start, before any actor exists, if the directory is not usable. check_tokenizer=False:
-    the caller loads the tokenizer itself next (load_tokenizer's errors name the directory too)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ValueError(f"model.path {path!r} is not a directory")
-    if not (p / "config.json").is_file():
-        raise ValueError(f"model directory {p} has no config.json (not an HF model directory)")
-    if check_tokenizer:
-        load_tokenizer(path)
 
 
 def resolve_model_path(cfg: ModelConfig, log=print, check_tokenizer: bool = True) -> str:

@@ -5,6 +5,7 @@ Apart from stages/model.py (which loads models with torch) so a recipe is checke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.keys import NONNEG, POSITIVE, between, key, one_of
 
@@ -35,3 +36,17 @@ class ModelConfig:
             raise ValueError(f"model.warmup_label_smoothing must be in [0, 1), got {self.warmup_label_smoothing}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+def validate_model_dir(path: str, check_tokenizer: bool = True, key: str = "model.path") -> None:
+    """Fail at start, before any actor exists, if the directory `key` names is not usable. check_tokenizer=False:
+    the caller loads the tokenizer itself next (load_tokenizer's errors name the directory too)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{key} {path!r} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{key} {path!r} has no config.json (not an HF model directory)")
+    if check_tokenizer:
+        from stages.tokenizer import load_tokenizer
+
+        load_tokenizer(path)

@@ -73,8 +73,8 @@ def load_reward_fn(name: str):
         raise ValueError(f"reward.fn {name!r}: not a built-in ({', '.join(BUILTIN)}) nor a dotted path")
     try:
         fn = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.fn {name!r} does not import: {e}") from e
+    except Exception as e:      # the user's module may raise anything while it imports
+        raise ValueError(f"reward.fn {name!r} does not import: {type(e).__name__}: {e}") from e
     if not callable(fn):
         raise ValueError(f"reward.fn {name!r} is not callable")
     return fn

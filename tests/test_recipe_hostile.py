@@ -1,7 +1,7 @@
 """Hostile recipes through the real CLI: a file too big, not UTF-8, nested 50,000 deep, an alias bomb,
-a cycle, an override 20,000 brackets deep. `loongsage run` and `loongsage config --check` refuse each
-with the same one line (naming the file, and the key where there is one) and no traceback, in seconds;
-replay, plan and serve read recipes with the same loader."""
+a cycle, an override 20,000 brackets deep, a reward.fn or a path that is not there. `loongsage run` and
+`loongsage config --check` refuse each with the same one line (naming the file, and the key where there
+is one) and no traceback, in seconds; replay, plan and serve read recipes with the same loader."""
 from __future__ import annotations
 
 import os
@@ -83,6 +83,51 @@ def test_a_huge_value_is_shown_cut(tmp_path):
     line = _run_and_check(tmp_path, recipe)
     assert line.startswith("config error: model.dtype must be one of bfloat16, float16, float32, got 'xxx"), line
     assert line.endswith("...") and len(line) < 400, line
+
+
+@pytest.fixture
+def user_code(tmp_path):
+    """A directory on PYTHONPATH with reward modules: one fine, one not callable, one that raises on import."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "good_reward.py").write_text("def score(prompt, response, answer, row):\n    return 1.0\n")
+    (code / "flat_reward.py").write_text("score = 3\n")
+    (code / "raising_reward.py").write_text('raise RuntimeError("needs the network\\nand a key")\n')
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return code
+
+
+@pytest.mark.parametrize("recipe_text, says", [
+    ("reward: {fn: no_such_pkg_47.rewards:score}",
+     "config error: reward.fn 'no_such_pkg_47.rewards:score' does not import: ModuleNotFoundError: No module named "
+     "'no_such_pkg_47'"),
+    ("reward: {fn: raising_reward:score}",
+     "config error: reward.fn 'raising_reward:score' does not import: RuntimeError: needs the network and a key"),
+    ("reward: {fn: flat_reward:score}", "config error: reward.fn 'flat_reward:score' is not callable"),
+    ("data: {path: TMP/missing.parquet}", "config error: data.path 'TMP/missing.parquet': no such file or directory"),
+    ("data: {path: TMP/prompts.jsonl, test_path: TMP/gone.jsonl}",
+     "config error: data.test_path 'TMP/gone.jsonl': no such file or directory"),
+    ("model: {path: TMP/no_model}", "config error: model.path 'TMP/no_model' is not a directory"),
+    ("model: {path: TMP/code}", "config error: model.path 'TMP/code' has no config.json (not an HF model directory)"),
+    ("teacher: {teachers: {t: TMP/no_teacher}, default: t}",
+     "config error: teacher.teachers.t 'TMP/no_teacher' is not a directory"),
+    ("data: {path: 'builtin:additon'}", "config error: unknown built-in task 'additon'; built-in tasks: addition, "),
+    ("rollout: {window: no_such_pkg_47:Window}",
+     "config error: window strategy 'no_such_pkg_47:Window' does not import: ModuleNotFoundError: No module named "
+     "'no_such_pkg_47'"),
+])
+def test_check_and_run_refuse_what_a_recipe_names_with_one_line(tmp_path, user_code, recipe_text, says):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_text.replace("TMP", str(tmp_path)) + "\n")
+    assert _run_and_check(tmp_path, recipe, path=[user_code]).startswith(says.replace("TMP", str(tmp_path)))
+
+
+def test_check_passes_a_recipe_whose_names_are_there(tmp_path, user_code):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"reward: {{fn: good_reward:score}}\ndata: {{path: {tmp_path}/prompts.jsonl}}\n")
+    proc, _ = _cli("config", "--check", recipe, path=[user_code])
+    assert proc.returncode == 0, proc.stderr
+    assert "fn: good_reward:score" in proc.stdout and proc.stderr.strip() == f"# {recipe}: valid"
 
 
 def test_replay_plan_and_serve_refuse_hostile_yaml_in_one_line(tmp_path):
