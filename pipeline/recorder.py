@@ -38,7 +38,7 @@ STEP_KEY = b"loongsage.step"
 N_SAMPLES_KEY = b"loongsage.n_samples"
 PART = "part-0.parquet"
 TMP = f".{PART}.*.tmp"        # temporaries (glob): a leading dot, pyarrow skips them; .tmp, Ray's reader does
-INDEX_COLUMNS = ("group_id", "data_source", "reward")
+INDEX_COLUMNS = ("group_id", "sample_idx", "data_source", "reward", "segment")
 
 
 class RecordingError(ValueError):
@@ -117,14 +117,16 @@ def _check_file(path: Path) -> StepFile:
 
 
 class Recording:
-    """A checked recording: its step files and a per-group index (step, group_id, data_source, reward)."""
+    """A checked recording: its step files and a per-group index (step, group_id, data_source, reward).
+    With `kinds` (rollout.train_segments) only rows of those segment kinds are seen, as a run trains
+    only those: a `side` row (a harness's title call) recorded by `loongsage serve` is not a group."""
 
-    def __init__(self, root: Path, files: list[StepFile], groups: pa.Table, n_samples: int):
-        self.root, self.files, self.groups, self.n_samples = root, files, groups, n_samples
+    def __init__(self, root: Path, files: list[StepFile], groups: pa.Table, n_samples: int, kinds=None):
+        self.root, self.files, self.groups, self.n_samples, self.kinds = root, files, groups, n_samples, kinds
         self._by_step = {f.step: f for f in files}
 
     @classmethod
-    def open(cls, rollouts_dir: str | Path) -> "Recording":
+    def open(cls, rollouts_dir: str | Path, kinds: tuple[str, ...] | None = None) -> "Recording":
         root = Path(rollouts_dir)
         if not root.is_dir():
             raise RecordingError(f"{root}: no such recording directory (expected RUN_DIR/rollouts)")
@@ -140,11 +142,11 @@ class Recording:
         dup = [a.path for a, b in zip(files, files[1:]) if a.step == b.step]
         if dup:
             raise RecordingError(f"{dup[0].parent}: more than one file for step {dup[0].parent.name}")
-        indexed = [_group_index(f) for f in files]
-        sizes = {f.path: n for f, (_, n) in zip(files, indexed)}
+        indexed = [_group_index(f, kinds) for f in files]
+        sizes = {f.path: n for f, (_, n) in zip(files, indexed) if n}
         if len(set(sizes.values())) > 1:
             raise RecordingError(f"{root}: group sizes differ between steps ({sizes}): not one run's recording")
-        return cls(root, files, pa.concat_tables([t for t, _ in indexed]), indexed[0][1])
+        return cls(root, files, pa.concat_tables([t for t, _ in indexed]), max(sizes.values(), default=0), kinds)
 
     @property
     def steps(self) -> list[int]:
@@ -152,7 +154,9 @@ class Recording:
 
     def read_step(self, step: int, group_ids=None, columns=None) -> pa.Table:
         """One step's rows in recorded order, optionally only the given groups / columns."""
-        t = pq.read_table(self._by_step[step].path, columns=columns)
+        cols = columns if columns is None or self.kinds is None else list(dict.fromkeys([*columns, "segment"]))
+        t = of_kinds(pq.read_table(self._by_step[step].path, columns=cols), self.kinds)
+        t = t if cols == columns else t.select(columns)
         if group_ids is not None:
             t = t.filter(pc.is_in(t.column("group_id"), pa.array(sorted(group_ids), pa.int64())))
         return t
@@ -166,20 +170,30 @@ class Recording:
         return pa.concat_tables(parts, promote_options="default")
 
 
-def _group_index(f: StepFile) -> tuple[pa.Table, int]:
-    """Per group of one file: step, group_id, data_source, mean reward; and the group size.
+def of_kinds(t: pa.Table, kinds: tuple[str, ...] | None) -> pa.Table:
+    """The rows whose segment is of one of `kinds` (all for None; a row with no segment is its trajectory's
+    only one, a `main` row)."""
+    if kinds is None:
+        return t
+    kind = pc.fill_null(pc.struct_field(t.column("segment"), "kind"), "main")
+    return t.filter(pc.is_in(kind, pa.array(list(kinds), pa.string())))
 
-    A group with fewer rows than the recorded n_samples (or than the file's largest group,
+
+def _group_index(f: StepFile, kinds=None) -> tuple[pa.Table, int]:
+    """Per group of one file: step, group_id, data_source, mean reward; and the group size (samples:
+    a trajectory of several segments makes several rows of one sample).
+
+    A group with fewer samples than the recorded n_samples (or than the file's largest group,
     for a file without that metadata) is an error."""
-    t = pq.read_table(f.path, columns=list(INDEX_COLUMNS))
+    t = of_kinds(pq.read_table(f.path, columns=list(INDEX_COLUMNS)), kinds)
     g = t.group_by(["group_id", "data_source"], use_threads=False).aggregate(
-        [("reward", "mean"), ("reward", "count")])
-    rows = g.column("reward_count").to_pylist()
-    n = f.n_samples or max(rows)
-    short = [(gid, r) for gid, r in zip(g.column("group_id").to_pylist(), rows) if r != n]
+        [("reward", "mean"), ("sample_idx", "count_distinct")])
+    samples = g.column("sample_idx_count_distinct").to_pylist()
+    n = f.n_samples or max(samples, default=0)
+    short = [(gid, r) for gid, r in zip(g.column("group_id").to_pylist(), samples) if r != n]
     if short:
         gid, r = short[0]
-        raise RecordingError(f"{f.path}: group {gid} has {r} rows, expected {n} (rollout.n_samples); "
+        raise RecordingError(f"{f.path}: group {gid} has {r} samples, expected {n} (rollout.n_samples); "
                              f"a partial group cannot be trained")
     if g.num_rows != len(set(g.column("group_id").to_pylist())):
         raise RecordingError(f"{f.path}: a group spans several data sources")

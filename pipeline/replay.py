@@ -16,9 +16,12 @@ and each step's table row for row (recorded after the batcher's ordering, read b
 file order, re-batched by the same batcher on the same group ids).
 
 Filters keep or drop whole groups (advantages are normalised within a group): recorded
-steps, data sources, and a range on the group's mean reward. Kept groups are re-batched
-B per step, so a filtered replay has fewer steps; groups left over at the end are
-reported, never trained as a short step.
+steps, data sources, and a range on the group's mean reward. Rows of a segment kind not in
+rollout.train_segments are left out, as a run leaves them out (by default `side`: a harness's
+title call that `loongsage serve` recorded). Kept groups are re-batched B per step, so a
+filtered replay has fewer steps; groups left over at the end are reported, never trained as
+a short step. A step that trains nothing (every group of one sample or of equal rewards, every
+row failed) is said in one line naming why and counted in `train/skipped_steps`.
 """
 from __future__ import annotations
 
@@ -114,9 +117,16 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
     recorder = Recorder(run_dir, cfg.rollout.n_samples)
     batches = ReplayBatches(pipeline, source, cfg, steps)
 
+    skipped = 0
+
     def record(step: int, batch: Batch, m: dict) -> None:
+        nonlocal skipped
         recorder.write(step, batch.table)
-        line = metrics.write(step, m | _rollout_metrics(batch.table) | {"version": step})
+        if not m.get("train/grad_norm"):    # no finite loss, or an exactly zero gradient: nothing learned
+            skipped += 1
+            log(f"step {step}: nothing to train ({_untrained(batch.table, m)})")
+        line = metrics.write(step, m | _rollout_metrics(batch.table) | {"version": step,
+                                                                        "train/skipped_steps": skipped})
         if on_step:
             on_step(line)
 
@@ -137,12 +147,32 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
         metrics.close()
         profiler.close()
         ray.kill(trainer)
-    return {"steps": loop.step, "version": loop.step, "checkpoint": ckpt, "run_dir": str(run_dir)}
+    return {"steps": loop.step, "version": loop.step, "checkpoint": ckpt, "run_dir": str(run_dir),
+            "skipped": skipped}
+
+
+def _untrained(t: pa.Table, m: dict) -> str:
+    """Why a step trained nothing (no finite loss, or a zero gradient), in a few words."""
+    if m.get("train/nonfinite_skipped"):
+        return f"{m['train/nonfinite_skipped']} mini-batch(es) with a non-finite loss or grad norm, not applied"
+    if not m.get("train/tokens"):
+        return f"no trainable token in its {t.num_rows} rows: failed or masked out"
+    groups: dict[int, tuple[set, set]] = {}
+    for g, i, r in zip(*(t.column(c).to_pylist() for c in ("group_id", "sample_idx", "reward"))):
+        groups.setdefault(g, (set(), set()))[0].add(i)
+        groups[g][1].add(r)
+    n, ones = len(groups), sum(len(s) == 1 for s, _ in groups.values())
+    if ones == n:
+        return f"{n} group{'s' * (n != 1)} of one sample: no advantage"
+    if all(len(s) == 1 or len(r) == 1 for s, r in groups.values()):
+        return f"{n} groups" + (f": {ones} of one sample, the others" if ones else ", each") + \
+            " of equal rewards: zero advantage"
+    return "a zero gradient"
 
 
 def _open_source(rollouts_dir, cfg, filters: ReplayConfig | None) -> tuple[RecordedSource, int]:
     """The recording's kept groups as a source, and how many whole steps they make."""
-    rec = Recording.open(rollouts_dir)
+    rec = Recording.open(rollouts_dir, kinds=cfg.rollout.train_segments)
     source = RecordedSource(rec, select_groups(rec, filters))
     B, n = cfg.batcher.groups_per_step, cfg.rollout.n_samples
     if rec.n_samples != n:
@@ -253,11 +283,15 @@ def cli_replay(rollouts_dir: str, config: str | None, overrides: list[str], run_
     try:
         cfg = resolve_replay_config(rollouts_dir, config, overrides)
         out = Path(run_dir or f"{Path(rollouts_dir).resolve().parent}-replay-{time.strftime('%Y%m%d-%H%M%S')}")
-        summary = replay(rollouts_dir, cfg, out, cfg.replay, trackers=cfg.trackers,
-                         on_step=lambda m: print(f"step {m['step']}: loss {m.get('train/loss', float('nan')):+.5f} "
-                                                 f"grad_norm {m.get('train/grad_norm', float('nan')):.4f}"))
+        summary = replay(rollouts_dir, cfg, out, cfg.replay, trackers=cfg.trackers, on_step=_say_step)
     except (ConfigError, RecordingError, ReplayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"replayed {summary['steps']} steps; run directory {summary['run_dir']}")
+    none = f" ({summary['skipped']} of them trained nothing)" if summary["skipped"] else ""
+    print(f"replayed {summary['steps']} steps{none}; run directory {summary['run_dir']}")
     return 0
+
+
+def _say_step(m: dict) -> None:
+    if m.get("train/grad_norm"):        # a step that trained nothing was said by replay() itself
+        print(f"step {m['step']}: loss {m['train/loss']:+.5f} grad_norm {m.get('train/grad_norm', 0.0):.4f}")

@@ -125,7 +125,7 @@ def test_partial_group_is_refused(tmp_path):
     bad = root / "step=000001" / "part-0.parquet"
     t = pq.read_table(bad)
     pq.write_table(t.slice(0, 3), bad)     # group 1 keeps 1 of its 2 samples
-    with pytest.raises(RecordingError, match="step=000001/part-0.parquet: group 1 has 1 rows, expected 2"):
+    with pytest.raises(RecordingError, match="step=000001/part-0.parquet: group 1 has 1 samples, expected 2"):
         Recording.open(root)
 
 
@@ -141,6 +141,20 @@ def test_the_recorder_never_writes_through_a_planted_file_and_keeps_recordings_o
     assert sorted(p.name for p in d.iterdir()) == [".part-0.parquet.tmp", "part-0.parquet"]   # no temporary left
     new = Recorder(tmp_path / "new", 2).write(1, step_table(1))     # what the recorder creates is owner-only
     assert [p.stat().st_mode & 0o777 for p in (new, new.parent, new.parent.parent)] == [0o600, 0o700, 0o700]
+
+
+def test_a_live_run_recording_with_several_segments_per_sample_opens(tmp_path):
+    """A sample that made several rows (main + subagent) counts once in its group; rows of kinds not
+    asked for (a harness's `side` title call) are no group of their own."""
+    t = step_table(1, B=2, n=2)
+    seg = lambda kind: {"id": 0, "kind": kind, "parent": None, "start": 0, "agent": ""}  # noqa: E731
+    extra = t.slice(0, 1).to_pylist()[0] | {"segment": seg("subagent")}
+    side = t.slice(0, 1).to_pylist()[0] | {"group_id": 9, "segment": seg("side")}
+    Recorder(tmp_path, 2).write(1, conform(pa.Table.from_pylist(t.to_pylist() + [extra, side], schema=t.schema)))
+    assert Recording.open(tmp_path / "rollouts", kinds=("main", "subagent")).groups.column("group_id").to_pylist() \
+        == [0, 1]
+    with pytest.raises(RecordingError, match="group 9 has 1 samples, expected 2"):
+        Recording.open(tmp_path / "rollouts")          # every kind: the side row is a partial group
 
 
 # ---- filters and the replay source ----------------------------------------------------------
@@ -281,3 +295,38 @@ def test_cli_replay_with_filters_and_profile(recorded_run, tmp_path, capsys):
     assert "AgentFlowRollout" in text and "trainer idle" in text
     assert {p.name for p in (tmp_path / "plots").glob("*.png")} == {"gantt.png", "throughput.png", "bubbles.png",
                                                                    "staleness.png"}
+
+
+def _served(root, n: int, side: bool):
+    """A recording like `loongsage serve`'s: 2 steps of 2 groups of n samples, equal rewards within a group,
+    and (side) a harness's title call, a `side` row of a group of its own."""
+    rec = Recorder(root, n)
+    for step in (1, 2):
+        t = step_table(step, B=2, n=n)
+        title = {"id": 1, "kind": "side", "parent": None, "start": 0, "agent": ""}
+        rows = t.to_pylist() + ([r | {"group_id": 100 + step, "segment": title} for r in t.slice(0, n).to_pylist()]
+                                if side else [])
+        rec.write(step, conform(pa.Table.from_pylist(rows, schema=t.schema)))
+    return root / "rollouts"
+
+
+@pytest.mark.parametrize("n, side, why", [(1, True, "2 groups of one sample: no advantage"),
+                                          (2, False, "2 groups, each of equal rewards: zero advantage")])
+def test_a_replay_that_trains_nothing_says_why_each_step_and_never_nan(ray_session, tiny_model_dir, tmp_path,
+                                                                       capsys, n, side, why):
+    from pipeline.cli import main
+    from pipeline.metrics import read_metrics
+
+    out = tmp_path / "replayed"
+    assert main(["replay", str(_served(tmp_path / "served", n, side)), "configs/quickstart.yaml",
+                 f"model.path={tiny_model_dir}", f"rollout.n_samples={n}", "batcher.groups_per_step=2",
+                 "trainer.mini_batch_size=2", "--run-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert [x for x in said.splitlines() if x.startswith("step ")] == [
+        f"step 1: nothing to train ({why})", f"step 2: nothing to train ({why})"]      # the side rows made no step
+    assert "nan" not in said and "replayed 2 steps (2 of them trained nothing)" in said
+    lines = read_metrics(out)
+    assert [m["train/skipped_steps"] for m in lines] == [1, 2]
+    assert all(m.get("train/grad_norm", 0.0) == 0.0 and all(v == v for v in m.values()) for m in lines)   # no NaN
+    assert set(read_rollouts(out)["group_id"]) == {0, 1, 2, 3}                  # trained rows: no side row
+
