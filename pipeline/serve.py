@@ -1,16 +1,18 @@
 """`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training.
 
-    loongsage serve builtin:qwen-vocab-tiny [rollout.max_new_tokens=512 ...] [--port 8000] [--key KEY]
-                    [--record DIR]
+    LOONGSAGE_SERVE_KEY=... loongsage serve builtin:qwen-vocab-tiny [rollout.max_new_tokens=512 ...]
+                    [--port 8000] [--key-file FILE] [--record DIR]
 
 Starts the engine(s) as a run does (Ray actors, `rollout.num_engines`, `rollout.engine`) and the
 black-box proxy (stages/agentflow/proxy.py) on one port, loopback by default, with one endpoint:
 
     http://127.0.0.1:PORT/t/serve/v1     chat/completions, completions, responses, messages (+ count_tokens), models
 
-and a key (printed, or `--key`). A harness pointed at it (docs/harnesses-running.md) is served
-token-in/token-out and every call is recorded by the proxy's Session, exactly as in a training
-run. What was served becomes a recording that `loongsage replay DIR/rollouts` trains from:
+and a key: from $LOONGSAGE_SERVE_KEY or `--key-file` (owner-only), never the command line (any local
+user reads /proc/PID/cmdline), else a random one, printed. A harness pointed at it
+(docs/harnesses-running.md) is served token-in/token-out and every call is recorded by the proxy's
+Session, exactly as in a training run. What was served becomes a recording that `loongsage replay
+DIR/rollouts` trains from (owner-only: 0700 directories, 0600 files):
 
     DIR/config.yaml                  the resolved config (model.path = the served model, groups of 1)
     DIR/rollouts/step=N/part-0.parquet   trajectory N: one row per segment (its own group, reward 0.0)
@@ -19,12 +21,15 @@ run. What was served becomes a recording that `loongsage replay DIR/rollouts` tr
 A trajectory is everything served between two rotations: SIGUSR1 (or `Server.rotate()`) records
 the current one and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop.
 A trajectory with no model call records nothing. Rewards are 0.0: the recording holds what the
-model did, a reward is for whoever replays it to decide.
+model did, a reward is for whoever replays it to decide. DIR is held with the run-directory lock
+(pipeline/rundir.py) while serving: a directory that holds a run, a recording or a live serve is refused.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import secrets
 import threading
 import time
@@ -35,6 +40,7 @@ from aiohttp import web
 from stages.agentflow.proxy import Proxy
 
 ROUTE = "serve"                 # the endpoint's fixed path segment: one URL for a whole serve session
+KEY_ENV = "LOONGSAGE_SERVE_KEY"
 SERVE_DEFAULTS = ("rollout.n_samples=1", "batcher.groups_per_step=1", "rollout.max_new_tokens=1024",
                   "rollout.max_turns=0")
 
@@ -95,7 +101,7 @@ class Server:
         import ray
 
         from pipeline.cluster import init_ray
-        from pipeline.config import dump_config
+        from pipeline.config import dump_yaml
         from pipeline.controller import _start_engines
         from pipeline.resources import plan_resources
         from stages.agentflow.chat import ensure_chat_template
@@ -105,9 +111,10 @@ class Server:
 
         c = self.cfg
         self.model_path = resolve_model_path(c.model, log=self.log)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        dump_config(_with_model(c, self.model_path), self.dir / "config.yaml")
-        self._requests = open(self.dir / "requests.jsonl", "a", buffering=1)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(self.dir / "config.yaml", "w", opener=_owner_only) as f:
+            f.write(dump_yaml(_with_model(c, self.model_path)))
+        self._requests = open(self.dir / "requests.jsonl", "a", buffering=1, opener=_owner_only)
         res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
         self.engines = _start_engines(c, self.model_path, res, None)
@@ -208,6 +215,13 @@ def trajectory_table(session, tok, trajectory: int, first_group: int):
     return conform(table_from_columns(cols))
 
 
+def _owner_only(path, flags: int) -> int:
+    """open()'s opener for a recording's files: every served prompt is in them, so 0600, never via a symlink."""
+    fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def _with_model(cfg, model_path: str):
     import dataclasses
 
@@ -222,12 +236,32 @@ def serve_config(model: str, overrides: list[str], host: str | None, port: int |
     return load_config(None, [f"model.path={model}", *SERVE_DEFAULTS, *extra, *overrides])
 
 
+def serve_key(args) -> str | None:
+    """The API key from --key-file (owner-only) or $LOONGSAGE_SERVE_KEY; None: make one. ValueError for a key
+    on the command line, which every local user can read."""
+    if args.key is not None:
+        raise ValueError(f"--key puts the key on the command line, where any local user reads it "
+                         f"(/proc/PID/cmdline); set {KEY_ENV} or pass --key-file FILE (mode 600)")
+    if not args.key_file:
+        return os.environ.pop(KEY_ENV, None) or None      # not inherited by the engines' Ray workers
+    try:
+        with open(args.key_file) as f:
+            mode, key = os.fstat(f.fileno()).st_mode & 0o777, f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--key-file {args.key_file}: {getattr(e, 'strerror', None) or e}") from None
+    if mode & 0o077:
+        raise ValueError(f"--key-file {args.key_file} is open to group or others (mode {mode:o}); chmod 600 it")
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"--key-file {args.key_file} must hold one key on one line")
+    return key
+
+
 def cli_serve(args) -> int:
-    """`loongsage serve MODEL [key=value ...] [--host] [--port] [--key] [--record DIR]`: serve until SIGINT."""
-    import signal
+    """`loongsage serve MODEL [key=value ...] [--host] [--port] [--key-file] [--record DIR]`: serve until SIGINT."""
     import sys
 
     from pipeline.config import ConfigError
+    from pipeline.rundir import RunDirError, locked, previous_run
 
     try:
         cfg = serve_config(args.model, args.overrides, args.host, args.port)
@@ -235,11 +269,23 @@ def cli_serve(args) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     record = Path(args.record or f"runs/serve-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        server = Server(cfg, record, key=args.key).start()
-    except ValueError as e:
+    try:        # before Ray starts: a refusal is one line at once
+        key = serve_key(args)
+        record.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with locked(record, log=lambda m: print(m, file=sys.stderr)):
+            found = previous_run(record)
+            if found:
+                raise RunDirError(f"--record {record} holds a run or recording ({', '.join(found)}); "
+                                  f"choose another directory")
+            return _serve(Server(cfg, record, key=key).start(), record)
+    except (ValueError, RunDirError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _serve(server: Server, record: Path) -> int:
+    import signal
+
     done = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: done.set())
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -248,7 +294,7 @@ def cli_serve(args) -> int:
     print(f"serving {server.model_path} on {base}\n"
           f"  OPENAI_BASE_URL={base} OPENAI_API_KEY={server.key}\n"
           f"  ANTHROPIC_BASE_URL={base[:-3]} ANTHROPIC_API_KEY={server.key}\n"
-          f"recording to {record} (kill -USR1 {__import__('os').getpid()}: start the next trajectory; "
+          f"recording to {record} (kill -USR1 {os.getpid()}: start the next trajectory; "
           f"Ctrl-C: record and stop)", flush=True)
     done.wait()
     path = server.stop()
@@ -269,6 +315,8 @@ def add_subcommand(sub) -> None:
     s.add_argument("overrides", nargs="*", help="section.key=value overrides (rollout.*, model.*)")
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     s.add_argument("--port", type=int, default=None, help="port (default: any free port, printed)")
-    s.add_argument("--key", default=None, help="the API key clients must send (default: a random one, printed)")
+    s.add_argument("--key", default=None, help=argparse.SUPPRESS)     # refused: argv is readable by every user
+    s.add_argument("--key-file", default=None, help=f"a file (mode 600) holding the API key clients must send "
+                                                    f"(or ${KEY_ENV}; default: a random one, printed)")
     s.add_argument("--record", default=None, help="recording directory (default runs/serve-<time>)")
     s.set_defaults(fn=cli_serve)
