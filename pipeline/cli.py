@@ -7,7 +7,7 @@
     loongsage make-model --vocab qwen OUT_DIR
     loongsage export [--merge] CHECKPOINT OUT
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
-    loongsage serve MODEL_OR_CHECKPOINT [key=value ...] [--port P] [--key K] [--record DIR]
+    loongsage serve MODEL_OR_CHECKPOINT [key=value ...] [--port P] [--key-file F] [--record DIR]
     loongsage config [SECTION] | --check RECIPE [key=value ...] | --markdown
 
 Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
