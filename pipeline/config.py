@@ -284,8 +284,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def check_names(cfg: Config) -> None:
     """What a recipe names outside itself is there: reward.fn and rollout.window import, the model,
-    data and teacher paths exist. `loongsage run` and `loongsage config --check` both call this
-    before anything starts, so --check passes what the run takes and both refuse with one line."""
+    data and teacher paths exist, black-box agents can be jailed as asked. `loongsage run` and
+    `loongsage config --check` both call this before anything starts, so --check passes what the
+    run takes and both refuse with one line."""
     from pipeline.window import make_strategy
     from stages.model_config import validate_model_dir
     from stages.reward import load_reward_fn
@@ -304,6 +305,10 @@ def check_names(cfg: Config) -> None:
                 get_task(path.split(":", 1)[1], digits=c.builtin_digits)
             elif path and not Path(path).exists():
                 raise ValueError(f"{name} {path!r}: no such file or directory")
+        if cfg.rollout.agent.startswith("cmd:"):
+            from stages.agentflow.jail import require
+
+            require(cfg.rollout)
     except ValueError as e:
         raise ConfigError(_cut(" ".join(str(e).split()), 400)) from e     # one line, whatever the user's module said
 

@@ -24,9 +24,11 @@ worker imports it by its dotted path, with this process's sys.path). The built-i
 ms per 64 quickstart rows instead of 0.7-0.9 ms, plus ~0.4 s to start the workers
 (benchmarks/reward_stage.py).
 
-Agents: when the agent itself reported a (finite) reward (a black-box agent's last stdout line,
-an environment's rewards) the row's `agent_reward` is the reward and reward.fn is not
-called; reward_info is {"source": "agent", ...the agent's info}. Otherwise, for rows with
+Agents: when agent code set a (finite) reward itself (a white-box environment's rewards, an in-process
+agent's return value) the row's `agent_reward` is the reward and reward.fn is not called; reward_info
+is {"source": "agent", ...the agent's info}. A subprocess agent never sets one: it has no answer, and
+its last stdout line is a report in `row["agent_info"]` for reward.fn to grade (`agent_answers`
+grades the reports of the shipped examples). Otherwise, for rows with
 a transcript, `response` is the final model turn's text and `row["transcript"]` the whole
 final transcript as a list of {role, content} (chat messages for black-box agents).
 """
@@ -62,7 +64,33 @@ def numeric(prompt: str, response: str, answer: str, row: dict) -> float:
         return 0.0
 
 
-BUILTIN = {"exact_match": exact_match, "numeric": numeric}
+def agent_answers(prompt: str, response: str, answer: str, row: dict) -> float:
+    """A black-box agent's report graded: 1, 0.5, 0.25... for the first of its `answers` (its tries, in order)
+    that equals the answer and that its `accepted` list (if any) does not reject; 0 if none. The agent never
+    sees the answer (stages/agentflow/blackbox.py): it reports what it did, this grades it."""
+    try:
+        report = json.loads(row.get("agent_info") or "{}")
+    except ValueError:
+        return 0.0
+    answers, accepted = report.get("answers") or [], report.get("accepted") or []
+    for i, got in enumerate(answers if isinstance(answers, list) else []):
+        if str(got).strip() == answer.strip() and (i >= len(accepted) or accepted[i]):
+            return 0.5 ** i
+    return 0.0
+
+
+def agent_reported(prompt: str, response: str, answer: str, row: dict) -> dict:
+    """The reward a black-box agent's report states ({"reward": x, ...}): for an agent that is its own
+    environment and runs nothing the model wrote (examples/agents/guess_number.py). Never for a harness with
+    a shell tool: the model could make it print any report."""
+    report = json.loads(row.get("agent_info") or "{}")
+    if not isinstance(report, dict) or "reward" not in report:
+        raise ValueError("the agent's report (its last stdout line) has no reward")
+    return {"reward": report["reward"], "source": "agent"}
+
+
+BUILTIN = {"exact_match": exact_match, "numeric": numeric, "agent_answers": agent_answers,
+           "agent_reported": agent_reported}
 
 
 def load_reward_fn(name: str):

@@ -25,7 +25,7 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.envs import RetryEnv
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig, load_agent
 from stages.agentflow.tools import calculate
-from stages.reward import Reward, RewardConfig
+from stages.reward import Reward, RewardConfig, agent_reported
 from stages.schema import table_from_columns
 
 GREEDY = dict(max_new_tokens=4, temperature=0.0)
@@ -153,16 +153,17 @@ def test_subprocess_example_agent_through_the_stage_and_reward(run_stage, tiny_m
     rows = out.to_pylist()
     for row in rows:
         assert row["status"] in ("completed", "truncated"), row["error"]
-        tries = json.loads(row["agent_info"])["tries"]
+        tries = json.loads(row["agent_info"])["answers"]
         stats = row["agent_stats"]
-        assert stats["turns"] == len(tries) and stats["segments"] == 1 and stats["fail"] == ""
+        assert len(tries) == 2 and stats["turns"] == 2 and stats["segments"] == 1 and stats["fail"] == ""
         assert row["prompt_ids"] == encode(stage.tok, row["prompt"])
-        assert [m for m, _ in _runs(row["loss_mask"])] == [1, 0] * (len(tries) - 1) + [1]
-        assert row["agent_reward"] == {1: 1.0, 2: 0.5 if tries[-1] == row["answer"] else 0.0}[len(tries)]
+        assert [m for m, _ in _runs(row["loss_mask"])] == [1, 0, 1]
+        assert row["agent_reward"] is None      # the agent has no answer to grade with: reward.fn grades
         assert json.loads(row["transcript"])[-1] == {"role": "assistant", "content": tries[-1]}
-    scored = Reward(RewardConfig(fn="exact_match"), tiny_model_dir)(out).to_pylist()
-    for row, s in zip(rows, scored):   # the agent's own reward wins over reward.fn
-        assert s["reward"] == row["agent_reward"] and json.loads(s["reward_info"])["source"] == "agent"
+    scored = Reward(RewardConfig(fn="agent_answers"), tiny_model_dir)(out).to_pylist()
+    for row, s in zip(rows, scored):
+        tries = json.loads(row["agent_info"])["answers"]
+        assert s["reward"] == (1.0 if tries[0] == row["answer"] else 0.5 if tries[1] == row["answer"] else 0.0)
 
 
 def seen(prompt, response, answer, row):
@@ -197,9 +198,9 @@ def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_p
         sys.argv[1:] = ["--tries", "2"]
         import runpy; runpy.run_path(%r, run_name="__main__")
     """ % os.path.abspath("examples/agents/addition.py"))
-    _, out = run_stage(ROWS, agent=agent, agent_preload=preload)
+    _, out = run_stage(ROWS, agent=agent, agent_preload=preload, agent_binds=("examples/agents",))
     ok, bad = out.to_pylist()
-    assert ok["status"] in ("completed", "truncated") and ok["agent_reward"] is not None
+    assert ok["status"] in ("completed", "truncated") and len(json.loads(ok["agent_info"])["answers"]) == 2
     assert bad["status"] == "failed" and "exited with code 3" in bad["error"]
     assert "boom: the agent broke" in bad["error"]
     assert bad["agent_stats"]["fail"] == "exit" and bad["response_ids"] == []
@@ -247,9 +248,7 @@ def _cmdline_has(pid: int, marker: str) -> bool:
 
 def test_an_agent_cut_off_by_the_turn_limit_is_truncated_not_failed(run_stage):
     _, out = run_stage(ROWS[:1], agent="cmd:python examples/agents/addition.py --tries 2", max_turns=1)
-    (row,) = out.to_pylist()
-    if row["agent_reward"] == 1.0:   # right on the first call: the limit never bit
-        return
+    (row,) = out.to_pylist()        # its second try is always past the limit of one call
     assert row["status"] == "truncated" and "turn limit" in row["error"] and "exited with code 1" in row["error"]
     assert row["agent_stats"]["turns"] == 1 and row["loss_mask"].count(1) > 0
 
@@ -300,7 +299,8 @@ def test_a_preload_that_fails_to_import_fails_the_rows_with_its_error(run_stage,
     (tmp_path / "broken_sdk.py").write_text("raise RuntimeError('this SDK is broken')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    _, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py", agent_preload=("broken_sdk",))
+    _, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py", agent_preload=("broken_sdk",),
+                       agent_env=("PYTHONPATH",), agent_binds=(str(tmp_path),))   # the jail sees and passes no more
     for row in out.to_pylist():
         assert row["status"] == "failed", row
         assert "module 'broken_sdk' does not import: RuntimeError: this SDK is broken" in row["error"]
@@ -318,14 +318,16 @@ def test_forked_agents_are_separate_processes_with_their_own_env_and_seed(run_st
         urllib.request.urlopen(req).read()
         info = {"pid": os.getpid(), "sid": os.getsid(0), "prompt": sample["prompt"], "r": random.random(),
                 "url": os.environ["OPENAI_BASE_URL"], "argv": sys.argv[1:], "json_loaded": "json" in sys.modules,
-                "seed": os.environ["LOONGSAGE_SEED"]}
-        print(json.dumps({"reward": 0.0, "info": info}))
+                "seed": os.environ["LOONGSAGE_SEED"], "pidns": os.readlink("/proc/self/ns/pid"),
+                "answer": "answer" in sample}
+        print(json.dumps(info))
     """)
     stage, out = run_stage(ROWS * 2, agent=agent + " --flag x", agent_preload=("json",))
     infos = [json.loads(r["agent_info"]) for r in out.to_pylist()]
     assert [i["seed"] for i in infos] == [str(stage._seed({"group_id": g, "sample_idx": 0})) for g in range(4)]
     assert [i["prompt"] for i in infos] == [r["prompt"] for r in ROWS * 2]
-    assert len({i["pid"] for i in infos}) == 4 and all(i["pid"] == i["sid"] for i in infos)
+    assert len({i["pidns"] for i in infos}) == 4 and all(i["pid"] == i["sid"] for i in infos)
+    assert not any(i["answer"] for i in infos)
     assert len({i["r"] for i in infos}) == 4 and len({i["url"] for i in infos}) == 4
     assert all(i["argv"] == ["--flag", "x"] and i["json_loaded"] for i in infos)
 
@@ -426,7 +428,9 @@ def test_sdk_guess_number_agent_plays_through_the_real_proxy(run_stage):
         stats = row["agent_stats"]
         assert stats["turns"] == len(guesses) and stats["fail"] == "" and 1 <= len(guesses) <= 3
         found = any(g.strip().isdigit() and int(g) == info["target"] for g in guesses)
-        assert row["agent_reward"] == (0.5 ** (len(guesses) - 1) if found else 0.0)
+        assert row["agent_reward"] is None      # a cmd: agent's report is graded by reward.fn (agent_reported)
+        assert agent_reported("", "", "", row)["reward"] == info["reward"] == ((0.5 ** (len(guesses) - 1)) if found
+                                                                               else 0.0)
         assert feedback == ["higher" if not g.strip().isdigit() or int(g) < info["target"] else "lower"
                             for g in guesses[: len(guesses) - found]]
         transcript = json.loads(row["transcript"])

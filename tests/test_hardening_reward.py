@@ -199,7 +199,8 @@ def _rollout(engine, model_dir, agent: str, n: int = 2) -> list[dict]:
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
-def test_a_black_box_agent_reporting_a_non_finite_reward_fails_its_row(engine, tiny_model_dir, tmp_path, literal):
+def test_a_black_box_agent_reporting_a_non_finite_reward_fails_its_row_when_used(engine, tiny_model_dir, tmp_path,
+                                                                                  literal):
     agent = tmp_path / "agent.py"
     agent.write_text(textwrap.dedent(f"""
         import json, os, urllib.request
@@ -209,9 +210,10 @@ def test_a_black_box_agent_reporting_a_non_finite_reward_fails_its_row(engine, t
         urllib.request.urlopen(req).read()
         print('{{"reward": {literal}}}')
     """))
-    (row, _) = _rollout(engine, tiny_model_dir, f"cmd:python {agent}")
-    assert row["status"] == "failed" and row["agent_reward"] is None
-    assert "the agent reported a non-finite reward" in row["error"]
+    rows = _rollout(engine, tiny_model_dir, f"cmd:python {agent}")
+    assert rows[0]["status"] in ("completed", "truncated") and rows[0]["agent_reward"] is None   # only a report
+    (row, _) = Reward(RewardConfig(fn="agent_reported"), tiny_model_dir)(pa.Table.from_pylist(rows)).to_pylist()
+    assert row["status"] == "failed" and row["reward"] == 0.0 and "non-finite reward" in row["error"], row["error"]
 
 
 class NaNEnv:

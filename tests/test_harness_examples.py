@@ -25,6 +25,7 @@ from stages.agentflow.client import EngineClient
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.proxy import Proxy
 from stages.model import load_tokenizer
+from stages.reward import agent_answers
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = {"anthropic": str(ROOT / "examples/agents/anthropic_tools.py"),
@@ -102,7 +103,7 @@ def servers(ray_session, tiny_model_dir, tmp_path_factory):
 
 def run_agent(servers, model: str, agent: str, args: list[str], sample: dict, max_new_tokens: int = 8):
     """Run one example agent as AgentFlow does (its env, a subprocess) on a fresh endpoint:
-    (its last stdout line, the proxy's Session for the trajectory, the engine calls made)."""
+    (its report, the last stdout line, with the reward `agent_answers` gives it; the proxy's Session)."""
     loop, made = servers
     proxy, engine = made[model]
     client = EngineClient(engine)
@@ -114,7 +115,8 @@ def run_agent(servers, model: str, agent: str, args: list[str], sample: dict, ma
     finally:
         proxy.close(ep)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), ep.session
+    report = json.loads(proc.stdout.strip().splitlines()[-1])     # graded as the recipes' reward.fn grades it
+    return report | {"reward": agent_answers("", "", sample["answer"], {"agent_info": json.dumps(report)})}, ep.session
 
 
 def test_agent_env_serves_both_sdks():
@@ -122,7 +124,7 @@ def test_agent_env_serves_both_sdks():
     assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/t/abc/v1"
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/t/abc"    # the SDK appends /v1/messages itself
     assert env["OPENAI_API_KEY"] == env["ANTHROPIC_API_KEY"] == "sk-x"
-    assert json.loads(env["LOONGSAGE_SAMPLE"]) == {"prompt": "1+1=", "answer": "2"}
+    assert json.loads(env["LOONGSAGE_SAMPLE"]) == {"prompt": "1+1="}     # never the answer, nor non-scalars
     assert anthropic_base_url("http://h/t/r/v1/") == "http://h/t/r"
 
 
@@ -135,7 +137,7 @@ def test_agent_compacts_and_asks_a_subagent(servers, agent, stream):
     the segments the proxy recorded, the compaction's child of the main segment it summarised."""
     args = ["--tries", "2", "--context-chars", "8", "--verify"] + ([] if stream else ["--no-stream"])
     last, session = run_agent(servers, "tiny", agent, args, {"prompt": "37+48=", "answer": "-1"})
-    info = last["info"]
+    info = last
     assert last["reward"] == 0.0 and len(info["answers"]) == 2
     assert info["compactions"] == 1 and info["tool_calls"] == 0
     assert session.calls == 5     # main, verifier, compaction, main, verifier
@@ -164,7 +166,7 @@ def test_tool_loop_round_trips_into_one_token_stream(servers, agent):
     tokens trained, loss_mask 1; the tool result "85" context, loss_mask 0)."""
     last, session = run_agent(servers, "tool", agent, ["--max-tokens", "96"], {"prompt": "37+48=", "answer": "85"},
                               max_new_tokens=96)
-    assert last["info"]["tool_calls"] == 1 and last["info"]["answers"] == ["85"] and last["reward"] == 1.0
+    assert last["tool_calls"] == 1 and last["answers"] == ["85"] and last["reward"] == 1.0
     assert session.calls == 2 and [s.kind for s in session.tree] == ["main"]
     stream, tok = session.final.stream, session.tok
     assert tok.decode(stream.prompt_ids) == "37+48="
@@ -180,7 +182,7 @@ def test_a_malformed_tool_call_is_just_text(servers, agent):
     """The model's markup does not parse as a call: no tool_use reaches the agent, the text is its answer."""
     last, session = run_agent(servers, "tool", agent, ["--max-tokens", "96"], {"prompt": "12+30=", "answer": "42"},
                               max_new_tokens=96)
-    assert last["info"] == {"answers": [BROKEN], "tool_calls": 0, "compactions": 0} and last["reward"] == 0.0
+    assert last == {"answers": [BROKEN], "accepted": [True], "tool_calls": 0, "compactions": 0, "reward": 0.0}
     assert session.calls == 1
 
 

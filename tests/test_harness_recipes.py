@@ -27,7 +27,8 @@ def test_harness_recipe_loads_and_runs_its_harness_through_the_task_agent(recipe
     assert harness in harness_task.HARNESSES
     rows = [json.loads(line) for line in (ROOT / cfg.data.path).read_text().splitlines()]
     assert rows and all(r["prompt"].endswith("into the file answer.txt.") and r["answer"] in r["prompt"] for r in rows)
-    assert cfg.eval.num_prompts == 0 and cfg.rollout.agent_sandbox == "auto" and cfg.rollout.proxy_force_sampling
+    assert cfg.eval.num_prompts == 0 and cfg.rollout.agent_sandbox == "bwrap" and cfg.rollout.proxy_force_sampling
+    assert cfg.reward.fn == "agent_answers"
     # the warm-up script writes the recipe's model.path
     assert cfg.model.path == f"runs/warm/{harness}"
 
@@ -39,14 +40,20 @@ def test_recipe_rejects_a_bad_override():
         load_config(str(ROOT / "configs" / "agent_claude_code.yaml"), ["rollout.max_turn=3"])
 
 
-def test_checker_rewards_only_the_named_file_holding_the_answer(tmp_path):
-    assert harness_task.check(tmp_path, "maple") == 0.0
+def test_the_report_holds_only_the_named_file_and_the_reward_fn_grades_it(tmp_path):
+    from stages.reward import agent_answers
+
+    def graded() -> float:
+        report = {"answers": [harness_task.answer_file(tmp_path)]}
+        return agent_answers("", "", "maple", {"agent_info": json.dumps(report)})
+
+    assert harness_task.answer_file(tmp_path) == "" and graded() == 0.0
     (tmp_path / "output.txt").write_text("maple\n")
-    assert harness_task.check(tmp_path, "maple") == 0.0
+    assert graded() == 0.0
     (tmp_path / "answer.txt").write_text("river\n")
-    assert harness_task.check(tmp_path, "maple") == 0.0
+    assert graded() == 0.0
     (tmp_path / "answer.txt").write_text("maple\n")
-    assert harness_task.check(tmp_path, "maple") == 1.0
+    assert harness_task.answer_file(tmp_path) == "maple" and graded() == 1.0
 
 
 def test_claude_code_runs_with_only_its_shell_tool_and_no_outside_traffic(tmp_path):

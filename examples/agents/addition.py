@@ -4,18 +4,18 @@ Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agent
 It only knows the OpenAI chat API, the way any third-party agent would:
 
     OPENAI_BASE_URL, OPENAI_API_KEY   where the model is (this trajectory's proxy endpoint)
-    LOONGSAGE_SAMPLE                  the task row as JSON: prompt ("37+48="), answer ("85")
+    LOONGSAGE_SAMPLE                  the task row as JSON: prompt ("37+48="); never its answer
 
-It asks the question and reports its reward on the last stdout line: 1 if the answer is
-right, else 0. With `--tries 2` a wrong answer is followed by the question again, in the
-same conversation (the only feedback the tiny model can read), and a right second answer
-earns 0.5. One advantage covers the whole trajectory, so that 0.5 also reinforces the
-wrong first answer: the recipe trains with one try; two tries exercise multi-turn
-recording (tests/test_agentflow.py).
+It asks the question and reports its answers on the last stdout line ({"answers": [...]});
+the recipe's reward.fn, `agent_answers`, grades them: 1 if the first is right, 0.5 if only the
+second is. With `--tries 2` the question is asked again after the first answer, in the same
+conversation (the only prompt the tiny model can read). One advantage covers the whole
+trajectory: the recipe trains with one try; two tries exercise multi-turn recording
+(tests/test_agentflow.py).
 
 Try it by hand against any OpenAI-compatible server:
     OPENAI_BASE_URL=http://localhost:8000/v1 OPENAI_API_KEY=x \
-    LOONGSAGE_SAMPLE='{"prompt": "37+48=", "answer": "85"}' python examples/agents/addition.py
+    LOONGSAGE_SAMPLE='{"prompt": "37+48="}' python examples/agents/addition.py
 """
 import argparse
 import json
@@ -41,18 +41,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tries", type=int, default=1, choices=(1, 2))
     args = p.parse_args()
-    sample = json.loads(os.environ["LOONGSAGE_SAMPLE"])
-    question, answer = sample["prompt"], sample["answer"].strip()
-    messages = [{"role": "user", "content": question}]
-    reward, tries = 0.0, []
-    for value in (1.0, 0.5)[: args.tries]:
+    question = json.loads(os.environ["LOONGSAGE_SAMPLE"])["prompt"]
+    messages, answers = [{"role": "user", "content": question}], []
+    for _ in range(args.tries):
         reply = chat(messages)
-        tries.append(reply)
-        if reply.strip() == answer:
-            reward = value
-            break
+        answers.append(reply.strip())
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
-    print(json.dumps({"reward": reward, "info": {"tries": tries}}))
+    print(json.dumps({"answers": answers}))
 
 
 if __name__ == "__main__":

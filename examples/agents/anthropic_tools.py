@@ -5,14 +5,14 @@ or by hand against any Anthropic-compatible server. Like any third-party harness
 knows the Messages API; the SDK reads where the model is from the environment:
 
     ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY   this trajectory's proxy endpoint (set by AgentFlow)
-    LOONGSAGE_SAMPLE                        the task row as JSON: prompt ("37+48="), answer ("85")
+    LOONGSAGE_SAMPLE                        the task row as JSON: prompt ("37+48="); never its answer
 
 The loop, as a coding harness runs it:
 
     messages = [task]
     call the model (streamed, with the `calculator` tool)
       tool_use blocks  -> run each tool here -> tool_result blocks -> call again   (--max-steps)
-      text, end_turn   -> the answer; a wrong one gets the question again        (--tries)
+      text, end_turn   -> an answer; the question again after it            (--tries)
     before each call: history over --context-chars -> compact it (below)
 
 Compaction is the agent's own, as Claude Code and Codex do it when their context fills: one
@@ -21,21 +21,22 @@ history, and the conversation goes on from [task, summary, resume] (the summary 
 agent's own turn). The proxy records that call as a compaction segment and the calls after
 it as a new segment whose prefix holds the summary. With --verify, a subagent (header kind
 `subagent`, `x-loongsage-agent-id: verifier`) answers the task in a fresh conversation of
-its own; an answer it disagrees with is not accepted (it counts as a wrong try).
+its own; an answer it disagrees with is reported as not accepted.
 
-Reward (last stdout line, JSON): 1 for the right answer on the first try, 0.5 on the second,
-0.25 on the third; 0 if never. `info` holds the answers, tool calls, compactions.
+Report (last stdout line, JSON): its answers in order, whether each was accepted, its tool calls
+and compactions. The recipe's reward.fn, `agent_answers`, grades it: 1 for the right answer on the
+first try, 0.5 on the second, 0.25 on the third; 0 if never.
 
 Messages are spelled in --words (plain English, for real models) or, by default, in the
 alphabet of the built-in tiny model (digits, "+" and "="), whose character tokenizer can
-spell nothing else: the task is the prompt itself, a wrong answer is followed by the
-question again, and the compaction request is "=". The tiny model writes no tool calls
+spell nothing else: the task is the prompt itself, a further try is the question
+again, and the compaction request is "=". The tiny model writes no tool calls
 (its vocabulary cannot spell the `<tool_call>` markup), so under it the agent answers
 directly; anything the model writes that is not a well-formed tool call is just text.
 
 Try it:
     ANTHROPIC_BASE_URL=http://localhost:8000 ANTHROPIC_API_KEY=x \\
-    LOONGSAGE_SAMPLE='{"prompt": "37+48=", "answer": "85"}' \\
+    LOONGSAGE_SAMPLE='{"prompt": "37+48="}' \\
     python examples/agents/anthropic_tools.py --words --max-tokens 256
 """
 import argparse
@@ -62,7 +63,6 @@ WORDS = {"system": "You solve arithmetic. Use the calculator tool when it helps.
          "compact": "Your context is full. Summarise the conversation so far in a few lines: the task, what "
                     "you tried and what you found. The summary replaces the conversation.",
          "resume": "Continue from your summary above: compute {question}; reply with the number only."}
-REWARDS = (1.0, 0.5, 0.25)
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -199,21 +199,19 @@ def main() -> None:
         sys.exit("--max-steps, --max-tokens and --context-chars must be >= 1")
     try:
         sample = json.loads(os.environ["LOONGSAGE_SAMPLE"])
-        answer = str(sample["answer"]).strip()
+        sample["prompt"]
     except (KeyError, ValueError) as e:
-        sys.exit(f"LOONGSAGE_SAMPLE must be a JSON row with prompt and answer: {e!r}")
+        sys.exit(f"LOONGSAGE_SAMPLE must be a JSON row with a prompt: {e!r}")
     agent = Harness(args, WORDS if args.words else TINY, sample)
-    messages, answers, reward = [{"role": "user", "content": agent.say["task"]}], [], 0.0
-    for value in REWARDS[: args.tries]:
+    messages, answers, accepted = [{"role": "user", "content": agent.say["task"]}], [], []
+    for i in range(args.tries):
+        if i:
+            messages.append({"role": "user", "content": agent.say["retry"]})
         got, messages = agent.solve(messages)
         answers.append(got)
-        accepted = not args.verify or agent.verified(got)   # the harness submits only what its verifier agrees with
-        if accepted and got == answer:
-            reward = value
-            break
-        messages.append({"role": "user", "content": agent.say["retry"]})
-    print(json.dumps({"reward": reward, "info": {"answers": answers, "tool_calls": agent.tool_calls,
-                                                 "compactions": agent.compactions}}))
+        accepted.append(not args.verify or agent.verified(got))   # what its verifier agrees with
+    print(json.dumps({"answers": answers, "accepted": accepted, "tool_calls": agent.tool_calls,
+                      "compactions": agent.compactions}))
 
 
 if __name__ == "__main__":

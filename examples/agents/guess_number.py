@@ -10,8 +10,10 @@ the OpenAI API; the SDK reads where the model is from the environment:
 
 The game: a hidden number in [0, --max]; each turn the model answers with a guess and the
 game replies whether the number is higher or lower, in the same conversation, for up to
---turns guesses. Reward (last stdout line, JSON): 1 for a right guess on the first turn,
-halved for each turn after; 0 if never found. `info` holds the guesses and the feedback.
+--turns guesses. The game is the environment, in this process, and runs nothing the model
+writes: its report (last stdout line, JSON) states the reward, graded by reward.fn `agent_reported`:
+1 for a right guess on the first turn, halved for each turn after; 0 if never found; with the
+target, the guesses and the feedback.
 
 Messages are spelled in --words (plain English, for real models) or, by default, in the
 alphabet of the built-in tiny model (digits, "+" and "="), whose character tokenizer can
@@ -84,7 +86,7 @@ def main() -> None:
         feedback.append(word)
         if turn + 1 < args.turns:
             messages.append({"role": "user", "content": text[word]})
-    print(json.dumps({"reward": reward, "info": {"target": target, "guesses": guesses, "feedback": feedback}}))
+    print(json.dumps({"reward": reward, "target": target, "guesses": guesses, "feedback": feedback}))
 
 
 if __name__ == "__main__":

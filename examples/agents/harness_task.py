@@ -5,18 +5,20 @@ configs/agent_claude_code.yaml, configs/agent_codex.yaml, configs/agent_opencode
 `loongsage serve`:
 
     OPENAI_BASE_URL=... OPENAI_API_KEY=... \\
-    LOONGSAGE_SAMPLE='{"prompt": "Write the word maple into the file answer.txt.", "answer": "maple"}' \\
+    LOONGSAGE_SAMPLE='{"prompt": "Write the word maple into the file answer.txt."}' \\
     python examples/agents/harness_task.py claude-code|codex|opencode-chat|opencode-responses
 
 It does what a user does to point the harness at a model: writes the harness's own config into $HOME
 (the endpoint from OPENAI_BASE_URL / OPENAI_API_KEY; telemetry, update checks and model lists off through
 the harness's own switches; Claude Code takes its endpoint and switches from its environment, and only
 the Bash tool), makes a fresh working directory ($HOME/work), runs the harness there with the task (its
-shell tool runs in that directory), then checks the directory: reward 1 if `answer.txt` holds exactly
-the answer, else 0, printed as the last stdout line. The harness's own exit status is recorded in
-`info`, not fatal: the checker decides. In a rollout the whole process runs in the agent
-jail (rollout.agent_sandbox, stages/agentflow/jail.py): HOME is a private /tmp/home, the host's file
-system read-only, so the harness's commands can change nothing but its working directory.
+shell tool runs in that directory), then reports what `answer.txt` there holds, as the last stdout
+line ({"answers": [...]}, with the harness's exit status and output tail). It never sees the answer:
+the recipe's reward.fn, `agent_answers`, grades the report (1 if it is exactly the answer). In a
+rollout the whole process runs in the agent jail (rollout.agent_sandbox, stages/agentflow/jail.py):
+HOME is a private /tmp/home, and the jail holds the system's programs, the interpreter, this
+directory and the harness installs (`rollout.agent_binds: [.cache/harness]`), nothing else of the
+host's, so the harness's commands can change nothing but its own /tmp.
 """
 from __future__ import annotations
 
@@ -124,16 +126,16 @@ HARNESSES = {
 }
 
 
-def check(work: Path, answer: str) -> float:
-    """The task's checker: 1.0 if the working directory's answer.txt holds exactly the answer."""
-    f = work / ANSWER_FILE
+def answer_file(work: Path) -> str:
+    """What the harness left in the working directory's answer.txt ("" if nothing), at most 1 KiB."""
     try:
-        return 1.0 if f.is_file() and f.read_text(errors="replace").strip() == answer.strip() else 0.0
+        with open(work / ANSWER_FILE, errors="replace") as f:
+            return f.read(1024).strip()
     except OSError:
-        return 0.0
+        return ""
 
 
-def run(name: str, task: str, answer: str, home: Path, base_url: str, key: str) -> dict:
+def run(name: str, task: str, home: Path, base_url: str, key: str) -> dict:
     files, extra_env, argv = HARNESSES[name]
     for rel, text in files(base_url, key, home).items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +153,7 @@ def run(name: str, task: str, answer: str, home: Path, base_url: str, key: str) 
         rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
     except subprocess.TimeoutExpired:
         rc, tail = None, "timed out"
-    return {"reward": check(work, answer), "info": {"harness_exit": rc, "harness_tail": tail}}
+    return {"answers": [answer_file(work)], "harness_exit": rc, "harness_tail": tail}
 
 
 def main() -> None:
@@ -164,8 +166,7 @@ def main() -> None:
     jailed = os.environ.get("HOME") == JAIL_HOME
     home = Path(JAIL_HOME if jailed else tempfile.mkdtemp(prefix="loongsage-harness-"))
     try:
-        out = run(name, sample["prompt"], str(sample["answer"]), home, os.environ["OPENAI_BASE_URL"],
-                  os.environ["OPENAI_API_KEY"])
+        out = run(name, sample["prompt"], home, os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"])
     finally:
         if not jailed:
             shutil.rmtree(home, ignore_errors=True)

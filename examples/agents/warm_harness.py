@@ -24,15 +24,15 @@ near 0.3 and the two outcomes differ in one word, the file name, which is what t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import os
 import shutil
-import signal
-import subprocess
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -54,26 +54,10 @@ ANSWER = "Done."
 
 
 def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
-    """The harness's main prompt for one task, as its first model call sends it, run as a rollout runs it."""
-    from stages.agentflow import jail
-    from stages.agentflow.blackbox import SHADOWED, agent_env
-
-    argv = [sys.executable, str(ROOT / "examples" / "agents" / "harness_task.py"), name]
-    if not jail.probe():        # bwrap runs here: the same jail (and so the same paths) as in training
-        argv = jail.agent_argv(argv, os.getcwd(), None, (), None)
-    env = {k: v for k, v in os.environ.items() if k not in SHADOWED} | agent_env(srv.base_url, srv.key, sample)
+    """The harness's main prompt for one task, as its first model call sends it, run as a rollout runs it (in
+    the same agent jail, so with the same paths, where bwrap runs)."""
     first = len(srv.engine.calls)
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 180
-    while len(srv.engine.calls) == first and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(wait_s)          # a side call (opencode's title) may come first
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    asyncio.run(_run_until_first_call(srv, name, sample, wait_s))
     srv.rotate(record=False)
     calls = [c["prompt_ids"] for c in srv.engine.calls[first:]]
     if not calls:
@@ -81,6 +65,32 @@ def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
     from stages.tasks.harness_sft import main_prompt
 
     return main_prompt(srv.tok, calls)
+
+
+async def _run_until_first_call(srv, name: str, sample: dict, wait_s: float) -> None:
+    from stages.agentflow import jail
+    from stages.agentflow.blackbox import Jail, _end, agent_env
+    from stages.agentflow.config import RolloutConfig
+
+    argv = [sys.executable, str(ROOT / "examples" / "agents" / "harness_task.py"), name]
+    env = agent_env(srv.base_url, srv.key, sample)
+    port, first = urlsplit(srv.base_url).port, len(srv.engine.calls)
+
+    async def connect():        # the jail's forwarder reaches the server's port on the host's loopback
+        return socket.create_connection(("127.0.0.1", port))
+
+    if jail.probe():            # no bwrap here: the harness runs unjailed, on the host's loopback
+        proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+    else:
+        proc = await Jail(RolloutConfig(agent_binds=(".cache/harness",))).spawn(argv, env, port, connect, None)
+    deadline = time.time() + 180
+    while len(srv.engine.calls) == first and proc.returncode is None and time.time() < deadline:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(wait_s)     # a side call (opencode's title) may come first
+    _end(proc)
+    await proc.wait()
 
 
 def demonstrations(tok, name: str, prompt: list[int], word: str, wrong: int) -> tuple[list, list]:

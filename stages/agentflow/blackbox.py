@@ -1,55 +1,52 @@
 """Black-box agents: programs that only speak a model API (OpenAI or Anthropic), run per trajectory.
 
 Subprocess (`rollout.agent: "cmd:python examples/agents/addition.py"`): the command runs
-once per trajectory with
+once per trajectory with this environment, and nothing else of the worker's:
 
     OPENAI_BASE_URL, OPENAI_API_KEY        this trajectory's proxy endpoint (.../v1) and key
     ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY  the same endpoint for the anthropic SDK: the base URL
                                            without the trailing /v1 (the SDK appends /v1/messages),
                                            the same key (sent as x-api-key)
-    LOONGSAGE_SAMPLE                       the row as JSON (prompt, answer, data_source, ids)
+    LOONGSAGE_SAMPLE                       the row as JSON (prompt, data_source, ids): never its answer
     LOONGSAGE_SEED                         the trajectory's seed (from run.seed, its group and sample): an
                                            agent that draws random numbers seeds them with it to repeat a run
+    HOME, TMPDIR, PATH, LANG, LC_*, TERM, TZ    and what `rollout.agent_env` names (NAME or NAME=VALUE)
 
-and ends by exiting. An agent written with either official SDK finds the proxy with no
-configuration (`openai.OpenAI()`, `anthropic.Anthropic()`), and so does a harness that reads
-only one of the two pairs (Codex, Claude Code). ANTHROPIC_AUTH_TOKEN is removed from the
-agent's environment (the SDK would send it as a bearer token next to the run's key).
+An agent written with either official SDK finds the proxy with no configuration
+(`openai.OpenAI()`, `anthropic.Anthropic()`), and so does a harness that reads only one of the
+two pairs (Codex, Claude Code). The user's own tokens and credentials are not passed.
 
-If its last stdout line is a JSON object with a numeric `reward` (and optionally `info`),
-that reward is the trajectory's, used instead of reward.fn; a reward that is not a finite
-number (NaN, Infinity) fails the row.
+The agent grades nothing itself: it never sees the answer. If its last stdout line is a JSON
+object, that is its report (`agent_info`, given to reward.fn as `row["agent_info"]`): what it did,
+for reward.fn, which holds the answer, to grade (examples/agents/rewards.py). A `reward` in the
+report is not the trajectory's reward: a policy could make a harness print one.
 A non-zero exit, a crash or a hang past rollout.timeout_s fails the row with the stderr
-tail; the agent runs in its own process group, which is killed when the trajectory ends,
-so no agent process outlives its trajectory.
+tail; when the trajectory ends every process it started is killed.
 
 A leading `python`/`python3` in the command means this interpreter (sys.executable). A
-relative script path that does not exist in the working directory is looked up in the
-project root, so the shipped examples run from anywhere.
+relative script path is looked up in the working directory, then in the project root, so the
+shipped examples run from anywhere.
 
-Jail (`rollout.agent_sandbox`, auto by default): where bubblewrap runs, each agent process runs
-in a jail of its own (stages/agentflow/jail.py, `agent_argv`): its own PID namespace and /proc, so
-no other trajectory's process -- nor its environment, with its key -- is there to see; the host's
-file system read-only with /tmp, /run and the user's home behind private tmpfs; a fresh HOME
-(`rollout.agent_home` copied into it: a harness's config); no capabilities, no_new_privs, seccomp.
-It shares the host's network namespace: it reaches its endpoint on loopback, and the proxy
-honours its key on that endpoint only. strict refuses to start without bwrap; none, or auto
-without bwrap (with a warning), runs agents as the rollout worker's user, unjailed.
+Jail (`rollout.agent_sandbox: bwrap`, the default; stages/agentflow/jail.py): each agent runs in a
+bubblewrap jail of its own, with the system's programs and libraries and its own files only (no
+home directories, run directories, data sets or checkpoints), a fresh HOME and size-capped /tmp,
+its own PID, network, IPC and UTS namespaces (its network is loopback alone, on which
+jail_init.py serves the trajectory's proxy endpoint and nothing else), no capabilities, seccomp,
+and a cgroup bounding its processes and memory. A run whose agents cannot be jailed is refused at
+start; `agent_sandbox: none` runs them unjailed as the worker's user, on the proxy's TCP port.
 
 `rollout.agent_preload: [anthropic]` (a `python SCRIPT.py ...` command only): the worker starts
-one zygote process that imports those modules once and forks each trajectory's process from
+one zygote per worker that imports those modules once and forks each trajectory's process from
 it (stages/agentflow/zygote.py), so an agent does not pay its SDK import per trajectory
-(`import anthropic` is ~2.5 s of CPU here). Everything above holds for a forked agent too, but
-the jail: the zygote runs in one jail, and the agents it forks share it (its PID namespace, /tmp
-and HOME); each forked agent makes itself non-dumpable, so that its siblings (no capabilities,
-ptrace denied) cannot read its environment or memory. `agent_sandbox: strict` refuses a preload.
+(`import anthropic` is ~2.5 s of CPU on a 2-core machine). A forked agent gets namespaces, /tmp,
+HOME, cgroup and seccomp filter of its own, as a spawned one does.
 
 In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent`
 and set `rollout.agent: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop
-(use openai.AsyncOpenAI); a plain def runs in a thread. Returning {"reward": ...} works
-like the subprocess's last line. `base_url` is the OpenAI form (.../v1); an in-process agent
-on the anthropic SDK passes `anthropic_base_url(base_url)`:
-`anthropic.AsyncAnthropic(base_url=anthropic_base_url(base_url), api_key=api_key)`.
+(use openai.AsyncOpenAI); a plain def runs in a thread. It is the user's own code in the
+worker, not jailed, and gets the whole row; returning {"reward": ...} sets the reward.
+`base_url` is the OpenAI form (.../v1); an in-process agent on the anthropic SDK passes
+`anthropic_base_url(base_url)`.
 """
 from __future__ import annotations
 
@@ -61,20 +58,19 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from stages.agentflow import jail
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TAIL_BYTES = 4096
-# the anthropic SDK would send a token found here as `Authorization: Bearer` next to the run's
-# x-api-key: a real credential of the user's must not reach the agent (or the proxy)
-# (and the tool service's key, which runs code: an agent must not get it from the worker's environment)
-SHADOWED = ("ANTHROPIC_AUTH_TOKEN", "LOONGSAGE_TOOL_SERVICE_KEY")
+PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "TERM", "TZ")     # and LC_*: nothing that could be a secret
+HIDDEN_FIELDS = ("answer",)                                # a row's fields an agent never gets
 log = logging.getLogger(__name__)
-_warned = False
 
 
 class AgentExit(RuntimeError):
@@ -88,9 +84,9 @@ def resolve_command(cmd: str) -> list[str]:
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     for i, a in enumerate(argv[1:], 1):
-        if a.endswith(".py") and not os.path.isabs(a) and not os.path.exists(a) and (PROJECT_ROOT / a).exists():
-            argv[i] = str(PROJECT_ROOT / a)
-    exe = argv[0] if os.path.sep in argv[0] else _which(argv[0])
+        if a.endswith(".py") and not os.path.isabs(a):
+            argv[i] = os.path.abspath(a) if os.path.exists(a) else str(PROJECT_ROOT / a)
+    exe = argv[0] if os.path.sep in argv[0] else shutil.which(argv[0])
     if exe is None or not os.access(exe, os.X_OK):
         raise ValueError(f"agent command {cmd!r}: {argv[0]!r} is not an executable")
     scripts = [a for a in argv[1:] if a.endswith(".py")]
@@ -99,45 +95,57 @@ def resolve_command(cmd: str) -> list[str]:
     return argv
 
 
-def _which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name)
-
-
 def anthropic_base_url(base_url: str) -> str:
     """The proxy endpoint as the anthropic SDK wants it: without the trailing /v1 it appends itself."""
     url = base_url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def agent_env(base_url: str, api_key: str, sample: dict) -> dict[str, str]:
-    """The environment variables a subprocess agent gets (on top of the rollout worker's own)."""
-    return {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
-            "ANTHROPIC_BASE_URL": anthropic_base_url(base_url), "ANTHROPIC_API_KEY": api_key,
-            "LOONGSAGE_SAMPLE": sample_json(sample)}
+def base_env(names: tuple[str, ...] = ()) -> dict[str, str]:
+    """An allowlist of the worker's environment, and rollout.agent_env's NAME or NAME=VALUE."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("LC_")}
+    for item in names:
+        name, eq, value = item.partition("=")
+        if eq:
+            env[name] = value
+        elif name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+def agent_env(base_url: str, api_key: str, sample: dict, names: tuple[str, ...] = ()) -> dict[str, str]:
+    """A subprocess agent's whole environment: an allowlist, never the worker's environment."""
+    return base_env(names) | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+                  "ANTHROPIC_BASE_URL": anthropic_base_url(base_url), "ANTHROPIC_API_KEY": api_key,
+                  "LOONGSAGE_SAMPLE": sample_json(sample)}
 
 
 def sample_json(sample: dict) -> str:
-    return json.dumps({k: v for k, v in sample.items() if isinstance(v, (str, int, float, bool)) or v is None})
+    return json.dumps({k: v for k, v in sample.items() if k not in HIDDEN_FIELDS
+                       and (isinstance(v, (str, int, float, bool)) or v is None)})
 
 
-def reported_reward(ctx, stdout: str) -> None:
-    """Adopt {"reward": x, "info": {...}} from the agent's last stdout line, if it is one."""
+def last_json(stdout: str) -> dict | None:
+    """The last stdout line as a JSON object, if it is one."""
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
     try:
         last = json.loads(lines[-1]) if lines else None
     except ValueError:
+        return None
+    return last if isinstance(last, dict) else None
+
+
+def reported_reward(ctx, report: dict | None) -> None:
+    """Adopt {"reward": x, "info": {...}} from trusted code (an in-process agent's return value)."""
+    if not report or "reward" not in report:
         return
-    if not isinstance(last, dict) or "reward" not in last:
-        return
-    if isinstance(last["reward"], bool) or not isinstance(last["reward"], (int, float)):
-        raise ValueError(f"the agent reported a non-numeric reward: {last['reward']!r}")
-    if not math.isfinite(last["reward"]):   # json reads NaN / Infinity (and 1e999 as inf); training must not
-        raise ValueError(f"the agent reported a non-finite reward: {last['reward']!r}")
-    ctx.reward = float(last["reward"])
-    if isinstance(last.get("info"), dict):
-        ctx.info.update(last["info"])
+    if isinstance(report["reward"], bool) or not isinstance(report["reward"], (int, float)):
+        raise ValueError(f"the agent reported a non-numeric reward: {report['reward']!r}")
+    if not math.isfinite(report["reward"]):   # NaN / Infinity (json reads 1e999 as inf); training must not
+        raise ValueError(f"the agent reported a non-finite reward: {report['reward']!r}")
+    ctx.reward = float(report["reward"])
+    if isinstance(report.get("info"), dict):
+        ctx.info.update(report["info"])
 
 
 class _Tail:
@@ -154,148 +162,85 @@ class _Tail:
         return self.data.decode(errors="replace")
 
 
-class Zygote:
-    """The worker's side of stages/agentflow/zygote.py: start it once, fork agent processes from it."""
+class Link:
+    """The worker's end of one jail's control socket (stages/agentflow/jail_init.py, zygote.py): a connected
+    socket to the trajectory's proxy endpoint per request; from a forked agent's supervisor, its pid (the
+    kernel's credentials on its first message, in this process's PID namespace) and its exit status."""
 
-    def __init__(self, modules: tuple[str, ...]):
-        self.modules = tuple(modules)
-        self.proc = None
-        self.dir = None
-        self._lock = None
-        self.jail: AgentJail | None = None     # set by SubprocessAgent.configure: the zygote runs in it
-        self.agent_argv: tuple[str, ...] = ()  # the command it forks (its script is bound into the jail)
-
-    async def _start(self) -> str:
-        import tempfile
-
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self.proc is not None and self.proc.returncode is None:
-                return os.path.join(self.dir, "z.sock")
-            self.dir = tempfile.mkdtemp(prefix="loongsage-zygote-")
-            path = os.path.join(self.dir, "z.sock")
-            argv = [sys.executable, str(Path(__file__).with_name("zygote.py")), path, *self.modules]
-            fds: tuple[int, ...] = ()
-            if self.jail is not None:   # its socket's directory is bound in: the worker connects from outside
-                argv, fds = self.jail.wrap(argv, home=None, rw=(self.dir,), also=self.agent_argv)
-            try:
-                self.proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, pass_fds=fds)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            line = await self.proc.stdout.readline()
-            if line.strip() != b"ready":
-                err = (await self.proc.stderr.read()).decode(errors="replace").strip()
-                await self.proc.wait()
-                self.proc = None
-                raise ValueError(err or f"the agent zygote exited ({self.modules}) before it was ready")
-            return path
-
-    async def spawn(self, argv: list[str], env: dict[str, str]) -> "ForkedProcess":
-        import socket
-
-        path = await self._start()
+    def __init__(self, connect):
+        self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.ours.setblocking(False)
+        self._fd = self.ours.fileno()
+        self.connect = connect
         loop = asyncio.get_running_loop()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.setblocking(False)
-            await loop.sock_connect(sock, path)
-            req = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "private": self.jail is not None}).encode()
-            socket.send_fds(sock, [req], [null, out_w, err_w])
-            reply = json.loads(await loop.sock_recv(sock, 65536) or b"{}")
-        except BaseException:
-            sock.close()
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-        if "pid" not in reply:
-            sock.close()
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise RuntimeError(f"the agent zygote refused to fork: {reply.get('error', reply)}")
-        pid = reply["pid"]
-        if self.jail is not None:   # a pid in the jail's PID namespace: the worker kills its group by the host's
-            pid = _host_pid(pid, self.proc.pid)
-        return ForkedProcess(pid, sock, await _reader(out_r), await _reader(err_r))
+        self.pid, self.result = loop.create_future(), loop.create_future()
+        self._task = asyncio.ensure_future(self._serve())
 
-    async def aclose(self) -> None:
-        """Stop the zygote (agents it forked are their own sessions: their trajectories end them)."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            if proc.returncode is None:
-                try:
-                    proc.kill()
-                except ProcessLookupError:
-                    pass
-            await proc.wait()
-        if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _host_pid(inner: int, bwrap_pid: int) -> int:
-    """The host pid of the process that is `inner` in the PID namespace of bwrap_pid's jail (NSpid in
-    /proc/N/status lists a process's pid in each namespace, the host's first), or 0 if it is gone."""
-    try:
-        with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
-            ns = os.readlink(f"/proc/{int(f.read().split()[0])}/ns/pid")
-    except (OSError, IndexError, ValueError) as e:
-        raise RuntimeError(f"the agent zygote's jail is gone ({e})") from e
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            if os.readlink(f"/proc/{d}/ns/pid") != ns:
-                continue
-            with open(f"/proc/{d}/status") as f:
-                nspid = next((ln.split()[1:] for ln in f if ln.startswith("NSpid:")), [])
-        except OSError:
-            continue
-        if len(nspid) >= 2 and int(nspid[-1]) == inner:
-            return int(d)
-    return 0        # it has exited already (and been reaped): there is no group left to kill by its pid
-
-
-async def _reader(fd: int) -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
-    return reader
-
-
-class ForkedProcess:
-    """An agent process forked by the zygote, with asyncio.subprocess.Process's pid/stdout/stderr/wait."""
-
-    def __init__(self, pid: int, sock, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader):
-        self.pid, self.stdout, self.stderr = pid, stdout, stderr
-        self.returncode: int | None = None
-        self._sock = sock
-
-    async def wait(self) -> int:
-        if self.returncode is None:
+    async def _recv(self) -> tuple[bytes, int]:
+        loop = asyncio.get_running_loop()
+        while True:
             try:
-                reply = await asyncio.get_running_loop().sock_recv(self._sock, 65536)
-                self.returncode = int(json.loads(reply)["rc"]) if reply else -signal.SIGKILL
-            except (OSError, ValueError, KeyError):
-                self.returncode = -signal.SIGKILL   # the zygote went away with it
-            finally:
-                self._sock.close()
-        return self.returncode
+                msg, anc, _flags, _addr = self.ours.recvmsg(MAX_REPLY, socket.CMSG_SPACE(12))
+                creds = [d for lvl, typ, d in anc if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS]
+                return msg, int.from_bytes(creds[0][:4], sys.byteorder) if creds else 0
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_reader(self._fd, _set, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(self._fd)
+
+    async def _serve(self) -> None:
+        try:
+            while msg_pid := await self._recv():
+                msg, pid = msg_pid
+                if not msg:
+                    break
+                if msg == b"c":
+                    conn = await self.connect()
+                    try:
+                        socket.send_fds(self.ours, [b"c"], [conn.fileno()])
+                    finally:
+                        conn.close()
+                elif msg == b"ready" and not self.pid.done():
+                    self.pid.set_result(pid)
+                elif not self.result.done():
+                    self.result.set_result(json.loads(msg))
+                    if not self.pid.done():     # it ended before it started: the error is in the result
+                        self.pid.set_result(0)
+        except (OSError, ValueError) as e:
+            log.warning("agent jail link: %s", e)
+        finally:
+            for f in (self.pid, self.result):
+                if not f.done():
+                    f.set_result({"rc": 128 + signal.SIGKILL} if f is self.result else 0)
+
+    def close(self) -> None:
+        self._task.cancel()
+        if self.ours.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self._fd)
+        self.ours.close()
+        self.theirs.close()
 
 
-class AgentJail:
-    """How one trajectory's agent process is jailed (stages/agentflow/jail.py): `wrap(argv)` -> (argv, fds)."""
+MAX_REPLY = 1 << 16
 
-    def __init__(self, home_template: str = "", binds: tuple[str, ...] = ()):
-        self.home_template, self.binds = home_template, tuple(binds)
+
+def _set(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Jail:
+    """How each trajectory's agent is jailed (stages/agentflow/jail.py): limits, HOME, binds, cgroups."""
+
+    def __init__(self, cfg):
+        self.home_template, self.binds = cfg.agent_home, tuple(cfg.agent_binds)
+        self.tmp_bytes, self.procs = cfg.agent_tmp_mb << 20, cfg.agent_procs
+        self.memory_bytes = cfg.agent_memory_mb << 20
+        self.cgroups = not jail.Cgroup.available()
         self._root = tempfile.mkdtemp(prefix="loongsage-agent-homes-")    # 0700: only this user reads it
 
     def home(self) -> str | None:
@@ -306,31 +251,155 @@ class AgentJail:
         shutil.copytree(self.home_template, d, dirs_exist_ok=True, symlinks=True)
         return d
 
-    def wrap(self, argv: list[str], home: str | None, rw: tuple[str, ...] = (),
-             also: tuple[str, ...] = ()) -> tuple[list[str], tuple[int, ...]]:
-        fd = jail.seccomp_fd()
-        cmd = jail.agent_argv(argv, os.getcwd(), home, self.binds, fd, rw=rw, also=also)
-        return cmd, (() if fd is None else (fd,))
+    def cgroup(self) -> jail.Cgroup | None:
+        return jail.Cgroup(self.procs, self.memory_bytes) if self.cgroups else None
+
+    async def spawn(self, argv: list[str], env: dict[str, str], port: int, connect, home: str | None):
+        """The agent in a jail of its own: an asyncio Process (its `cgroup` and `link` attached)."""
+        link, cg, fd = Link(connect), self.cgroup(), jail.seccomp_fd()
+        cmd = jail.agent_argv(argv, port, link.theirs.fileno(), home, self.binds, self.tmp_bytes, fd)
+        if cg is not None:   # join the cgroup before bwrap forks anything: all the jail's processes are in it
+            cmd = ["/bin/sh", "-c", 'while [ "$1" != -- ]; do echo $$ >"$1" || exit 126; shift; done; shift; '
+                   'exec "$@"', "sh", *cg.procs_files(), "--", *cmd]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                pass_fds=(link.theirs.fileno(), *(() if fd is None else (fd,))))
+        except BaseException:
+            link.close()
+            if cg is not None:
+                cg.close()
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+        link.theirs.close()
+        proc.link, proc.cgroup = link, cg
+        return proc
 
     def close(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)
 
 
-def make_jail(mode: str, home_template: str = "", binds: tuple[str, ...] = ()) -> AgentJail | None:
-    """The jail rollout.agent_sandbox asks for, or None (none; auto where bwrap does not run: with a warning)."""
-    global _warned
-    if mode == "none":
+class Zygote:
+    """The worker's side of stages/agentflow/zygote.py: start it once, fork agent processes from it."""
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.modules = tuple(modules)
+        self.proc = None
+        self.ctl: socket.socket | None = None
+        self._lock: asyncio.Lock | None = None
+        self.jail: Jail | None = None           # set by SubprocessAgent.configure: the zygote runs in it
+        self.env_names: tuple[str, ...] = ()    # rollout.agent_env: what it imports may read them
+        self.agent_argv: tuple[str, ...] = ()   # the command it forks (its script is bound into the jail)
+
+    async def _start(self) -> None:
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if self.proc is not None and self.proc.returncode is None:
+                return
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            fd = jail.seccomp_fd()
+            j = self.jail
+            argv = jail.zygote_argv(list(self.agent_argv), theirs.fileno(), fd, j.home_template or None, j.binds,
+                                    j.tmp_bytes, self.modules)
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *argv, env=base_env(self.env_names), stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    pass_fds=(theirs.fileno(), *(() if fd is None else (fd,))))
+            finally:
+                theirs.close()
+                if fd is not None:
+                    os.close(fd)
+            line = await self.proc.stdout.readline()
+            if line.strip() != b"ready":
+                err = (await self.proc.stderr.read()).decode(errors="replace").strip()
+                await self.proc.wait()
+                self.proc = None
+                ours.close()
+                raise ValueError(err or f"the agent zygote exited ({self.modules}) before it was ready")
+            ours.setblocking(False)
+            self.ctl = ours
+
+    async def spawn(self, argv: list[str], env: dict[str, str], port: int, connect) -> "ForkedProcess":
+        await self._start()
+        loop = asyncio.get_running_loop()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        link, cg = Link(connect), self.jail.cgroup()
+        try:
+            req = json.dumps({"argv": argv, "env": env, "port": port}).encode()
+            socket.send_fds(self.ctl, [req], [null, out_w, err_w, link.theirs.fileno()])
+            pid = await asyncio.wait_for(link.pid, timeout=60)
+            if not pid:
+                raise RuntimeError(f"the agent zygote did not start the agent: {link.result.result()}")
+            if cg is not None:
+                cg.add(pid)
+            await loop.sock_sendall(link.ours, b"go")
+        except BaseException:
+            link.close()
+            if cg is not None:
+                cg.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+            link.theirs.close()
+        return ForkedProcess(pid, link, cg, await _reader(out_r), await _reader(err_r))
+
+    async def aclose(self) -> None:
+        """Stop the zygote; the agents it forked die with its jail."""
+        proc, self.proc = self.proc, None
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        if proc is not None:
+            if proc.returncode is None:
+                try:
+                    proc.kill()
+                except ProcessLookupError:
+                    pass
+            await proc.wait()
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    return reader
+
+
+class ForkedProcess:
+    """An agent forked by the zygote (pid: its supervisor's), with asyncio.subprocess.Process's
+    pid/stdout/stderr/wait; the exit status comes from its supervisor over its link."""
+
+    def __init__(self, pid: int, link: Link, cgroup, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader):
+        self.pid, self.link, self.cgroup, self.stdout, self.stderr = pid, link, cgroup, stdout, stderr
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            res = await self.link.result
+            if "error" in res:
+                raise RuntimeError(f"the agent zygote could not start the agent: {res['error']}")
+            self.returncode = int(res["rc"])
+        return self.returncode
+
+
+def make_jail(cfg) -> Jail | None:
+    """The jail rollout.agent_sandbox asks for (None for none); a ValueError where bwrap cannot jail here."""
+    if cfg.agent_sandbox == "none":
         return None
-    why = jail.probe()
-    if why and mode == "strict":
-        raise ValueError(f"rollout.agent_sandbox=strict, but agents cannot be jailed here: {why}")
-    if why:
-        if not _warned:
-            _warned = True
-            log.warning("black-box agents run unjailed (%s): every agent process runs as this user and can read "
-                        "other trajectories' keys from /proc/*/environ, the host's /tmp and sockets", why)
-        return None
-    return AgentJail(home_template, binds)
+    jail.require(cfg)
+    if jail.Cgroup.available():
+        log.warning("agent jails have no cgroup here (%s): an agent's processes and memory are not bounded "
+                    "(rollout.agent_procs, agent_memory_mb); its /tmp is", jail.Cgroup.available())
+    return Jail(cfg)
 
 
 class SubprocessAgent:
@@ -338,8 +407,10 @@ class SubprocessAgent:
         self.cmd = cmd
         self.argv = resolve_command(cmd)
         self.zygote = None
-        self.jail: AgentJail | None = None
-        self._configured = False    # configure() not called (an agent made outside a rollout): the defaults
+        self.jail: Jail | None = None
+        self.env_names: tuple[str, ...] = ()
+        self._running: asyncio.Semaphore | None = None
+        self._configured = False
         if preload:
             if self.argv[0] != sys.executable or len(self.argv) < 2 or not self.argv[1].endswith(".py"):
                 raise ValueError(f"rollout.agent_preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
@@ -358,17 +429,22 @@ class SubprocessAgent:
             self.zygote = Zygote(tuple(preload))
 
     def configure(self, rollout_cfg) -> None:
-        """rollout.agent_sandbox / agent_home / agent_binds: the jail each agent process runs in."""
+        """rollout.agent_sandbox and the agent_* keys: the jail each agent process runs in."""
+        from stages.agentflow.config import RolloutConfig
+
+        cfg = rollout_cfg or RolloutConfig()
         self._configured = True
         if self.jail is not None:
             self.jail.close()
-        mode = getattr(rollout_cfg, "agent_sandbox", "auto")
-        if mode == "strict" and self.zygote is not None:
-            raise ValueError("rollout.agent_sandbox=strict: agents forked by rollout.agent_preload's zygote share "
-                             "its jail; leave agent_preload empty for a jail per trajectory")
-        self.jail = make_jail(mode, getattr(rollout_cfg, "agent_home", ""), getattr(rollout_cfg, "agent_binds", ()))
+        self.jail = make_jail(cfg)
+        self.env_names = tuple(cfg.agent_env)
+        self.limit = cfg.max_agents or AGENTS_AT_ONCE
         if self.zygote is not None:
+            if self.jail is None:
+                raise ValueError("rollout.agent_preload needs the agent jail (rollout.agent_sandbox=bwrap): its "
+                                 "zygote builds each agent's namespaces")
             self.zygote.jail, self.zygote.agent_argv = self.jail, tuple(self.argv)
+            self.zygote.env_names = self.env_names
 
     async def aclose(self) -> None:
         if self.zygote is not None:
@@ -376,63 +452,83 @@ class SubprocessAgent:
         if self.jail is not None:
             self.jail.close()
 
-    async def _start(self, env: dict[str, str], home: str | None):
+    async def _start(self, ep, env: dict[str, str], home: str | None):
+        port = urlsplit(ep.base_url).port
         if self.zygote is not None:
-            if self.jail is not None:
-                env = env | {"HOME": jail.HOME_IN_JAIL, "TMPDIR": "/tmp"}
-            return await self.zygote.spawn(self.argv, env)
-        argv, fds = (self.argv, ()) if self.jail is None else self.jail.wrap(self.argv, home)
-        try:
-            return await asyncio.create_subprocess_exec(
-                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=fds)   # own group: killable as one
-        finally:
-            for fd in fds:
-                os.close(fd)
+            return await self.zygote.spawn(self.argv, env | {"HOME": jail.HOME_IN_JAIL, "TMPDIR": "/tmp"}, port,
+                                           ep.connect)
+        if self.jail is not None:
+            return await self.jail.spawn(self.argv, env, port, ep.connect, home)
+        return await asyncio.create_subprocess_exec(
+            *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own group: killable as one
 
     async def run(self, ctx, sample: dict) -> None:
         if not self._configured:
             self.configure(None)
-        home = self.jail.home() if self.jail is not None and self.zygote is None else None
-        try:
-            await self._run(ctx, sample, home)
-        finally:
-            if home:
-                shutil.rmtree(home, ignore_errors=True)
+        self._running = self._running or asyncio.Semaphore(self.limit)
+        async with self._running:
+            home = self.jail.home() if self.jail is not None and self.zygote is None else None
+            try:
+                await self._run(ctx, sample, home)
+            finally:
+                if home:
+                    shutil.rmtree(home, ignore_errors=True)
 
     async def _run(self, ctx, sample: dict, home: str | None) -> None:
         async with ctx.openai_endpoint() as ep:
-            env = {k: v for k, v in os.environ.items() if k not in SHADOWED}
-            env |= agent_env(ep.base_url, ep.api_key, sample)
+            env = agent_env(ep.base_url, ep.api_key, sample, self.env_names)
             if "seed" in ctx.sampling:
                 env["LOONGSAGE_SEED"] = str(ctx.sampling["seed"])
-            proc = await self._start(env, home)
+            proc = await self._start(ep, env, home)
             out, err = _Tail(), _Tail()
             readers = [asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
             try:
                 rc = await proc.wait()
-                _kill_group(proc.pid)  # children it left behind would hold the pipes open
+                oom = proc.cgroup.oom_kills() if getattr(proc, "cgroup", None) is not None else 0
+                _end(proc)      # what it left behind would hold the pipes open
                 await asyncio.wait(readers, timeout=5)
             finally:
                 ctx.detail = err.text()
-                _kill_group(proc.pid)
+                _end(proc)
                 for r in readers:
                     r.cancel()
-                if proc.returncode is None:
+                if isinstance(proc, asyncio.subprocess.Process) and proc.returncode is None:
                     await proc.wait()
+            if self.jail is not None and rc > 128:    # a jail reports a killed agent as a shell does
+                rc = 128 - rc
             if rc != 0:  # raised inside the endpoint: the exit, not "no model calls", is the error
                 how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                raise AgentExit(f"agent {self.cmd!r} {how}")
-        reported_reward(ctx, out.text())
+                why = " at its memory limit (rollout.agent_memory_mb)" if oom else ""
+                raise AgentExit(f"agent {self.cmd!r} {how}{why}")
+        report = last_json(out.text())
+        if report is not None:
+            ctx.info.update(report)
 
 
-def _kill_group(pgid: int) -> None:
-    if pgid <= 0:       # killpg(0) would be our own group
-        return
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when rollout.max_agents is 0
+
+
+def _end(proc) -> None:
+    """Kill every process of a trajectory's agent: its cgroup where it has one, its process group (spawned)
+    or its supervisor (forked: its PID namespace dies with it)."""
+    cg, link = getattr(proc, "cgroup", None), getattr(proc, "link", None)
+    if cg is not None:
+        cg.close()
+        proc.cgroup = None
+    if isinstance(proc, ForkedProcess):
+        if proc.pid > 0:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    elif proc.pid > 0:       # killpg(0) would be our own group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if link is not None:
+        link.close()
 
 
 class OpenAIFunctionAgent:
@@ -447,8 +543,8 @@ class OpenAIFunctionAgent:
                 res = await self.fn(ep.base_url, ep.api_key, sample)
             else:
                 res = await asyncio.to_thread(self.fn, ep.base_url, ep.api_key, sample)
-        if isinstance(res, dict) and "reward" in res:
-            reported_reward(ctx, json.dumps(res))
+        if isinstance(res, dict):
+            reported_reward(ctx, res)
 
 
 def openai_agent(fn) -> OpenAIFunctionAgent:

@@ -28,18 +28,25 @@ class RolloutConfig:
     agent: str = key("single_turn", 'built-in name | dotted path | "cmd:<command>" (subprocess black-box)')
     agent_preload: tuple = key((), 'modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a zygote'
                                    " that forks each trajectory's process (stages/agentflow/zygote.py)")
-    agent_sandbox: str = key("auto", '"cmd:" agents in a bubblewrap jail of their own (stages/agentflow/jail.py): '
-                                     "auto: where bwrap runs (else a warning) | strict: refuse without | none",
-                             one_of("auto", "strict", "none"))
+    agent_sandbox: str = key("bwrap", '"cmd:" agents each in a bubblewrap jail of their own (stages/agentflow/jail.py; '
+                                      "a run is refused where bwrap cannot jail) | none: unjailed, as this user",
+                             one_of("bwrap", "none"))
     agent_home: str = key("", "a directory copied into each jailed agent's fresh HOME (harness config); "
                               '"" = an empty HOME')
-    agent_binds: tuple = key((), "more host paths a jailed agent may read (its file system is the host's, read-only, "
-                                 "less /tmp, /run and the user's home)")
+    agent_binds: tuple = key((), "more host paths a jailed agent may read (relative: to the working directory, else "
+                                 "the project root); it sees only the system's programs and libraries and its "
+                                 "command's own files")
+    agent_env: tuple = key((), "environment a cmd: agent gets beyond its endpoint, PATH, LANG, LC_*, TERM and TZ: "
+                               "NAME (from the worker's environment) or NAME=VALUE")
+    agent_procs: int = key(256, "processes and threads one jailed agent may hold (its cgroup's pids.max)", POSITIVE)
+    agent_memory_mb: int = key(4096, "memory one jailed agent may use, its /tmp included (its cgroup's limit)",
+                               POSITIVE)
+    agent_tmp_mb: int = key(512, "size of a jailed agent's private /tmp (and /dev/shm)", POSITIVE)
     max_turns: int = key(8, "model turns (proxy calls) per trajectory; 0 = unlimited", NONNEG)
     max_trajectory_tokens: int = key(0, "black-box: completion tokens a trajectory may generate in all (a call's "
                                         "budget is clamped to what is left; spent, it ends as the turn limit ends "
                                         "it); 0 = off", NONNEG)
-    max_agents: int = key(0, "agents running at once per worker; 0 = all of a batch", NONNEG)
+    max_agents: int = key(0, "agents running at once per worker; 0 = all of a batch (cmd: agents: 16)", NONNEG)
     num_engines: int = key(1, "rollout engine actors", POSITIVE)
     engine: str = key("hf", "hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:` section) | "
                             "sglang (GPU; `sglang:` section)", one_of("hf", "vllm", "sglang"))
@@ -114,14 +121,23 @@ class RolloutConfig:
         if preload and not self.agent.startswith("cmd:"):
             raise ValueError(f"rollout.agent_preload is for 'cmd:python SCRIPT.py' agents, not {self.agent!r}")
         object.__setattr__(self, "agent_preload", preload)
-        if self.agent_sandbox not in ("auto", "strict", "none"):
-            raise ValueError(f"rollout.agent_sandbox must be auto, strict or none, got {self.agent_sandbox!r}")
         if self.agent_home and not os.path.isdir(self.agent_home):
             raise ValueError(f"rollout.agent_home {self.agent_home!r} is not a directory")
         binds = (self.agent_binds,) if isinstance(self.agent_binds, str) else tuple(self.agent_binds)
-        missing = [b for b in binds if not (isinstance(b, str) and os.path.isabs(b) and os.path.exists(b))]
-        if missing:
-            raise ValueError(f"rollout.agent_binds: {missing[0]!r} is not an absolute path that exists")
-        object.__setattr__(self, "agent_binds", binds)
+        object.__setattr__(self, "agent_binds", tuple(_host_path(b) for b in binds))
+        env = (self.agent_env,) if isinstance(self.agent_env, str) else tuple(self.agent_env)
+        bad = [e for e in env if not isinstance(e, str) or not e.partition("=")[0].isidentifier()]
+        if bad:
+            raise ValueError(f"rollout.agent_env: {bad[0]!r} is not NAME or NAME=VALUE")
+        object.__setattr__(self, "agent_env", env)
         if self.timeout_s <= 0 or self.proxy_max_body_mb <= 0:
             raise ValueError("rollout.timeout_s and rollout.proxy_max_body_mb must be > 0")
+
+
+def _host_path(p) -> str:
+    """An agent_binds entry as an absolute path (relative: to the working directory where it exists there, else
+    to the project root, where the shipped recipes' harness installs live); the jail checks it exists."""
+    if not isinstance(p, str) or not p:
+        raise ValueError(f"rollout.agent_binds: {p!r} is not a path")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.abspath(p if os.path.isabs(p) or os.path.exists(p) else os.path.join(root, p))

@@ -67,7 +67,7 @@ def probe() -> str:
     """"" if bwrap runs a jail here (namespaces allowed: root, or unprivileged user namespaces), else why not."""
     exe = bwrap()
     if exe is None:
-        return "no bwrap (apt-get install bubblewrap)"
+        return "no bwrap on PATH"
     argv = [exe, *_base_root(), *UNSHARE_CODE, "--die-with-parent", "--as-pid-1", "--", _python(), "-I", "-c",
             "import os; print(os.getpid())"]
     try:
@@ -191,50 +191,227 @@ def code_argv(worker: str, python: str, tmp_bytes: int, seccomp: int | None, kee
     return [*args, "--", real, "-I", "/sandbox/worker.py"]
 
 
-HIDDEN = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+def require(cfg) -> None:
+    """A ValueError naming what to do where black-box agents cannot be jailed as rollout `cfg` asks."""
+    if cfg.agent_sandbox == "none":
+        return
+    why = probe()
+    if why:
+        raise ValueError(f"rollout.agent_sandbox=bwrap: black-box agents cannot be jailed here: {why}. Install "
+                         "bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; docs/sandbox.md), or set "
+                         "rollout.agent_sandbox=none to run them unjailed, as this user")
+    missing = [b for b in cfg.agent_binds if not os.path.exists(b)]
+    if missing:
+        raise ValueError(f"rollout.agent_binds: {missing[0]} does not exist")
+
+
+IN_JAIL = "/loongsage"             # where jail_init.py (and zygote.py) are bound, read-only
 HOME_IN_JAIL = "/tmp/home"
+HERE = os.path.dirname(os.path.abspath(__file__))
+# what an agent gets of the host's /etc: names, certificates, the linker's and the alternatives' links; no
+# secrets (shadow, ssh host keys, machine-id...)
+AGENT_ETC = ("passwd", "group", "hosts", "nsswitch.conf", "resolv.conf", "host.conf", "gai.conf", "ld.so.conf",
+             "ld.so.conf.d", "alternatives", "ssl", "ca-certificates", "ca-certificates.conf", "os-release",
+             "mime.types", "protocols", "services", "timezone")
 
 
-def agent_argv(argv: list[str], cwd: str, home: str | None, binds: tuple[str, ...], seccomp: int | None,
-               rw: tuple[str, ...] = (), also: tuple[str, ...] = ()) -> list[str]:
-    """bwrap around a black-box agent command (see the module docstring). `home`: a host directory bound
-    writable as the agent's HOME (/tmp/home), or None for an empty one; `binds`: more host paths, read-only;
-    `rw`: host directories bound writable at the same path (the zygote's socket directory); `also`: the
-    command line of what will run in it besides `argv` (the zygote's agent), whose files are bound too."""
-    real_home = os.path.expanduser("~")
-    hidden = [*HIDDEN, *([real_home] if real_home not in ("/", "") else [])]
-    args = [bwrap(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    for d in hidden:
-        if os.path.isdir(d) and not os.path.islink(d):
-            args += ["--tmpfs", d]
-    for p in _rebinds([*argv, *also], cwd, binds, hidden):
+def agent_argv(argv: list[str], port: int, ctl_fd: int, home: str | None, binds: tuple[str, ...], tmp_bytes: int,
+               seccomp: int | None) -> list[str]:
+    """bwrap + jail_init.py (which holds the proxy's port on the jail's loopback) + the agent's command."""
+    return [*_agent_jail(argv, home, binds, tmp_bytes, seccomp, zygote=False), _python(), "-I", "-S",
+            f"{IN_JAIL}/jail_init.py", str(port), str(ctl_fd), "--", *argv]
+
+
+def zygote_argv(argv: list[str], ctl_fd: int, seccomp: int | None, home: str | None, binds: tuple[str, ...],
+                tmp_bytes: int, modules: tuple[str, ...]) -> list[str]:
+    """bwrap + the zygote (stages/agentflow/zygote.py) that forks `argv`'s agents; it builds each agent's
+    namespaces itself, so it keeps CAP_SYS_ADMIN and CAP_NET_ADMIN in this jail and applies the seccomp
+    filter (read from the fd `seccomp`) to each agent."""
+    return [*_agent_jail(argv, home, binds, tmp_bytes, None, zygote=True), _python(), "-s", f"{IN_JAIL}/zygote.py",
+            str(ctl_fd), str(-1 if seccomp is None else seccomp), str(tmp_bytes), *modules]
+
+
+def _agent_jail(argv: list[str], home: str | None, binds: tuple[str, ...], tmp_bytes: int, seccomp: int | None,
+                zygote: bool) -> list[str]:
+    """An empty root with the system's programs and libraries (/usr, /lib*, part of /etc), the interpreter,
+    the command's own files and `binds`, read-only; a size-capped private /tmp and /dev/shm with a fresh HOME
+    (`home`, a host directory, bound writable there; for the zygote, read-only as the template each agent's
+    HOME is copied from); its own PID, network, IPC and UTS namespaces; no capabilities; the seccomp filter."""
+    args = [bwrap(), *_base_root()]
+    for name in AGENT_ETC:
+        if os.path.exists(f"/etc/{name}"):
+            args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+    for d in ("/tmp", "/dev/shm"):
+        args += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", d]
+    for p in agent_paths(argv, binds):
         args += ["--ro-bind", p, p]
-    for p in rw:
-        args += ["--bind", p, p]
-    args += ["--bind", home, HOME_IN_JAIL] if home else ["--dir", HOME_IN_JAIL]
-    args += ["--setenv", "HOME", HOME_IN_JAIL, "--setenv", "TMPDIR", "/tmp",
-             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-             "--die-with-parent", "--cap-drop", "ALL", "--chdir", cwd]
-    if seccomp is not None:
-        args += ["--seccomp", str(seccomp)]
-    return [*args, "--", *argv]
+    args += ["--ro-bind", os.path.join(HERE, "jail_init.py"), f"{IN_JAIL}/jail_init.py"]
+    if zygote:
+        args += ["--ro-bind", os.path.join(HERE, "zygote.py"), f"{IN_JAIL}/zygote.py"]
+        args += ["--ro-bind", home, f"{IN_JAIL}/home"] if home else []
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--chdir", "/"]
+    else:
+        args += ["--bind", home, HOME_IN_JAIL] if home else ["--dir", HOME_IN_JAIL]
+        args += ["--cap-drop", "ALL", "--chdir", HOME_IN_JAIL]
+        args += ["--seccomp", str(seccomp)] if seccomp is not None else []
+    return [*args, *UNSHARE_CODE, "--die-with-parent", "--setenv", "HOME", HOME_IN_JAIL, "--setenv", "TMPDIR",
+            "/tmp", "--"]
 
 
-def _rebinds(argv: list[str], cwd: str, binds: tuple[str, ...], hidden: list[str]) -> list[str]:
-    """What the command needs from under the hidden directories: its interpreter, the project, its files, cwd."""
-    want = [cwd, sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(_python())),
-            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),   # the project root
-            *[a for a in argv if os.path.isabs(a)], *os.environ.get("PYTHONPATH", "").split(os.pathsep),
-            *binds]
+def agent_paths(argv: list[str], binds: tuple[str, ...]) -> list[str]:
+    """The host paths an agent command needs, outermost only: the interpreter's prefixes, the directory of
+    each script or file on its command line, the executable's install (a node_modules tree as a whole),
+    and `binds`. Nothing else of the host's (its home, run directories, data sets) is in the jail."""
+    want = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(_python())), *binds]
+    for a in argv:
+        if os.path.isabs(a) and os.path.exists(a):
+            want.append(os.path.dirname(a) if os.path.isfile(a) else a)
     exe = shutil.which(argv[0]) if argv else None
-    if exe:
-        want += [exe, os.path.realpath(exe)]
+    for e in (exe, os.path.realpath(exe) if exe else None):
+        if e and not e.startswith("/usr/"):
+            parts = e.split(os.sep)
+            want.append(os.sep.join(parts[:parts.index("node_modules") + 1]) if "node_modules" in parts
+                        else os.path.dirname(e))
     out: list[str] = []
-    for p in want:
-        if not p or not os.path.exists(p):
-            continue
-        p = os.path.abspath(p)
-        under = any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden)
-        if (under or p in binds) and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
-            out = [q for q in out if not q.startswith(p.rstrip("/") + "/")] + [p]
+    for p in sorted({os.path.abspath(p) for p in want if p and os.path.exists(p)}, key=len):
+        if not p.startswith("/usr/") and p != "/usr" and not any(p == q or p.startswith(q + "/") for q in out):
+            out.append(p)
     return out
+
+
+class Cgroup:
+    """One jail's own cgroup: its processes (and threads) and memory bounded, and every process in it killed
+    at its end, wherever it went (setsid and double forks included). Made under the worker's own cgroup in
+    the v1 `pids` and `memory` hierarchies or in cgroup v2, where this user may write there (root; or a v2
+    cgroup delegated with both controllers enabled for its children); else `available()` says why not."""
+
+    _roots: dict[str, str] | None = None
+    _why = ""
+    _count = 0
+
+    def __init__(self, procs: int, memory_bytes: int):
+        Cgroup._count += 1
+        name = f"loongsage-{os.getpid()}-{Cgroup._count}"
+        self.dirs = [os.path.join(root, name) for root in self.roots().values()]
+        limits = {"pids.max": procs, "memory.max": memory_bytes, "memory.limit_in_bytes": memory_bytes,
+                  "memory.memsw.limit_in_bytes": memory_bytes}
+        for d in self.dirs:
+            os.mkdir(d, 0o700)
+            for f, v in limits.items():
+                if os.path.exists(os.path.join(d, f)):
+                    _write(os.path.join(d, f), v)
+
+    @classmethod
+    def roots(cls) -> dict[str, str]:
+        if cls._roots is None:
+            cls._roots, cls._why = _cgroup_roots()
+        return cls._roots
+
+    @classmethod
+    def available(cls) -> str:
+        """"" where jails get cgroups, else why not."""
+        cls.roots()
+        return cls._why
+
+    def procs_files(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def add(self, pid: int) -> None:
+        for f in self.procs_files():
+            _write(f, pid)
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed in it for want of memory (its limit)."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):     # v2, v1
+                try:
+                    for line in open(os.path.join(d, name)):
+                        if line.startswith("oom_kill "):
+                            return int(line.split()[1])
+                except OSError:
+                    pass
+        return 0
+
+    def close(self) -> None:
+        """Kill everything in it (a pids limit bounds the forks racing the kill), then remove it."""
+        import signal
+        import time
+
+        for _ in range(200):
+            pids = set()
+            for f in self.procs_files():
+                try:
+                    pids |= {int(x) for x in open(f).read().split()}
+                except OSError:
+                    pass
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.005)
+        for d in self.dirs:
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:         # EBUSY until the killed processes are reaped
+                    time.sleep(0.01)
+
+
+def _write(path: str, value) -> None:
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
+def _cgroup_roots() -> tuple[dict[str, str], str]:
+    """{controller: this process's cgroup directory} for pids and memory (v1: one hierarchy each; v2: one for
+    both), checked by making and removing a child; ({}, why) where that fails."""
+    mounts: dict[str, str] = {}
+    try:
+        for line in open("/proc/self/mountinfo"):
+            pre, _, post = line.partition(" - ")
+            fstype, _src, opts = (post.split() + ["", ""])[:3]
+            if fstype == "cgroup2":
+                mounts.setdefault("", pre.split()[4])
+            elif fstype == "cgroup":
+                for c in ("pids", "memory"):
+                    if c in opts.split(","):
+                        mounts[c] = pre.split()[4]
+        mine = {}
+        for line in open("/proc/self/cgroup"):
+            _n, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in ctrls.split(",") if ctrls else [""]:
+                mine[c] = path
+    except OSError as e:
+        return {}, f"cannot read this process's cgroups ({e})"
+    if "pids" in mounts and "memory" in mounts:
+        roots = {c: mounts[c] + mine.get(c, "/").rstrip("/") for c in ("pids", "memory")}
+    elif "" in mounts:
+        d = mounts[""] + mine.get("", "/").rstrip("/")
+        try:
+            enabled = open(os.path.join(d, "cgroup.subtree_control")).read().split()
+        except OSError:
+            enabled = []
+        if not {"pids", "memory"} <= set(enabled):
+            return {}, f"the cgroup v2 group {d} does not delegate pids and memory to its children"
+        roots = {"v2": d}
+    else:
+        return {}, "no cgroup hierarchy with the pids and memory controllers is mounted"
+    probe = {c: os.path.join(r, f"loongsage-probe-{os.getpid()}") for c, r in roots.items()}
+    try:
+        for p in probe.values():
+            os.mkdir(p)
+    except OSError as e:
+        return {}, f"cannot make a cgroup under {os.path.dirname(p)} ({e.strerror})"
+    finally:
+        for p in probe.values():
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
+    return roots, ""

@@ -62,6 +62,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -129,6 +130,11 @@ class Endpoint:
     api_key: str
     route: str
     session: Session
+    proxy: "Proxy"
+
+    async def connect(self) -> socket.socket:
+        """A connection to this endpoint alone (for an agent jail's forwarder: Proxy.attach)."""
+        return await self.proxy.attach(self.route)
 
 
 class Proxy:
@@ -146,6 +152,7 @@ class Proxy:
         self._opening: str | None = None
         self._sep: str | None = None            # what the template writes between content and a tool call
         self._runner: web.AppRunner | None = None
+        self._bound: dict[asyncio.Transport, str] = {}   # connections that serve one route only (attach)
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -180,13 +187,25 @@ class Proxy:
         self.sessions[route] = (key, session)
         self.stored[route] = OrderedDict()
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return Endpoint(f"http://{host}:{self.port}/t/{route}/v1", key, route, session)
+        return Endpoint(f"http://{host}:{self.port}/t/{route}/v1", key, route, session, self)
 
     def close(self, ep: Endpoint) -> None:
         """End a trajectory's endpoint: later calls get 404 and in-flight results are not recorded."""
         self.sessions.pop(ep.route, None)
         self.stored.pop(ep.route, None)
+        for t in [t for t, r in self._bound.items() if r == ep.route]:
+            del self._bound[t]
+            t.close()
         ep.session.close()
+
+    async def attach(self, route: str) -> socket.socket:
+        """One end of a new connection whose other end this server serves as bound to `route`: a request on it
+        for any other route is refused, so a key an agent jail learns is of no use from another jail."""
+        await self.start()
+        ours, theirs = socket.socketpair()
+        transport, _ = await asyncio.get_running_loop().connect_accepted_socket(self._runner.server, ours)
+        self._bound[transport] = route
+        return theirs
 
     # ---- request guard: path, key, route, error format ----------------------------------------
     @web.middleware
@@ -204,7 +223,8 @@ class Proxy:
                 raise APIError(401, f"missing API key: send {how}", code="invalid_api_key",
                                kind="authentication_error")
             entry = self.sessions.get(request.match_info["route"])
-            if entry is None:
+            if entry is None or self._bound.get(request.transport, request.match_info["route"]) != \
+                    request.match_info["route"]:
                 raise APIError(404, "unknown trajectory endpoint (it has ended, or never existed)",
                                code="unknown_route", kind="not_found_error")
             if not hmac.compare_digest(key.encode(), entry[0].encode()):
