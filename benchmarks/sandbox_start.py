@@ -9,10 +9,10 @@ issue 39), loaded from git; after = this tree's SandboxPool, a session (a jail) 
 Prints, per implementation: sandboxes started, ms of start per sandbox (spawn -> ready, wall), ms of
 start per trajectory (the sum of starts / trajectories), CPU ms per trajectory of all sandbox
 processes (their rusage, snippets included), the wall time of a step, and the mean wait of a
-trajectory's first call. Last, the start of a black-box agent process (`python -c pass`), unjailed and
-in its jail (stages/agentflow/jail.py agent_argv).
+trajectory's first call. Last, the start of a black-box agent process (`python -c pass`): unjailed, in the agent jail of
+commit --agents-before, and in this tree's, spawned and forked by the zygote (stages/agentflow/jail.py).
 
-    python benchmarks/sandbox_start.py [--steps 3] [--trajectories 64] [--before 93f8b01]
+    python benchmarks/sandbox_start.py [--steps 3] [--trajectories 64] [--before 93f8b01] [--agents-only]
 """
 from __future__ import annotations
 
@@ -114,7 +114,13 @@ def main() -> None:
     p.add_argument("--trajectories", type=int, default=64)
     p.add_argument("--model-s", type=float, default=0.2, help="the model turn before each snippet (a sleep)")
     p.add_argument("--before", default="93f8b01", help="the commit with the persistent pool")
+    p.add_argument("--agents-before", default="cc54a4c", help="the commit whose agent jail is compared")
+    p.add_argument("--agents-only", action="store_true", help="only the black-box agent start")
     args = p.parse_args()
+    if args.agents_only:
+        for row in agent_start_ms(args.agents_before):
+            print(row)
+        return
     args.workers_before = RECIPE["workers"]
     from stages.agentflow.sandbox import SandboxConfig, SandboxPool
 
@@ -126,29 +132,80 @@ def main() -> None:
     for row in (measure("before", old, step_before, args),
                 measure("after", SandboxPool(SandboxConfig(**RECIPE)), step_after, args)):
         print(row)
-    print({"impl": "black-box agent process start, median ms", **agent_start_ms()})
+    for row in agent_start_ms(args.agents_before):
+        print(row)
 
 
-def agent_start_ms(runs: int = 20) -> dict:
-    """A black-box agent process (`python -c pass`) started and waited for, unjailed and in its jail: median ms."""
-    from stages.agentflow.blackbox import make_jail
+def agent_start_ms(before: str, runs: int = 20) -> list[dict]:
+    """A black-box agent process (`python -c pass`) started and waited for, per trajectory: unjailed; in the agent
+    jail of commit `before` (the host's file system read-only, the host's network); in this tree's jail, spawned
+    (own root, network and cgroup, the forwarder) and forked by the zygote. Rounds alternate between them.
+    Median wall ms, and CPU ms of every process a start makes (the zygote's: its reaped children's)."""
+    from stages.agentflow.blackbox import Jail, Zygote, _end
+    from stages.agentflow.config import RolloutConfig
 
+    d = Path(tempfile.mkdtemp(prefix="jail-before-"))
+    (d / "jail.py").write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{before}:stages/agentflow/jail.py"],
+                                              capture_output=True, text=True, check=True).stdout)
+    spec = importlib.util.spec_from_file_location("jail_before", d / "jail.py")
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
     argv = [sys.executable, "-c", "pass"]
-    jail = make_jail("auto")
-    out = {}
-    for name, wrap in (("unjailed", None), ("jailed", jail)):
-        times = []
+    jail = Jail(RolloutConfig())
+
+    async def connect():
+        raise OSError("no proxy: the agent makes no call")
+
+    def children_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def zygote_cpu(z) -> float:
+        fields = Path(f"/proc/{z.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+    async def go():
+        z = Zygote(())
+        z.jail, z.agent_argv = jail, tuple(argv)
+        await z._start()
+
+        async def before_():
+            fd = old.seccomp_fd()
+            p = await asyncio.create_subprocess_exec(*old.agent_argv(argv, os.getcwd(), None, (), fd), pass_fds=(fd,))
+            os.close(fd)
+            await p.wait()
+
+        async def spawned():
+            p = await jail.spawn(argv, {}, 9, connect, None)
+            await p.wait()
+            _end(p)
+
+        async def forked():
+            p = await z.spawn(argv, {"HOME": "/tmp/home"}, 9, connect)
+            await p.wait()
+            _end(p)
+
+        async def unjailed():
+            await (await asyncio.create_subprocess_exec(*argv)).wait()
+
+        ways = {"unjailed": unjailed, f"jail of {before}": before_, "jail, spawned": spawned, "jail, forked": forked}
+        wall = {k: [] for k in ways}
+        cpu = {k: [] for k in ways}
         for _ in range(runs):
-            cmd, fds = (argv, ()) if wrap is None else wrap.wrap(argv, None)
-            t0 = time.perf_counter()
-            subprocess.run(cmd, pass_fds=fds, check=True)
-            times.append(time.perf_counter() - t0)
-            for fd in fds:
-                os.close(fd)
-        out[name] = round(1000 * statistics.median(times), 1)
-    if jail is not None:
+            for name, start in ways.items():
+                c0, z0, t0 = children_cpu(), zygote_cpu(z), time.perf_counter()
+                await start()
+                wall[name].append(time.perf_counter() - t0)
+                await asyncio.sleep(0.05)      # the zygote reaps the supervisor at its next request or now
+                cpu[name].append(children_cpu() - c0 + zygote_cpu(z) - z0)
+        await z.aclose()
+        return [{"impl": f"agent start: {k}", "wall_ms": round(1000 * statistics.median(wall[k]), 1),
+                 "cpu_ms": round(1000 * statistics.median(cpu[k]), 1)} for k in ways]
+
+    try:
+        return asyncio.run(go())
+    finally:
         jail.close()
-    return out
 
 
 def _old_start_ms(before) -> float:

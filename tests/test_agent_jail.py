@@ -193,7 +193,9 @@ def test_agents_get_no_secrets_and_no_answer(engine, tiny_model_dir, tmp_path, p
             except OSError:
                 pass
     sample = json.loads(os.environ["LOONGSAGE_SAMPLE"])
-    print(json.dumps({"env": sorted(os.environ), "passed": os.environ.get("LOONGSAGE_TEST_PASSED"),
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    print(json.dumps({"caps": status["CapEff"].strip(), "nnp": status["NoNewPrivs"].strip(),
+                      "seccomp": status["Seccomp"].strip(), "env": sorted(os.environ), "passed": os.environ.get("LOONGSAGE_TEST_PASSED"),
                       "secrets": [s for s in ("hf_secret", "aws_secret", "ans0w", "ans1w", "ans2w", "ans3w")
                                   if s.encode() in everything],
                       "sample": sorted(sample), "call": call()}))
@@ -206,6 +208,7 @@ def test_agents_get_no_secrets_and_no_answer(engine, tiny_model_dir, tmp_path, p
         assert set(r["env"]) - allowed <= {k for k in r["env"] if k.startswith("LC_")}, r["env"]
         assert r["passed"] == "passed-through" and r["secrets"] == [] and r["call"] == 200, r
         assert "answer" not in r["sample"] and "prompt" in r["sample"]
+        assert (r["caps"], r["nnp"], r["seccomp"]) == ("0000000000000000", "1", "2" if jail.seccomp_bpf() else "0")
 
 
 @needs_jail

@@ -2,14 +2,13 @@
 shortened. The warm-up script (examples/agents/warm_harness.py) captures the harness's real prompt in the agent
 jail and fine-tunes a few steps; then `python -m pipeline.cli run configs/agent_X.yaml` runs 2 training steps,
 every trajectory the real harness in its jail against the proxy. Checked: the run exits 0; both steps trained
-(rows with model tokens, the version advanced); every completed trajectory's reward is the task checker's
-(reported by the agent: finite, in [0, 1]); no request of any harness got an error status (the proxy notes
+(rows with model tokens, the version advanced); every completed trajectory's reward is reward.fn's grade of
+the report of what the harness left in answer.txt; no request of any harness got an error status (the proxy notes
 each one with the trajectory). Whether the recipes learn takes longer runs: benchmarks/harness_recipes.py.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
+from stages.reward import agent_answers
 
 pytestmark = pytest.mark.harness
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +53,9 @@ def test_recipe_warms_and_trains_two_steps_through_the_real_harness(tmp_path, re
     rows = pq.read_table(run_dir / "rollouts").to_pylist()
     done = [r for r in rows if r["status"] != "failed"]
     assert len(done) >= len(rows) // 2, [r["error"] for r in rows if r["status"] == "failed"]
-    for r in done:
-        info = json.loads(r["reward_info"])
-        assert info["source"] == "agent" and "harness_exit" in info, info      # the checker's, not a fallback
-        assert math.isfinite(r["reward"]) and 0.0 <= r["reward"] <= 1.0
+    for r in done:      # the report of what the harness left (it never saw the answer), graded outside the jail
+        report = json.loads(r["agent_info"])
+        assert "harness_exit" in report and len(report["answers"]) == 1, report
+        assert r["reward"] == agent_answers("", "", r["answer"], r) and r["agent_reward"] is None
     errors = [n for r in rows for n in (r["proxy_notes"] or []) if n.startswith("answered HTTP")]
     assert not errors, f"{harness}: error statuses {errors}"
