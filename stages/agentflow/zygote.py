@@ -222,6 +222,7 @@ def _trajectory(req: dict, fds: list[int], link: socket.socket, bpf: bytes, tmp_
         os.waitpid(forwarder, 0)
         link.send(json.dumps({"rc": jail_init.exit_code(status)}).encode())
     except BaseException as e:  # noqa: BLE001 - the worker fails the trajectory with this
+        traceback.print_exc()       # into the trajectory's stderr tail
         try:
             link.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
         except OSError:
