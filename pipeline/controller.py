@@ -618,20 +618,25 @@ class Controller:
 
     def _watch_engines(self, stop: threading.Event, known: dict[int, str]) -> None:
         """A restart is a new engine process: its incarnation id changed (not a cleared serving flag,
-        which an ordinary in-place landing clears too)."""
+        which an ordinary in-place landing clears too), or it awaits weights (restarted during start-up,
+        before start() asked its incarnation)."""
         from ray.exceptions import GetTimeoutError
 
         while not stop.wait(0.5):
             for i, e in enumerate(self.engines):
                 try:
-                    incarnation = ray.get(e.info.remote(), timeout=30).get("incarnation")
+                    info = ray.get(e.info.remote(), timeout=30)
                 except (RayActorError, ActorUnavailableError, GetTimeoutError):
                     continue                    # restarting (or gone for good): ask again next round
-                if incarnation == known.get(i):
+                incarnation = info.get("incarnation")
+                if incarnation == known.get(i) and not info.get("needs_sync"):
                     continue
                 with self._mesh_lock:
                     self.mesh.add_receiver(f"engine{i}", e)
-                    self.mesh.publish(self.version)
+                    if info["version"] < self.version:
+                        self.mesh.publish(self.version)
+                    else:       # restarted before the first update: the weights it loaded are the current ones
+                        ray.get(e.load_weights.remote({}, self.version), timeout=60)
                 known[i] = incarnation
                 self.engine_restarts += 1
                 self.log(f"engine{i} restarted: re-sent weights version {self.version}")

@@ -101,11 +101,14 @@ def test_sampling_settings_as_a_library_engine_takes_them():
     assert contract.sampling_of({"seed": 2 ** 63 - 1, "prefix_ids": [1]}).seed == 0
 
 
-def test_a_restarted_engine_waits_for_weights_then_says_why(monkeypatch):
-    monkeypatch.setattr(contract, "RESYNC_TIMEOUT_S", 0.05)
+def test_a_restarted_engine_waits_for_weights_then_says_it_restarts(monkeypatch):
+    from stages.agentflow.client import ENGINE_LOST, EngineRestarting
+
+    monkeypatch.setattr(contract, "RESTART_WAIT_S", 0.05)
     synced = threading.Event()
-    with pytest.raises(RuntimeError, match="engine3 restarted and was not re-sent the current weights"):
+    with pytest.raises(EngineRestarting, match="engine3 restarted and was not re-sent the current weights") as e:
         contract.wait_synced(synced, "engine3")
+    assert isinstance(e.value, ENGINE_LOST)        # a proxy caller gets 503 (529), a trajectory is re-run
     synced.set()
     contract.wait_synced(synced, "engine3")
     assert contract.reconstructed() is False        # not in an actor

@@ -10,7 +10,14 @@ import asyncio
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-ENGINE_LOST = (RayActorError, ActorUnavailableError)    # the engine process died or is restarting
+
+class EngineRestarting(RuntimeError):
+    """Raised by an engine Ray restarted that has not been re-sent the current weights yet (it reaches
+    the caller wrapped in a RayTaskError that is also an instance of this class)."""
+
+
+# the engine process died or is restarting: a trajectory is re-run, a proxy caller gets 503 (Anthropic: 529)
+ENGINE_LOST = (RayActorError, ActorUnavailableError, EngineRestarting)
 
 
 class EngineClient:

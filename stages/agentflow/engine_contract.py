@@ -15,8 +15,9 @@ methods of `RolloutEngine`; which engine answers is `rollout.engine`. What each 
 * `load_weights(named, version)` / `mesh(...)`: a version lands whole, between steps; rows in
   flight go on under it (their tokens carry both versions), `hold` rows finish first.
 * `needs_sync()`: True in a process Ray restarted, until the current weights are re-sent; until
-  then `generate` waits for them (RESYNC_TIMEOUT_S at most) instead of serving initial weights.
-* `info()` (engine_id, pid, host, version, incarnation: new in every process), `weight_version()`,
+  then `generate` waits for them (RESTART_WAIT_S at most, then EngineRestarting: a proxy caller gets
+  503, Anthropic 529) instead of serving initial weights.
+* `info()` (engine_id, pid, host, version, incarnation: new in every process, needs_sync), `weight_version()`,
   `weight_specs()` (the HF names, shapes and dtypes a published version carries: the mesh checks
   them), `pop_stats()` (since the last call: requests, tokens, busy_s, decode_steps,
   running_rows_mean/max, queue_wait_s_mean/max).
@@ -36,7 +37,10 @@ from typing import Protocol
 
 import torch
 
-RESYNC_TIMEOUT_S = 120.0
+from stages.agentflow.client import EngineRestarting
+
+RESYNC_TIMEOUT_S = 120.0      # a version that failed part-way in place waits for the next publish
+RESTART_WAIT_S = 10.0         # a restarted engine's calls wait this long for the weights, then fail as restarting
 # an engine's finish reason -> the row's status (vLLM's and SGLang's names are the same)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,17 +72,20 @@ def reconstructed() -> bool:
 
 
 def wait_synced(synced: threading.Event, engine_id: str) -> None:
-    """generate's first wait: a restarted engine serves only once the current weights are back."""
-    if not synced.wait(timeout=RESYNC_TIMEOUT_S):
-        raise RuntimeError(f"{engine_id} restarted and was not re-sent the current weights within "
-                           f"{RESYNC_TIMEOUT_S:.0f}s")
+    """generate's first wait: a restarted engine serves only once the current weights are back. The
+    controller's engine watch re-sends them within a second of the restart, or after the update in
+    hand; a caller waits for them a little, then is told the engine is restarting (it may retry)."""
+    if not synced.wait(timeout=RESTART_WAIT_S):
+        raise EngineRestarting(f"{engine_id} restarted and was not re-sent the current weights within "
+                               f"{RESTART_WAIT_S:.0f}s; retry")
 
 
 def identity(engine, /, **more) -> dict:
     """info()'s answer: who serves, where, which version, and the process's incarnation (new in every
-    process: the controller counts a restart when it changes)."""
+    process: the controller counts a restart when it changes) and whether it awaits the current weights
+    (a process restarted before the controller first asked its incarnation has nothing else to tell)."""
     return {"engine_id": engine.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-            "version": engine.version, "incarnation": engine.incarnation, **more}
+            "version": engine.version, "incarnation": engine.incarnation, "needs_sync": engine.needs_sync(), **more}
 
 
 class LibraryWeights:
