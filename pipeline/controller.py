@@ -260,7 +260,8 @@ class Controller:
         if getattr(self, "_reward_local", None) is not None:
             self._reward_local.close()          # its reward worker processes
         if getattr(self, "trainer", None) is not None and self.cfg.trainer.backend == "megatron":
-            ray.get(self.trainer.shutdown.remote())        # the leader stops its peer ranks
+            with contextlib.suppress(RayActorError):        # lost with its host: the peer ranks end with this driver
+                ray.get(self.trainer.shutdown.remote())     # the leader stops its peer ranks
         for h in getattr(self, "engines", []) + [getattr(self, "trainer", None), getattr(self, "gate", None)]:
             if h is not None:
                 ray.kill(h)
@@ -286,7 +287,11 @@ class Controller:
                 self.t_opened = time.time()
                 ray.get(self.gate.open.remote())      # held while an early stream's pools spawned
                 self._t_step = time.time()
-                self.loop.run()
+                try:
+                    self.loop.run()
+                except (RayActorError, TransferError):    # the trainer's host lost: stop as for any lost node
+                    if not self.nodes.trainer_lost(lambda: ray.get(self.trainer.info.remote(), timeout=5)):
+                        raise
                 self._wait_window()
                 return self._close_run(initial, signals)
         finally:

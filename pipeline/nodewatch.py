@@ -6,6 +6,10 @@ table once a second (one GCS call: cheap), and when a node that held engines or 
 dies it says which node and what ran there, then waits `run.node_wait_s` for the engines to
 be restarted elsewhere (the engine watch re-sends them the weights). If they are not back in
 time, or the trainer was there (its optimizer state went with it), it asks the run to stop.
+
+The table says a node died when Ray's head declares it: after 5 failed health checks 3 s apart, each
+failing at once when the host's processes are gone (~15 s) or after 10 s when nothing answers (a host
+cut off: 5 x (3 + 10) = 65 s). These are the head's settings (docs/scale-out.md).
 """
 from __future__ import annotations
 
@@ -56,6 +60,25 @@ class NodeWatch:
                 names.discard(name)
                 if not names:
                     self.log(f"every actor of lost node {node[:12]} is back: the run continues")
+
+    def trainer_lost(self, ping: Callable[[], object], wait_s: float = 90.0) -> bool:
+        """A call to the trainer failed: True once this watch has found the trainer's node lost. Until
+        Ray declares a host dead (above), calls to an actor there fail with ActorUnavailableError or
+        hang; then with ActorDiedError. False when `ping` (a call to the trainer) answers, when the
+        trainer died on a node that lives, or after `wait_s` (past Ray's 65 s for a host cut off)."""
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + wait_s
+        while "trainer" not in self.reason and time.monotonic() < deadline:
+            try:
+                ping()
+                return False                    # it answers: what failed was not its host
+            except (ActorUnavailableError, GetTimeoutError):
+                pass                            # its host not declared yet: ask again
+            except RayActorError:               # dead: the node table says within a poll whether its host is
+                deadline = min(deadline, time.monotonic() + 3.0)
+            time.sleep(0.5)
+        return "trainer" in self.reason
 
     def waiting_for(self) -> set[str]:
         return set().union(*(names for _, names in self.lost.values())) if self.lost else set()
