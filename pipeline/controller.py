@@ -835,22 +835,43 @@ def run(cfg: Config, run_dir: str | Path, rows: list[dict] | None = None, on_ste
 @contextlib.contextmanager
 def _interrupts(stop: threading.Event, announce: Callable[[int], None]):
     """SIGINT / SIGTERM end the run after the step in hand (the caller checkpoints); a second one
-    exits at once. Yields the signals received. Outside the main thread signals stay as they are."""
+    exits at once. Yields the signals received. Outside the main thread signals stay as they are.
+
+    The second is counted by a thread of its own, off the signal wakeup fd (a byte per signal): a
+    Python handler runs in the main thread between bytecodes, and the main thread sits in C calls
+    (ray.get looks for signals once a second, Ray's shutdown retries EINTR), where two signals make one
+    call of it. After a stop the count goes on through what follows (the checkpoint, Ray's shutdown in
+    the CLI), unless the caller had a SIGINT handler of its own: then everything is put back."""
     got: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield got
         return
 
     def handler(signum, _frame):
-        if got:
-            os._exit(128 + signum)       # the user insists: Ray's raylet reaps this driver's actors
         got.append(signum)
         stop.set()
         announce(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=_exit_on_second, args=(r,), name="second-signal", daemon=True).start()
     try:
         yield got
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+        if not (got and previous[signal.SIGINT] is signal.default_int_handler):
+            signal.set_wakeup_fd(wakeup)
+            os.close(w)             # the thread reads the end and stops
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _exit_on_second(fd: int) -> None:
+    seen = 0
+    while data := os.read(fd, 64):
+        for signum in data:
+            seen += signum in (signal.SIGINT, signal.SIGTERM)
+            if seen == 2:
+                os._exit(128 + signum)      # the user insists: Ray's raylet reaps this driver's actors
+    os.close(fd)

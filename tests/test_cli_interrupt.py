@@ -66,3 +66,34 @@ def test_sigint_checkpoints_and_the_printed_command_resumes(tiny_model_dir, tmp_
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
              if "train/loss" in json.loads(x)]
     assert steps == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.e2e
+def test_a_second_sigint_half_a_second_after_the_first_exits_at_once(tiny_model_dir, tmp_path):
+    """The second Ctrl-C used to be lost or late: when the first came while the main thread waited in
+    ray.get (it looks for signals once a second), both made one call of the handler and the second was
+    swallowed; when the run had already stopped, Ray's shutdown (a C call that retries EINTR) held the
+    KeyboardInterrupt off, which then said there was nothing to resume from. It ends the process now."""
+    run = tmp_path / "run"
+    args = [f"model.path={tiny_model_dir}", "run.steps=200", "eval.num_prompts=0", "rollout.num_engines=1",
+            "run.ray_num_cpus=2", "--run-dir", str(run)]
+    proc = subprocess.Popen(_cli(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        deadline = time.monotonic() + 240
+        while _steps_done(run) < 1 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None and _steps_done(run) >= 1
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        t = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - t
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and took < 1.5, (proc.returncode, took, out[-2000:])
+    assert "nothing to resume from" not in out, out[-2000:]     # not a KeyboardInterrupt once Ray's shutdown returned

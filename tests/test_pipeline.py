@@ -197,17 +197,22 @@ def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_d
     # Ctrl-C during step 2 (step 1's bookkeeping runs during step 2's update): step 2 finishes,
     # then a resumable checkpoint; the batch already taken for step 3 is not counted as trained
     logs = []
-    before = signal.getsignal(signal.SIGINT)     # SIG_IGN when pytest runs as a background job
+
+    def mine(*_):       # a caller's own handler (a notebook kernel's, an application's)
+        pass
+
+    before = signal.signal(signal.SIGINT, mine)
     first = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=4"]), tmp_path / "a",
                        log=logs.append, on_step=lambda m: m["step"] == 1 and os.kill(os.getpid(), signal.SIGINT))
     try:
         stopped = first.run()
+        assert signal.getsignal(signal.SIGINT) is mine        # the caller's handler is put back
     finally:
         first.stop()
+        signal.signal(signal.SIGINT, before)
     ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
     assert stopped["interrupted"] == "SIGINT" and stopped["steps"] == 2 and stopped["resume_from"] == str(ckpt)
     assert any("SIGINT" in x and "checkpoint" in x for x in logs), logs
-    assert signal.getsignal(signal.SIGINT) is before        # the handler that was there is put back
     second = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=4", f"run.resume_from={ckpt}"]),
                         tmp_path / "b", log=lambda *_: None)
     try:
