@@ -71,12 +71,13 @@ def tokens_per_s(engine, ids: list[list[int]], clients: int, seconds: float) -> 
 def land_seconds(engine, model: str, versions: int = 5) -> float:
     """Median wall time of mesh.publish(v): the trainer's snapshot, the copy, the engine's load."""
     import transfer
+    from stages.transfer_config import TransferConfig
     from stages.update.losses import AlgorithmConfig
     from stages.update.trainer import TorchTrainer, TrainerConfig
 
     trainer = ray.remote(TorchTrainer).options(num_cpus=0.1, max_concurrency=2).remote(
         model, TrainerConfig(num_threads=1), AlgorithmConfig())
-    mesh = transfer.TransferMesh(trainer, {"engine0": engine}, transfer.TransferConfig(transport="shm"))
+    mesh = transfer.TransferMesh(trainer, {"engine0": engine}, TransferConfig(transport="shm"))
     mesh.publish(1)     # the first sets up the links
     times = []
     for v in range(2, versions + 2):

@@ -78,7 +78,7 @@ print(json.dumps({"seconds": time.perf_counter() - t, "status": [o["status"] for
 def model_dir(where: Path) -> Path:
     """The 32k built-in's shape, written by this tree's make_qwen_model_dir (once)."""
     sys.path.insert(0, str(ROOT))
-    from stages.qwen_vocab import SHAPE_32K, make_qwen_model_dir
+    from stages.tasks.qwen_vocab import SHAPE_32K, make_qwen_model_dir
 
     if not (where / "model.safetensors").is_file():
         make_qwen_model_dir(where, **SHAPE_32K)

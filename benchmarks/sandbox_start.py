@@ -11,7 +11,7 @@ start per trajectory (the sum of starts / trajectories), CPU ms per trajectory o
 processes (their rusage, snippets included), the wall time of a step, and the mean wait of a
 trajectory's first call. Last, the start of a black-box agent process (a script that does nothing):
 unjailed, in the agent jail of commit --agents-before, and in this tree's, spawned and forked by the
-zygote (stages/agentflow/jail.py).
+zygote (stages/agentflow/sandbox/jail.py).
 
     python benchmarks/sandbox_start.py [--steps 3] [--trajectories 64] [--before 93f8b01] [--agents-only]
 """
@@ -123,7 +123,7 @@ def main() -> None:
             print(row)
         return
     args.workers_before = RECIPE["workers"]
-    from stages.agentflow.sandbox import SandboxConfig, SandboxPool
+    from stages.agentflow.sandbox.pool import SandboxConfig, SandboxPool
 
     before = load_before(args.before)
     old = before.SandboxPool(before.SandboxConfig(**RECIPE))
@@ -143,8 +143,8 @@ def agent_start_ms(before: str, runs: int = 30) -> list[dict]:
     spawned (own root, network and cgroup, the forwarder) and forked by the zygote. Rounds alternate between them.
     Wall ms from spawn to exit, median and 90th percentile (CPU is not read: rusage does not follow the
     processes of a PID namespace's init that exits first)."""
-    from stages.agentflow.blackbox import Jail, Zygote, _end
     from stages.agentflow.config import RolloutConfig
+    from stages.agentflow.sandbox.agent_jail import Jail, Zygote, end
 
     d = Path(tempfile.mkdtemp(prefix="jail-before-"))
     (d / "jail.py").write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{before}:stages/agentflow/jail.py"],
@@ -174,12 +174,12 @@ def agent_start_ms(before: str, runs: int = 30) -> list[dict]:
         async def spawned():
             p = await jail.spawn(argv, {}, 8999, connect, None)
             await p.wait()
-            _end(p)
+            end(p)
 
         async def forked():
             p = await z.spawn(argv, {"HOME": "/tmp/home"}, 8999, connect)
             await p.wait()
-            _end(p)
+            end(p)
 
         async def unjailed():
             await (await asyncio.create_subprocess_exec(*argv)).wait()

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 # subcommand -> (its module, the function that adds its parser), in the order -h lists them
 SUBCOMMANDS = {
     "make-teacher": ("stages.tasks.make_teacher", "add_subcommand"),   # tiny specialist teachers (OPD recipe)
-    "make-model": ("pipeline.make_model", "add_subcommand"),           # a tiny model on Qwen's vocabulary
+    "make-model": ("stages.tasks.make_model", "add_subcommand"),           # a tiny model on Qwen's vocabulary
     "export": ("pipeline.export", "register"),                         # a checkpoint as an HF model directory
     "plan": ("pipeline.plan", "add_subcommand"),                       # simulate a run on a cluster
     "config": ("pipeline.config_doc", "add_subcommand"),               # the config reference, --check RECIPE

@@ -20,20 +20,20 @@ from pathlib import Path
 import yaml
 
 from pipeline import seeds
-from pipeline.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
 from pipeline.placement_config import PlacementConfig
 from pipeline.replay_config import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.config import RolloutConfig
 from stages.agentflow.engine_config import SGLangConfig, VLLMConfig
 from stages.batcher_config import BatcherConfig
+from stages.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
 from stages.model_config import ModelConfig
 from stages.prompts_config import DataConfig
 from stages.reward_config import RewardConfig
 from stages.teacher.config import TeacherConfig
+from stages.transfer_config import TransferConfig
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.megatron.config import MegatronConfig
-from transfer.config import TransferConfig
 
 
 class ConfigError(ValueError):
@@ -306,7 +306,7 @@ def check_names(cfg: Config) -> None:
             elif path and not Path(path).exists():
                 raise ValueError(f"{name} {path!r}: no such file or directory")
         if cfg.rollout.agent.startswith("cmd:"):
-            from stages.agentflow.jail import require
+            from stages.agentflow.sandbox.jail import require
 
             require(cfg.rollout)
     except ValueError as e:

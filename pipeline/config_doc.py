@@ -1,4 +1,4 @@
-"""The config reference, generated from the schema (pipeline/keys.py fields of `Config`).
+"""The config reference, generated from the schema (stages/keys.py fields of `Config`).
 
     loongsage config [SECTION]                      every key: type, default, what it accepts, doc
     loongsage config --check RECIPE [key=value ...] validate a recipe, print the resolved config
@@ -15,7 +15,7 @@ import textwrap
 import types
 import typing
 
-from pipeline.keys import check_of, default_of, doc_of
+from stages.keys import check_of, default_of, doc_of
 
 REGENERATE = "python -m pipeline.config_doc > docs/config.md"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, key, one_of
+from stages.keys import NONNEG, POSITIVE, key, one_of
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.keys import key
+from stages.keys import key
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ STREAMS = {     # name -> what draws from it
     "eval": "the sampling seeds of held-out evaluation (pipeline/evaluate.py, pipeline/eval_agent.py)",
     "engine": "an engine's own stream, for requests without a seed (index: the engine's number)",
     "trainer": "the trainer's torch RNG (LoRA initialisation, dropout) and its mini-batch order",
-    "tool_service": "the local tool service's latency and error draws (stages/agentflow/tool_service.py)",
+    "tool_service": "the local tool service's latency and error draws (stages/agentflow/sandbox/tool_service.py)",
     "reward": "row['seed'] handed to a user reward function (stages/reward.py)",
 }
 _KEYS = {name: zlib.crc32(name.encode()) for name in STREAMS}

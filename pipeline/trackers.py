@@ -24,8 +24,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.keys import key, one_of
 from pipeline.metrics import MetricsWriter
+from stages.keys import key, one_of
 
 
 class TrackerError(ValueError):

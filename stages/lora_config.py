@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline.keys import POSITIVE, between, key, one_of
+from stages.keys import POSITIVE, between, key, one_of
 
 SERVE = ("merge", "peft")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

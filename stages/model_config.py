@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.keys import NONNEG, POSITIVE, between, key, one_of
+from stages.keys import NONNEG, POSITIVE, between, key, one_of
 
 DTYPES = ("float32", "bfloat16", "float16")     # stages/model.py maps each to its torch dtype
 
@@ -50,3 +50,16 @@ def validate_model_dir(path: str, check_tokenizer: bool = True, key: str = "mode
         from stages.tokenizer import load_tokenizer
 
         load_tokenizer(path)
+
+
+MIN_HEAD_DIM = 32       # vLLM's CPU attention takes head_dim 32, 64, 80, ...; SGLang's kernels 64 and up
+
+
+def attention_heads(hidden_size: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of a built-in model: 4 and 2 (grouped-query attention, as
+    Qwen2), fewer where 4 heads would be narrower than MIN_HEAD_DIM, so every engine can run it."""
+    if hidden_size % MIN_HEAD_DIM:
+        raise ValueError(f"hidden_size must be a multiple of {MIN_HEAD_DIM} (the narrowest attention head "
+                         f"every engine runs), got {hidden_size}")
+    heads = max(1, min(4, hidden_size // MIN_HEAD_DIM))
+    return heads, max(1, heads // 2)

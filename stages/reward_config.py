@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, at_least, key
+from stages.keys import NONNEG, POSITIVE, at_least, key
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Black-box agent jails (stages/agentflow/jail.py, blackbox.py, zygote.py): real bwrap jails, real agent
+"""Black-box agent jails (stages/agentflow/sandbox/jail.py, blackbox.py, zygote.py): real bwrap jails, real agent
 processes, the real proxy, through AgentFlowRollout.
 
 Each test is one way a trajectory's agent could reach what is not its own: another trajectory's key, result or
@@ -20,9 +20,9 @@ import time
 import pytest
 import ray
 
-from stages.agentflow import jail
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.agentflow.sandbox import jail
 from stages.schema import table_from_columns
 
 JAILS = not jail.probe()
@@ -195,7 +195,8 @@ def test_agents_get_no_secrets_and_no_answer(engine, tiny_model_dir, tmp_path, p
     sample = json.loads(os.environ["LOONGSAGE_SAMPLE"])
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
     print(json.dumps({"caps": status["CapEff"].strip(), "nnp": status["NoNewPrivs"].strip(),
-                      "seccomp": status["Seccomp"].strip(), "env": sorted(os.environ), "passed": os.environ.get("LOONGSAGE_TEST_PASSED"),
+                      "seccomp": status["Seccomp"].strip(), "env": sorted(os.environ),
+                      "passed": os.environ.get("LOONGSAGE_TEST_PASSED"),
                       "secrets": [s for s in ("hf_secret", "aws_secret", "ans0w", "ans1w", "ans2w", "ans3w")
                                   if s.encode() in everything],
                       "sample": sorted(sample), "call": call()}))

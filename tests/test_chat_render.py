@@ -8,7 +8,7 @@ import random
 import pytest
 
 from stages.agentflow.chat import FALLBACK_TEMPLATE, _backend, decode, encode, render
-from stages.model import build_char_tokenizer
+from stages.tasks.models import build_char_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds two numbers",
                                            "parameters": {"type": "object", "properties": {
@@ -34,7 +34,7 @@ def tok(request):
         t = build_char_tokenizer("0123456789+=<>/ abcdefghijklmnopqrstuvwxyz_{}\":,.\n")
         t.chat_template = FALLBACK_TEMPLATE
         return t
-    from stages.qwen_vocab import build_qwen_tokenizer
+    from stages.tasks.qwen_vocab import build_qwen_tokenizer
     return build_qwen_tokenizer()
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline import config_doc
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.keys import problem
+from stages.keys import problem
 
 ROOT = Path(__file__).resolve().parents[1]
 # numeric keys where any finite value is meaningful (a coefficient's sign, an optional bound)

@@ -349,12 +349,13 @@ def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model
 
     import transfer
     from stages.model import load_model
+    from stages.transfer_config import TransferConfig
 
     trainer = ray.remote(TorchTrainer).options(num_cpus=0.1, max_concurrency=2).remote(
         tiny_model_dir, TrainerConfig(num_threads=1, lr=1e-3), AlgorithmConfig())
     engine = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir, seed=3)
     mesh = transfer.TransferMesh(trainer, {"engine": engine},
-                                 transfer.TransferConfig(transport="shm", bucket_bytes=64 << 10,
+                                 TransferConfig(transport="shm", bucket_bytes=64 << 10,
                                                          adopt_min_bytes=0))
     first = mesh.publish(1)
     eng = HFEngine(tiny_model_dir)

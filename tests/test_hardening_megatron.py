@@ -29,7 +29,7 @@ VOCAB = 37
 def qwen2_dir(tmp_path_factory) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from stages.model import build_char_tokenizer
+    from stages.tasks.models import build_char_tokenizer
 
     torch.manual_seed(1)
     model = Qwen2ForCausalLM(Qwen2Config(

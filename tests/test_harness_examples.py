@@ -62,7 +62,7 @@ def tool_model(out: Path) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from stages.model import build_char_tokenizer
+    from stages.tasks.models import build_char_tokenizer
     from stages.tasks.sft import sft
 
     tok = build_char_tokenizer("0123456789+=" + "".join(sorted(set(CALL))))

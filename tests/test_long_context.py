@@ -136,7 +136,7 @@ def test_kv_cache_setting_is_checked_by_key(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def qwen_tok():
-    from stages.qwen_vocab import build_qwen_tokenizer
+    from stages.tasks.qwen_vocab import build_qwen_tokenizer
 
     return build_qwen_tokenizer()
 
@@ -160,7 +160,7 @@ def test_make_model_context_writes_it_and_the_limits_read_it(tmp_path, capsys):
 
 def test_builtin_32k_model_has_32k_positions_and_32_dim_heads(tmp_path, qwen_tok):
     from stages.model import ModelConfig, resolve_model_path
-    from stages.qwen_vocab import NAME_32K, qwen_tiny_32k_model_dir
+    from stages.tasks.qwen_vocab import NAME_32K, qwen_tiny_32k_model_dir
 
     path = qwen_tiny_32k_model_dir(str(tmp_path), log=lambda *_: None, tokenizer=qwen_tok)
     logged = []
@@ -200,7 +200,7 @@ def _peak_rss_during(fn) -> tuple[object, int]:
 def test_a_32k_prompt_and_a_19k_one_prefill_in_bounded_memory(tmp_path, qwen_tok):
     """Without the last-position head the 32k prefill alone would make a 20 GB logits tensor, and the
     two rows of different lengths a 3.5 GB padded attention mask."""
-    from stages.qwen_vocab import qwen_tiny_32k_model_dir
+    from stages.tasks.qwen_vocab import qwen_tiny_32k_model_dir
 
     eng = HFEngine(qwen_tiny_32k_model_dir(str(tmp_path), log=lambda *_: None, tokenizer=qwen_tok))
     g = torch.Generator().manual_seed(0)

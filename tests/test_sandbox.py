@@ -1,4 +1,4 @@
-"""The code sandbox (stages/agentflow/sandbox.py): real worker processes, real limits, one sandbox per trajectory.
+"""The code sandbox (stages/agentflow/sandbox/pool.py): real worker processes, real limits, one sandbox per trajectory.
 
 Each bad snippet -- a loop that never ends, a 10 GB allocation, a fork bomb, a write outside
 its directory, a stdout flood -- must come back as an error observation within its limit, the
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
-from stages.agentflow.sandbox import UID_BASE, UID_END, SandboxConfig, SandboxPool, probe_isolation
+from stages.agentflow.sandbox.pool import UID_BASE, UID_END, SandboxConfig, SandboxPool, probe_isolation
 from stages.agentflow.tools import ToolRegistry
 from stages.agentflow.workflows import SandboxAgent
 

@@ -9,9 +9,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stages.model import build_char_tokenizer, load_model
+from stages.model import load_model
 from stages.schema import table_from_columns
 from stages.tasks.make_teacher import SHARED_VOCAB, shared_tokenizer, tiny_qwen2
+from stages.tasks.models import build_char_tokenizer
 from stages.teacher import TeacherConfig, TeacherError, TeacherManager, TeacherScoring, check_teachers, teacher_metrics
 
 ROOT = Path(__file__).resolve().parent.parent

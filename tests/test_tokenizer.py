@@ -16,7 +16,7 @@ TEXTS = ["12+34=", "Hello  world\n<|im_start|> ünïcode 99", " leading space", 
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> str:
-    from stages.qwen_vocab import build_qwen_tokenizer, qwen_tiny_model_dir
+    from stages.tasks.qwen_vocab import build_qwen_tokenizer, qwen_tiny_model_dir
 
     return qwen_tiny_model_dir(str(tmp_path_factory.mktemp("qwen")), log=lambda *_: None,
                                tokenizer=build_qwen_tokenizer())

@@ -1,4 +1,4 @@
-"""The remote tool service (stages/agentflow/tool_service.py): a real HTTP server process.
+"""The remote tool service (stages/agentflow/sandbox/tool_service.py): a real HTTP server process.
 
 Its service times follow the configured lognormal (seeded), its waiting costs wall time and
 not CPU, and every way it can fail -- down, 500, too slow, unknown key -- reaches the agent as
@@ -14,7 +14,13 @@ import time
 
 import pytest
 
-from stages.agentflow.tool_service import Lognormal, ToolService, ToolServiceClient, ToolServiceConfig, ToolServiceError
+from stages.agentflow.sandbox.tool_service import (
+    Lognormal,
+    ToolService,
+    ToolServiceClient,
+    ToolServiceConfig,
+    ToolServiceError,
+)
 from stages.agentflow.tools import ToolFatalError, ToolRegistry
 
 
@@ -132,7 +138,7 @@ def _children(pid: int) -> list[int]:
 def test_remote_sandbox_runs_snippets_after_its_service_time_and_stops_clean():
     """POST /run: a hosted sandbox as an agent sees one -- the service's latency, then the snippet in
     a SandboxPool of the service's own, limits enforced there; stopping the service ends its workers."""
-    from stages.agentflow.sandbox import SandboxConfig
+    from stages.agentflow.sandbox.pool import SandboxConfig
 
     svc = ToolService(ToolServiceConfig(p50_s=0.05, p99_s=0.2, seed=3),
                       sandbox=SandboxConfig(workers=1, timeout_s=1.0, cpu_s=1.0))
@@ -174,7 +180,7 @@ def _alive(pid: int) -> bool:
 def test_run_needs_the_services_key_and_sessions_keep_trajectories_apart():
     """/run and /close answer 401 without the service's key (any local process can reach loopback); a session
     is one trajectory's sandbox: its state stays in it, another session sees none of it, /close ends it."""
-    from stages.agentflow.sandbox import SandboxConfig
+    from stages.agentflow.sandbox.pool import SandboxConfig
 
     svc = ToolService(ToolServiceConfig(p50_s=0.01, p99_s=0.02, seed=3), sandbox=SandboxConfig(workers=1))
     svc.start()
@@ -224,6 +230,6 @@ def test_service_with_a_sandbox_refuses_to_start_without_a_key():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "LOONGSAGE_TOOL_SERVICE_KEY"}
-    r = subprocess.run([sys.executable, "-m", "stages.agentflow.tool_service", "--sandbox-json", "{}"],
+    r = subprocess.run([sys.executable, "-m", "stages.agentflow.sandbox.tool_service", "--sandbox-json", "{}"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0 and "LOONGSAGE_TOOL_SERVICE_KEY" in r.stderr, r.stderr

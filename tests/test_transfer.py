@@ -21,6 +21,7 @@ import torch
 from ray.cluster_utils import Cluster
 
 import transfer
+from stages.transfer_config import TransferConfig
 from transfer import nccl
 from transfer.topology import Party
 
@@ -28,7 +29,7 @@ OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = 16 << 10          # small buckets: the toy model spans several, tensors straddle them
-CFG = transfer.TransferConfig(bucket_bytes=BUCKET, timeout_s=10.0)
+CFG = TransferConfig(bucket_bytes=BUCKET, timeout_s=10.0)
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 # The actor classes below live in this test module, which workers cannot import by name.
@@ -324,9 +325,9 @@ def test_board_reports_reader_progress_and_gives_up_at_the_deadline(tmp_path):
 
 def test_config_rejects_unknown_transport_and_unaligned_buckets():
     with pytest.raises(ValueError, match="valid: auto, inproc"):
-        transfer.TransferConfig(transport="rdma")
+        TransferConfig(transport="rdma")
     with pytest.raises(ValueError, match="multiple of 4096"):
-        transfer.TransferConfig(bucket_bytes=1000)
+        TransferConfig(bucket_bytes=1000)
 
 
 def _party(name, node="n1", pid=1, device="cpu", uuid=""):
@@ -411,7 +412,7 @@ def test_routes_follow_the_topology(actors):
     table = mesh.topology_table()
     assert all(name in table for name in ("sender", "self", "local", "remote", "inproc"))
     forced = transfer.TransferMesh(t, {"local": actors["local"], "remote": actors["remote"]},
-                                   transfer.TransferConfig(transport="shm"))
+                                   TransferConfig(transport="shm"))
     with pytest.raises(transfer.TransferError, match="'remote' via shm"):
         forced.plan()
 
@@ -422,7 +423,7 @@ def test_the_nccl_route_through_ray_stops_at_the_cuda_boundary_with_a_clear_erro
     nccl link address through Ray (the handshake the sender's prepare makes) takes it, and then fails
     where it would join the communicator: the error names it, the transport and what is missing."""
     t, remote = actors["trainer"], actors["remote"]
-    forced = transfer.TransferMesh(t, {"remote": remote}, transfer.TransferConfig(transport="nccl"))
+    forced = transfer.TransferMesh(t, {"remote": remote}, TransferConfig(transport="nccl"))
     with pytest.raises(transfer.TransferError, match=r"sender and receiver cannot run nccl: it needs a CUDA device "
                                                      r"and CuPy with NCCL \(pip install 'loongsage\[cupy\]'\)"):
         forced.plan()
@@ -470,7 +471,7 @@ def test_each_cpu_transport_is_bit_exact(actors, transport, names):
     t = actors["trainer"]
     handles = {"self": t, **{n: a for n, a in actors.items() if n != "trainer"}}
     mesh = transfer.TransferMesh(t, {n: handles[n] for n in names},
-                                 transfer.TransferConfig(transport=transport,
+                                 TransferConfig(transport=transport,
                                                          bucket_bytes=BUCKET, timeout_s=10))
     assert {r.transport for r in mesh.plan().values()} == {transport}
     ray.get(t.step.remote())
@@ -548,7 +549,7 @@ def test_receiver_dying_mid_transfer_fails_within_the_timeout(actors):
     t, remote = actors["trainer"], actors["remote"]
     dying = RemoteEngine.options(**on("node_b")).remote(seed=5, receiver_cls=DiesAtBucket,
                                                           die_at=1)
-    cfg = transfer.TransferConfig(bucket_bytes=BUCKET, timeout_s=4.0)
+    cfg = TransferConfig(bucket_bytes=BUCKET, timeout_s=4.0)
     mesh = transfer.TransferMesh(t, {"dying": dying, "remote": remote}, cfg)
     assert {r.transport for r in mesh.plan().values()} == {"gloo"}
     ray.get(t.step.remote())

@@ -26,6 +26,7 @@ import ray  # noqa: E402
 import transfer  # noqa: E402
 from stages.agentflow.limits import model_limits  # noqa: E402
 from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
+from stages.transfer_config import TransferConfig  # noqa: E402
 from stages.update.losses import AlgorithmConfig  # noqa: E402
 from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch  # noqa: E402
 from tests.engine_contract import check_generation, check_refusals, check_resume  # noqa: E402
@@ -105,7 +106,7 @@ def test_a_version_lands_in_place_as_a_fresh_engine_would_serve_it(engine, tok, 
     trainer = ray.remote(TorchTrainer).options(num_cpus=0.1, max_concurrency=2).remote(
         tiny_model_dir, TrainerConfig(num_threads=1, lr=3e-3), AlgorithmConfig())
     mesh = transfer.TransferMesh(trainer, {"engine0": engine},
-                                 transfer.TransferConfig(transport="shm", bucket_bytes=256 << 10))
+                                 TransferConfig(transport="shm", bucket_bytes=256 << 10))
     assert mesh.plan()["engine0"].transport == "shm"
     requests = reqs(tok, PROMPTS * 2)
     greedy = reqs(tok, temperature=0.0)
@@ -191,7 +192,7 @@ def test_an_engine_killed_mid_run_is_restored_with_the_current_weights(ray_sessi
     e = remote_engine(tiny_model_dir, max_restarts=1)
     trainer = ray.remote(TorchTrainer).options(num_cpus=0.1, max_concurrency=2).remote(
         tiny_model_dir, TrainerConfig(num_threads=1), AlgorithmConfig())
-    mesh = transfer.TransferMesh(trainer, {"engine0": e}, transfer.TransferConfig(transport="shm"))
+    mesh = transfer.TransferMesh(trainer, {"engine0": e}, TransferConfig(transport="shm"))
     mesh.publish(3)
     first = ray.get(e.info.remote())
     ref = e.generate.remote(long_requests(tok, 64))

@@ -17,6 +17,7 @@ import transfer  # noqa: E402
 from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
 from stages.lora import LoraConfig  # noqa: E402
 from stages.model import load_tokenizer  # noqa: E402
+from stages.transfer_config import TransferConfig  # noqa: E402
 from stages.update.losses import AlgorithmConfig  # noqa: E402
 from stages.update.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 
@@ -43,7 +44,7 @@ def test_lora_versions_are_served_as_adapters_that_rows_keep(ray_session, tiny_m
         tiny_model_dir, cfg, AlgorithmConfig())
     engine = ray.remote(VLLMEngine).options(num_cpus=0.1, max_concurrency=16).remote(
         tiny_model_dir, "float32", 0, 1, "engine0", VLLMConfig(kv_cache_mb=64), LORA)
-    mesh = transfer.TransferMesh(trainer, {"engine0": engine}, transfer.TransferConfig(transport="shm"))
+    mesh = transfer.TransferMesh(trainer, {"engine0": engine}, TransferConfig(transport="shm"))
     reqs = _reqs(tok)
     base = outs = ray.get(engine.generate.remote(reqs))
     assert {v for o in outs for v in o["versions"]} == {0}

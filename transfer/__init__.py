@@ -2,14 +2,14 @@
 the engines (see mesh.py for the driver side, endpoints.py for the actor side, and one
 module per transport: inproc, shm, gloo, zmq_stream, cuda_ipc, nccl).
 
-The names below are loaded on first use (PEP 562), so reading a recipe's `transfer:` section
-(transfer/config.py) does not import torch and Ray with the mesh.
+The names below are loaded on first use (PEP 562), so importing the package imports neither torch nor
+Ray. The recipe's `transfer:` section is stages/transfer_config.py: this package reads it, imports none.
 """
 from __future__ import annotations
 
 import importlib
 
-_WHERE = {"TRANSPORTS": "config", "TransferConfig": "config", "Receiver": "endpoints", "Sender": "endpoints",
+_WHERE = {"TRANSPORTS": "config", "Receiver": "endpoints", "Sender": "endpoints",
           "WeightTarget": "endpoints", "TransferError": "errors", "Layout": "layout", "checksum": "layout",
           "TransferMesh": "mesh", "Route": "routes", "plan_route": "routes", "Party": "topology",
           "format_table": "topology"}

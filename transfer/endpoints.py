@@ -20,7 +20,6 @@ from typing import Callable, Mapping, Protocol
 
 import torch
 
-from .config import TransferConfig
 from .errors import TransferError
 from .layout import Layout, as_bytes, checksum, unpack_bucket
 from .links import recv_link, send_link
@@ -93,7 +92,7 @@ class Sender:
         return self._party
 
     def prepare(self, mesh_id: str, version: int, plan: dict[str, list[str]],
-                cfg: TransferConfig, reset: tuple[str, ...] = ()) -> tuple[Layout, dict]:
+                cfg, reset: tuple[str, ...] = ()) -> tuple[Layout, dict]:
         """Snapshot the weights as `version`, size the staging, open a link per transport
         in `plan` (transport -> receiver names) and return the layout plus each link's
         address. Links named in `reset`, or whose receivers changed, are rebuilt."""
@@ -207,7 +206,7 @@ class Receiver:
         return self._party, self.target.weight_specs(), _version(self.target)
 
     def receive(self, mesh_id: str, name: str, version: int, layout: Layout, transport: str,
-                address: dict, cfg: TransferConfig) -> dict[str, float]:
+                address: dict, cfg) -> dict[str, float]:
         """Land `version` over `transport`, verify it, load it. Returns timings."""
         specs = self.target.weight_specs()
         wrong = layout.mismatches(specs)

@@ -21,7 +21,6 @@ from typing import Mapping
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from .config import TransferConfig
 from .endpoints import SENDER_KEY
 from .errors import TransferError
 from .routes import Route, plan_route
@@ -30,7 +29,7 @@ from .topology import Party, format_table
 
 class TransferMesh:
     def __init__(self, sender, receivers: Mapping[str, object],
-                 cfg: TransferConfig = TransferConfig()):  # noqa: B008 - frozen, immutable default
+                 cfg):   # the recipe's transfer section (stages/transfer_config.TransferConfig)
         self.sender = sender
         self.receivers = dict(receivers)
         self.cfg = cfg

@@ -25,7 +25,7 @@ import pyarrow as pa
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[0] = ROOT     # the repository first; not this folder (benchmarks/transfer.py names the package)
+sys.path[0] = ROOT     # the repository first; not this folder
 
 
 def step_table(vocab: int, rows: int, prompt_len: int, resp_len: int, seed: int = 0) -> pa.Table:

@@ -31,6 +31,7 @@ sys.path.insert(1, os.path.join(ROOT, "benchmarks", "gpu"))
 from transfer_check import GpuEngine, GpuTrainer, d2d_gbps, parse_size  # noqa: E402
 
 import transfer  # noqa: E402
+from stages.transfer_config import TransferConfig  # noqa: E402
 
 
 class GroupTrainer(GpuTrainer):
@@ -57,7 +58,7 @@ class GroupTrainer(GpuTrainer):
         from transfer.nccl import NcclSend
         from transfer.staging import Snapshot
 
-        cfg = transfer.TransferConfig(bucket_bytes=bucket_bytes, timeout_s=60)
+        cfg = TransferConfig(bucket_bytes=bucket_bytes, timeout_s=60)
         party = self.mesh_endpoint.describe_sender()
         link = NcclSend("one-rank", [], cfg, party, None)
         layout = Layout.of(self.state, bucket_bytes)
@@ -69,7 +70,7 @@ class GroupTrainer(GpuTrainer):
     def address(self, receivers: list[str]) -> dict:
         from transfer.nccl import NcclSend
 
-        cfg = transfer.TransferConfig(timeout_s=60)
+        cfg = TransferConfig(timeout_s=60)
         link = NcclSend("handshake", receivers, cfg, self.mesh_endpoint.describe_sender(), None)
         return link.prepare(None)
 
@@ -128,7 +129,7 @@ def main() -> int:
         trainer = ray.remote(**opts)(GroupTrainer).remote(nbytes)
         engine = ray.remote(**opts)(GpuEngine).remote(nbytes)
         mesh = transfer.TransferMesh(trainer, {"engine": engine},
-                                     transfer.TransferConfig(bucket_bytes=args.bucket_bytes, timeout_s=120))
+                                     TransferConfig(bucket_bytes=args.bucket_bytes, timeout_s=120))
         route = mesh.plan()["engine"]
         best = float("inf")
         for _ in range(args.repeats + 1):          # the first publish forms the communicator

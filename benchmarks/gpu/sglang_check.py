@@ -31,7 +31,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[0] = ROOT     # the repository first; not this folder (benchmarks/transfer.py names the package)
+sys.path[0] = ROOT     # the repository first; not this folder
 
 
 class GpuPolicy:
@@ -90,7 +90,8 @@ def main() -> int:
     from stages.agentflow.limits import model_limits
     from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine
     from stages.model import ModelConfig, load_tokenizer, resolve_model_path
-    from transfer import TransferConfig, TransferMesh
+    from stages.transfer_config import TransferConfig
+    from transfer import TransferMesh
 
     path = args.model or resolve_model_path(ModelConfig(hidden_size=256, num_layers=4, warmup_steps=200,
                                                         cache_dir=os.path.join(tempfile.gettempdir(), "ls-models")))

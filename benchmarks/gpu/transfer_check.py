@@ -19,8 +19,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[0] = ROOT     # the repository first; not this folder (benchmarks/transfer.py names the package)
+sys.path[0] = ROOT     # the repository first; not this folder
 import transfer  # noqa: E402
+from stages.transfer_config import TransferConfig  # noqa: E402
 from transfer.layout import as_bytes  # noqa: E402
 
 TENSOR_BYTES = 64 << 20
@@ -85,7 +86,7 @@ def check_route(ray, route: str, gpus_each: float, nbytes: int, args, versions) 
     opts = dict(num_cpus=0.1, max_concurrency=4, num_gpus=gpus_each)
     trainer = ray.remote(**opts)(GpuTrainer).remote(nbytes)
     engine = ray.remote(**opts)(GpuEngine).remote(nbytes)
-    cfg = transfer.TransferConfig(bucket_bytes=args.bucket_bytes, timeout_s=120)
+    cfg = TransferConfig(bucket_bytes=args.bucket_bytes, timeout_s=120)
     mesh = transfer.TransferMesh(trainer, {"engine": engine}, cfg)
     planned = mesh.plan()["engine"]
     print(mesh.topology_table())

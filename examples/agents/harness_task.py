@@ -15,7 +15,7 @@ the Bash tool), makes a fresh working directory ($HOME/work), runs the harness t
 shell tool runs in that directory), then reports what `answer.txt` there holds, as the last stdout
 line ({"answers": [...]}, with the harness's exit status and output tail). It never sees the answer:
 the recipe's reward.fn, `agent_answers`, grades the report (1 if it is exactly the answer). In a
-rollout the whole process runs in the agent jail (rollout.agent_sandbox, stages/agentflow/jail.py):
+rollout the whole process runs in the agent jail (rollout.agent_sandbox, stages/agentflow/sandbox/jail.py):
 HOME is a private /tmp/home, and the jail holds the system's programs, the interpreter, this
 directory and the harness installs (`rollout.agent_binds: [.cache/harness]`), nothing else of the
 host's, so the harness's commands can change nothing but its own /tmp.
@@ -35,7 +35,7 @@ BIN = ROOT / ".cache" / "harness" / "node_modules" / ".bin"    # tests/harness/i
 ANSWER_FILE = "answer.txt"
 MAX_OUT = 64            # the completion budget each harness asks for (the rollout clamps it anyway)
 TIMEOUT_S = 240
-JAIL_HOME = "/tmp/home"  # HOME in the agent jail (stages/agentflow/jail.py): private, fresh per trajectory
+JAIL_HOME = "/tmp/home"  # HOME in the agent jail (stages/agentflow/sandbox/jail.py): private, fresh per trajectory
 
 
 INSTRUCTIONS = ("You are a coding agent working in the current directory. Use the shell tool to run commands; when "

@@ -68,9 +68,10 @@ def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
 
 
 async def _run_until_first_call(srv, name: str, sample: dict, wait_s: float) -> None:
-    from stages.agentflow import jail
-    from stages.agentflow.blackbox import Jail, _end, agent_env
+    from stages.agentflow.blackbox import agent_env
     from stages.agentflow.config import RolloutConfig
+    from stages.agentflow.sandbox import jail
+    from stages.agentflow.sandbox.agent_jail import Jail, end
 
     argv = [sys.executable, str(ROOT / "examples" / "agents" / "harness_task.py"), name]
     env = agent_env(srv.base_url, srv.key, sample)
@@ -89,7 +90,7 @@ async def _run_until_first_call(srv, name: str, sample: dict, wait_s: float) -> 
     while len(srv.engine.calls) == first and proc.returncode is None and time.time() < deadline:
         await asyncio.sleep(0.2)
     await asyncio.sleep(wait_s)     # a side call (opencode's title) may come first
-    _end(proc)
+    end(proc)
     await proc.wait()
 
 

@@ -27,7 +27,7 @@ A leading `python`/`python3` in the command means this interpreter (sys.executab
 relative script path is looked up in the working directory, then in the project root, so the
 shipped examples run from anywhere.
 
-Jail (`rollout.agent_sandbox: bwrap`, the default; stages/agentflow/jail.py): each agent runs in a
+Jail (`rollout.agent_sandbox: bwrap`, the default; stages/agentflow/sandbox/jail.py): each agent runs in a
 bubblewrap jail of its own, with the system's programs and libraries and its own files only (no
 home directories, run directories, data sets or checkpoints), a fresh HOME and size-capped /tmp,
 its own PID, network, IPC and UTS namespaces (its network is loopback alone, on which
@@ -37,7 +37,7 @@ start; `agent_sandbox: none` runs them unjailed as the worker's user, on the pro
 
 `rollout.agent_preload: [anthropic]` (a `python SCRIPT.py ...` command only): the worker starts
 one zygote per worker that imports those modules once and forks each trajectory's process from
-it (stages/agentflow/zygote.py), so an agent does not pay its SDK import per trajectory
+it (stages/agentflow/sandbox/zygote.py), so an agent does not pay its SDK import per trajectory
 (`import anthropic` is ~2.5 s of CPU on a 2-core machine). A forked agent gets namespaces, /tmp,
 HOME, cgroup and seccomp filter of its own, as a spawned one does.
 
@@ -57,14 +57,12 @@ import math
 import os
 import shlex
 import shutil
-import signal
-import socket
 import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from stages.agentflow import jail
+from stages.agentflow.sandbox import jail
+from stages.agentflow.sandbox.agent_jail import Jail, Zygote, end, make_jail
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TAIL_BYTES = 4096
@@ -162,246 +160,6 @@ class _Tail:
         return self.data.decode(errors="replace")
 
 
-class Link:
-    """The worker's end of one jail's control socket (stages/agentflow/jail_init.py, zygote.py): a connected
-    socket to the trajectory's proxy endpoint per request; from a forked agent's supervisor, its pid (the
-    kernel's credentials on its first message, in this process's PID namespace) and its exit status."""
-
-    def __init__(self, connect):
-        self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.ours.setblocking(False)
-        self._fd = self.ours.fileno()
-        self.connect = connect
-        loop = asyncio.get_running_loop()
-        self.pid, self.result = loop.create_future(), loop.create_future()
-        self._task = asyncio.ensure_future(self._serve())
-
-    async def _recv(self) -> tuple[bytes, int]:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                msg, anc, _flags, _addr = self.ours.recvmsg(MAX_REPLY, socket.CMSG_SPACE(12))
-                creds = [d for lvl, typ, d in anc if lvl == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS]
-                return msg, int.from_bytes(creds[0][:4], sys.byteorder) if creds else 0
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_reader(self._fd, _set, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(self._fd)
-
-    async def _serve(self) -> None:
-        try:
-            while msg_pid := await self._recv():
-                msg, pid = msg_pid
-                if not msg:
-                    break
-                if msg == b"c":
-                    conn = await self.connect()
-                    try:
-                        socket.send_fds(self.ours, [b"c"], [conn.fileno()])
-                    finally:
-                        conn.close()
-                elif msg == b"ready" and not self.pid.done():
-                    self.pid.set_result(pid)
-                elif not self.result.done():
-                    self.result.set_result(json.loads(msg))
-                    if not self.pid.done():     # it ended before it started: the error is in the result
-                        self.pid.set_result(0)
-        except (OSError, ValueError) as e:
-            log.warning("agent jail link: %s", e)
-        finally:
-            for f in (self.pid, self.result):
-                if not f.done():
-                    f.set_result({"rc": 128 + signal.SIGKILL} if f is self.result else 0)
-
-    def close(self) -> None:
-        self._task.cancel()
-        if self.ours.fileno() >= 0:
-            asyncio.get_running_loop().remove_reader(self._fd)
-        self.ours.close()
-        self.theirs.close()
-
-
-MAX_REPLY = 1 << 16
-
-
-def _set(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class Jail:
-    """How each trajectory's agent is jailed (stages/agentflow/jail.py): limits, HOME, binds, cgroups."""
-
-    def __init__(self, cfg):
-        self.home_template, self.binds = cfg.agent_home, tuple(cfg.agent_binds)
-        self.tmp_bytes, self.procs = cfg.agent_tmp_mb << 20, cfg.agent_procs
-        self.memory_bytes = cfg.agent_memory_mb << 20
-        self.cgroups = not jail.Cgroup.available()
-        self._root = tempfile.mkdtemp(prefix="loongsage-agent-homes-")    # 0700: only this user reads it
-
-    def home(self) -> str | None:
-        """A fresh HOME for one trajectory (a copy of the template), or None for an empty one in the jail."""
-        if not self.home_template:
-            return None
-        d = tempfile.mkdtemp(dir=self._root)
-        shutil.copytree(self.home_template, d, dirs_exist_ok=True, symlinks=True)
-        return d
-
-    def cgroup(self) -> jail.Cgroup | None:
-        return jail.Cgroup(self.procs, self.memory_bytes) if self.cgroups else None
-
-    async def spawn(self, argv: list[str], env: dict[str, str], port: int, connect, home: str | None):
-        """The agent in a jail of its own: an asyncio Process (its `cgroup` and `link` attached)."""
-        link, cg, fd = Link(connect), self.cgroup(), jail.seccomp_fd()
-        cmd = jail.agent_argv(argv, port, link.theirs.fileno(), home, self.binds, self.tmp_bytes, fd)
-        if cg is not None:   # join the cgroup before bwrap forks anything: all the jail's processes are in it
-            cmd = ["/bin/sh", "-c", 'while [ "$1" != -- ]; do echo $$ >"$1" || exit 126; shift; done; shift; '
-                   'exec "$@"', "sh", *cg.procs_files(), "--", *cmd]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                pass_fds=(link.theirs.fileno(), *(() if fd is None else (fd,))))
-        except BaseException:
-            link.close()
-            if cg is not None:
-                cg.close()
-            raise
-        finally:
-            if fd is not None:
-                os.close(fd)
-        link.theirs.close()
-        proc.link, proc.cgroup = link, cg
-        return proc
-
-    def close(self) -> None:
-        shutil.rmtree(self._root, ignore_errors=True)
-
-
-class Zygote:
-    """The worker's side of stages/agentflow/zygote.py: start it once, fork agent processes from it."""
-
-    def __init__(self, modules: tuple[str, ...]):
-        self.modules = tuple(modules)
-        self.proc = None
-        self.ctl: socket.socket | None = None
-        self._lock: asyncio.Lock | None = None
-        self.jail: Jail | None = None           # set by SubprocessAgent.configure: the zygote runs in it
-        self.env_names: tuple[str, ...] = ()    # rollout.agent_env: what it imports may read them
-        self.agent_argv: tuple[str, ...] = ()   # the command it forks (its script is bound into the jail)
-
-    async def _start(self) -> None:
-        self._lock = self._lock or asyncio.Lock()
-        async with self._lock:
-            if self.proc is not None and self.proc.returncode is None:
-                return
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            fd = jail.seccomp_fd()
-            j = self.jail
-            argv = jail.zygote_argv(list(self.agent_argv), theirs.fileno(), fd, j.home_template or None, j.binds,
-                                    j.tmp_bytes, self.modules)
-            try:
-                self.proc = await asyncio.create_subprocess_exec(
-                    *argv, env=base_env(self.env_names), stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    pass_fds=(theirs.fileno(), *(() if fd is None else (fd,))))
-            finally:
-                theirs.close()
-                if fd is not None:
-                    os.close(fd)
-            line = await self.proc.stdout.readline()
-            if line.strip() != b"ready":
-                err = (await self.proc.stderr.read()).decode(errors="replace").strip()
-                await self.proc.wait()
-                self.proc = None
-                ours.close()
-                raise ValueError(err or f"the agent zygote exited ({self.modules}) before it was ready")
-            ours.setblocking(False)
-            self.ctl = ours
-
-    async def spawn(self, argv: list[str], env: dict[str, str], port: int, connect) -> "ForkedProcess":
-        await self._start()
-        loop = asyncio.get_running_loop()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        link, cg = Link(connect), self.jail.cgroup()
-        try:
-            req = json.dumps({"argv": argv, "env": env, "port": port}).encode()
-            socket.send_fds(self.ctl, [req], [null, out_w, err_w, link.theirs.fileno()])
-            pid = await asyncio.wait_for(link.pid, timeout=60)
-            if not pid:
-                raise RuntimeError(f"the agent zygote did not start the agent: {link.result.result()}")
-            if cg is not None:
-                cg.add(pid)
-            await loop.sock_sendall(link.ours, b"go")
-        except BaseException:
-            link.close()
-            if cg is not None:
-                cg.close()
-            for fd in (out_r, err_r):
-                os.close(fd)
-            raise
-        finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-            link.theirs.close()
-        return ForkedProcess(pid, link, cg, await _reader(out_r), await _reader(err_r))
-
-    async def aclose(self) -> None:
-        """Stop the zygote; the agents it forked die with its jail."""
-        proc, self.proc = self.proc, None
-        if self.ctl is not None:
-            self.ctl.close()
-            self.ctl = None
-        if proc is not None:
-            if proc.returncode is None:
-                try:
-                    proc.kill()
-                except ProcessLookupError:
-                    pass
-            await proc.wait()
-
-
-async def _reader(fd: int) -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
-    return reader
-
-
-class ForkedProcess:
-    """An agent forked by the zygote (pid: its supervisor's), with asyncio.subprocess.Process's
-    pid/stdout/stderr/wait; the exit status comes from its supervisor over its link."""
-
-    def __init__(self, pid: int, link: Link, cgroup, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader):
-        self.pid, self.link, self.cgroup, self.stdout, self.stderr = pid, link, cgroup, stdout, stderr
-        self.returncode: int | None = None
-
-    async def wait(self) -> int:
-        if self.returncode is None:
-            res = await self.link.result
-            if "error" in res:
-                raise RuntimeError(f"the agent zygote could not start the agent: {res['error']}")
-            self.returncode = int(res["rc"])
-        return self.returncode
-
-
-def make_jail(cfg) -> Jail | None:
-    """The jail rollout.agent_sandbox asks for (None for none); a ValueError where bwrap cannot jail here."""
-    if cfg.agent_sandbox == "none":
-        return None
-    jail.require(cfg)
-    if jail.Cgroup.available():
-        log.warning("agent jails have no cgroup here (%s): an agent's processes and memory are not bounded "
-                    "(rollout.agent_procs, agent_memory_mb); its /tmp is", jail.Cgroup.available())
-    return Jail(cfg)
-
-
 class SubprocessAgent:
     def __init__(self, cmd: str, preload: tuple[str, ...] = ()):
         self.cmd = cmd
@@ -444,7 +202,7 @@ class SubprocessAgent:
                 raise ValueError("rollout.agent_preload needs the agent jail (rollout.agent_sandbox=bwrap): its "
                                  "zygote builds each agent's namespaces")
             self.zygote.jail, self.zygote.agent_argv = self.jail, tuple(self.argv)
-            self.zygote.env_names = self.env_names
+            self.zygote.env = base_env(self.env_names)
 
     async def aclose(self) -> None:
         if self.zygote is not None:
@@ -486,11 +244,11 @@ class SubprocessAgent:
             try:
                 rc = await proc.wait()
                 oom = proc.cgroup.oom_kills() if getattr(proc, "cgroup", None) is not None else 0
-                _end(proc)      # what it left behind would hold the pipes open
+                end(proc)      # what it left behind would hold the pipes open
                 await asyncio.wait(readers, timeout=5)
             finally:
                 ctx.detail = err.text()
-                _end(proc)
+                end(proc)
                 for r in readers:
                     r.cancel()
                 if isinstance(proc, asyncio.subprocess.Process) and proc.returncode is None:
@@ -507,28 +265,6 @@ class SubprocessAgent:
 
 
 AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when rollout.max_agents is 0
-
-
-def _end(proc) -> None:
-    """Kill every process of a trajectory's agent: its cgroup where it has one, its process group (spawned)
-    or its supervisor (forked: its PID namespace dies with it)."""
-    cg, link = getattr(proc, "cgroup", None), getattr(proc, "link", None)
-    if cg is not None:
-        cg.close()
-        proc.cgroup = None
-    if isinstance(proc, ForkedProcess):
-        if proc.pid > 0:
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    elif proc.pid > 0:       # killpg(0) would be our own group
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    if link is not None:
-        link.close()
 
 
 class OpenAIFunctionAgent:

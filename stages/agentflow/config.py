@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, at_least, between, key, one_of
-from stages.agentflow.sandbox import SandboxConfig
-from stages.agentflow.tool_service import ToolServiceConfig
+from stages.agentflow.sandbox.pool import SandboxConfig
+from stages.agentflow.sandbox.tool_service import ToolServiceConfig
+from stages.keys import NONNEG, POSITIVE, at_least, between, key, one_of
 
 # what a model call can be part of (stages/agentflow/session.py): rollout.train_segments names some
 KINDS = ("main", "compaction", "subagent", "side")
@@ -27,8 +27,8 @@ class RolloutConfig:
                             between(0, 1, lo_open=True))
     agent: str = key("single_turn", 'built-in name | dotted path | "cmd:<command>" (subprocess black-box)')
     agent_preload: tuple = key((), 'modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a zygote'
-                                   " that forks each trajectory's process (stages/agentflow/zygote.py)")
-    agent_sandbox: str = key("bwrap", '"cmd:" agents each in a bubblewrap jail of their own (stages/agentflow/jail.py; '
+                                   " that forks each trajectory's process (stages/agentflow/sandbox/zygote.py)")
+    agent_sandbox: str = key("bwrap", '"cmd:" agents each in a bubblewrap jail of their own (docs/sandbox.md; '
                                       "a run is refused where bwrap cannot jail) | none: unjailed, as this user",
                              one_of("bwrap", "none"))
     agent_home: str = key("", "a directory copied into each jailed agent's fresh HOME (harness config); "

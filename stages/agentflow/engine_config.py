@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.keys import POSITIVE, at_least, between, key, one_of
+from stages.keys import POSITIVE, at_least, between, key, one_of
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class SandboxAgent:
     """Compute by running code (the `product` task, stages/tasks/code.py), retrying until right.
 
     A model turn ending in ";" is a Python snippet: it runs in this trajectory's own sandbox, a session
-    of the rollout worker's pool (stages/agentflow/sandbox.py, settings rollout.sandbox), through the
+    of the rollout worker's pool (stages/agentflow/sandbox/pool.py, settings rollout.sandbox), through the
     `python` tool, and its output and "=" join the stream; the next turn is the answer, checked by RetryEnv. A failed
     snippet -- an exception or a breached limit -- reads "?=": the tiny model's alphabet cannot
     spell the error, which is kept whole in agent_info (`tool_errors`). A wrong answer gets the
@@ -62,8 +62,8 @@ class SandboxAgent:
     max_observation_chars = 16  # a longer output reads "?": it would fill the tiny model's context
 
     def __init__(self):
-        from stages.agentflow.sandbox import SandboxConfig
-        from stages.agentflow.tool_service import ToolServiceConfig
+        from stages.agentflow.sandbox.pool import SandboxConfig
+        from stages.agentflow.sandbox.tool_service import ToolServiceConfig
 
         self.sandbox_cfg, self.pool = SandboxConfig(), None
         self.service_cfg, self.service, self.client = ToolServiceConfig(), None, None
@@ -94,7 +94,7 @@ class SandboxAgent:
     def attach(self, ctx):
         """Give the context the `python` tool of a sandbox of this trajectory's own (a session of this worker's
         pool, started here on the rollout's loop, or of the remote service); returns the session to close."""
-        from stages.agentflow.sandbox import SandboxPool
+        from stages.agentflow.sandbox.pool import SandboxPool
 
         if self.sandbox_cfg.remote:     # the client is made by start_remote, awaited before attach
             session = self.client.session()
@@ -130,7 +130,7 @@ class SandboxAgent:
     async def start_remote(self) -> None:
         """The remote sandbox's client; with no rollout.tool_service.url, a service process of this
         worker's, started once (the concurrent trajectories of a batch wait for the same start)."""
-        from stages.agentflow.tool_service import ToolService, ToolServiceClient
+        from stages.agentflow.sandbox.tool_service import ToolService, ToolServiceClient
 
         if self.client is not None:
             return

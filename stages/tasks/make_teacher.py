@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from stages.model import build_char_tokenizer
 from stages.tasks import TASKS, get_task
+from stages.tasks.models import build_char_tokenizer
 
 # Every built-in task's characters, in registration order (addition first: its ids stay as the quickstart's).
 SHARED_VOCAB = "".join(dict.fromkeys("".join(t.vocab for t in TASKS.values())))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, key, one_of
+from stages.keys import NONNEG, POSITIVE, key, one_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

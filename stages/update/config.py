@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, UNIT, Check, key, one_of
+from stages.keys import NONNEG, POSITIVE, UNIT, Check, key, one_of
 from stages.lora_config import LoraConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")   # advantages.ESTIMATORS

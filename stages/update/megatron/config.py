@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, at_least, key, one_of
+from stages.keys import NONNEG, POSITIVE, at_least, key, one_of
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Bubblewrap jails: the command lines that put one process tree in namespaces of its own, and its seccomp filter.
 
-Why: a trajectory's code (the code sandbox, stages/agentflow/sandbox.py) and a black-box agent
+Why: a trajectory's code (the code sandbox, stages/agentflow/sandbox/pool.py) and a black-box agent
 process (stages/agentflow/blackbox.py) run what a policy wrote; neither may see, or leave
 anything for, another trajectory. Debian's `bubblewrap` (bwrap) builds that isolation from
 kernel namespaces in one exec, without a daemon; we use it rather than our own unshare/mount
@@ -12,7 +12,7 @@ what Flatpak ships. Two jails:
                 /dev, a size-capped private tmpfs /tmp (its cwd); no network namespace of the
                 host's (so no abstract Unix sockets either), no host Unix socket files (nothing
                 of the host's /tmp, /run or home is there), capabilities dropped but the two the
-                worker needs to drop to its own uid (sandbox_worker.setup), the seccomp filter.
+                worker needs to drop to its own uid (worker.py setup), the seccomp filter.
     agent_argv  a black-box agent: the host's file system read-only (an agent needs its install
                 dir, node, its config), with /tmp, /run, /var/tmp, /dev/shm and the user's home
                 hidden behind private tmpfs (so no host Unix socket files, no user credentials),
@@ -173,7 +173,7 @@ def _bind_prefix(prefix: str) -> list[str]:
 
 
 def code_argv(worker: str, python: str, tmp_bytes: int, seccomp: int | None, keep_setuid: bool) -> list[str]:
-    """bwrap + the sandbox worker, as stages/agentflow/sandbox.py starts it (one per trajectory)."""
+    """bwrap + the sandbox worker, as stages/agentflow/sandbox/pool.py starts it (one per trajectory)."""
     args = [bwrap(), *_base_root()]
     real = os.path.realpath(python)
     prefix = os.path.dirname(os.path.dirname(real))
@@ -224,7 +224,7 @@ def agent_argv(argv: list[str], port: int, ctl_fd: int, home: str | None, binds:
 
 def zygote_argv(argv: list[str], ctl_fd: int, seccomp: int | None, home: str | None, binds: tuple[str, ...],
                 tmp_bytes: int, modules: tuple[str, ...]) -> list[str]:
-    """bwrap + the zygote (stages/agentflow/zygote.py) that forks `argv`'s agents; it builds each agent's
+    """bwrap + the zygote (stages/agentflow/sandbox/zygote.py) that forks `argv`'s agents; it builds each agent's
     namespaces itself, so it keeps CAP_SYS_ADMIN and CAP_NET_ADMIN in this jail and applies the seccomp
     filter (read from the fd `seccomp`) to each agent."""
     return [*_agent_jail(argv, home, binds, tmp_bytes, None, zygote=True), _python(), "-s", f"{IN_JAIL}/zygote.py",

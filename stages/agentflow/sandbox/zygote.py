@@ -4,7 +4,7 @@ A black-box agent runs once per trajectory (stages/agentflow/blackbox.py), and a
 pays its interpreter start and SDK import each time: `import anthropic` is ~2.5 s of CPU,
 `import openai` ~1.2 s on a 2-core machine, against milliseconds of model time per call on a
 tiny model. With `rollout.agent_preload: [anthropic]` the rollout worker starts this file once
-per worker in an agent jail (stages/agentflow/jail.py `agent_argv(zygote=True)`), with a control
+per worker in an agent jail (stages/agentflow/sandbox/jail.py `agent_argv(zygote=True)`), with a control
 socket inherited as a file descriptor (there is no socket file anyone could replace):
 
     python zygote.py CTL_FD SECCOMP_FD TMP_BYTES MODULE...

@@ -1,6 +1,4 @@
 """How fast does the TransferMesh move a state dict, against the physical limit?
-(The harness behind benchmarks/transfer.py; its actors live in this importable module,
-not in a script's __main__, so Ray workers load them from the package.)
 
 For each state-dict size and 1 or 2 receivers, prints GB/s for every CPU transport
 beside the machine's memcpy for the same bytes (one thread, into memory already
@@ -9,8 +7,8 @@ trainer, ray.get in each engine). GB/s is the state size over the time from publ
 to every receiver having loaded it. All actors live on this one node; gloo and zmq
 run over loopback.
 
-    python benchmarks/transfer.py                      # 64M, 256M, 1G
-    python benchmarks/transfer.py --sizes 16M,64M      # quicker
+    python benchmarks/transfer_bench.py                      # 64M, 256M, 1G
+    python benchmarks/transfer_bench.py --sizes 16M,64M      # quicker
 
 Target (issue 4): shm >= 0.5x memcpy and >= 2x naive at 1 GB."""
 from __future__ import annotations
@@ -18,13 +16,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import threading
 import time
 
-import ray
-import torch
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # the repository's packages
 
-import transfer
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+import transfer  # noqa: E402
+from stages.transfer_config import TransferConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,7 +151,7 @@ def run_size(nbytes: int, args, versions) -> list[tuple]:
                 f"engine{i}": e for i, e in enumerate(picked)}
             for label, shared, in_place in VARIANTS.get(t, [(t, False, True)]):
                 ray.get(trainer.share.remote(shared))
-                cfg = transfer.TransferConfig(transport=t, bucket_bytes=args.bucket_bytes,
+                cfg = TransferConfig(transport=t, bucket_bytes=args.bucket_bytes,
                                               timeout_s=120, apply_in_place=in_place)
                 mesh = transfer.TransferMesh(trainer, receivers, cfg)
                 mesh.plan()

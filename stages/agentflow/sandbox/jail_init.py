@@ -2,7 +2,7 @@
 
     python -I -S jail_init.py PORT CTL_FD -- AGENT_ARGV...
 
-An agent jail (stages/agentflow/jail.py) has a network namespace of its own with nothing but
+An agent jail (stages/agentflow/sandbox/jail.py) has a network namespace of its own with nothing but
 loopback, so neither the host's loopback services nor its abstract Unix sockets are reachable.
 The agent still finds its proxy at the base URL it was given (http://127.0.0.1:PORT/t/ROUTE/v1):
 this process listens on 127.0.0.1:PORT inside the jail and, for each connection, asks the rollout
@@ -11,7 +11,7 @@ alone), then copies bytes both ways. The worker hands that socket's other end to
 to this trajectory's route: a request for any other route on it is refused, so a key seen by one
 jail is of no use from another. There is no socket file of the host in the jail.
 
-The zygote (stages/agentflow/zygote.py) uses `listen` and `serve` the same way for agents it
+The zygote (stages/agentflow/sandbox/zygote.py) uses `listen` and `serve` the same way for agents it
 forks. Standard library only, started with -I -S: it runs before anything of the agent's.
 """
 from __future__ import annotations

@@ -4,13 +4,13 @@ Why: real agent tools are remote services (search, retrieval, databases) whose a
 wall time but cost the caller no CPU, with a long tail. An RL pipeline that waits on them idles;
 one that overlaps them with generation does not. This service makes that wait real, on a laptop.
 
-Server (`python -m stages.agentflow.tool_service --port 0 --p50-s 0.2 --p99-s 1.5 --seed 0`):
+Server (`python -m stages.agentflow.sandbox.tool_service --port 0 --p50-s 0.2 --p99-s 1.5 --seed 0`):
     GET  /health                      -> {"ok": true}
     POST /lookup {"key": "37"}        -> {"key", "value", "latency_s"}   404 for an unknown key
     POST /run {"code": "37*48*29", "session": "S"}  -> {"kind", "output", "error", "text", "latency_s"}
     POST /close {"session": "S"}      -> {"closed": true|false}
 /run is a remote code sandbox, as hosted sandboxes (E2B, Modal, Daytona) are to an agent: the
-snippet runs in this process's SandboxPool (stages/agentflow/sandbox.py, its limits from
+snippet runs in this process's SandboxPool (stages/agentflow/sandbox/pool.py, its limits from
 --sandbox-json) after the drawn service time (the service's network, queueing and start-up).
 A `session` (any id the client picks, one per trajectory) is a sandbox of that trajectory's own,
 kept until /close (or SESSION_IDLE_S without a call); without one, the snippet gets a sandbox
@@ -54,8 +54,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pipeline.keys import NONNEG, POSITIVE, UNIT, key, one_of
 from stages.agentflow.tools import Tool, ToolFatalError
+from stages.keys import NONNEG, POSITIVE, UNIT, key, one_of
 
 Z99 = 2.3263478740408408   # the standard normal's 99th percentile
 KEY_ENV = "LOONGSAGE_TOOL_SERVICE_KEY"
@@ -170,7 +170,7 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, san
         except (ValueError, KeyError, TypeError, AttributeError):
             return web.json_response({"error": 'body must be JSON {"code": ..., "session": "<id>"}'}, status=400)
         if pool is None:
-            from stages.agentflow.sandbox import SandboxPool
+            from stages.agentflow.sandbox.pool import SandboxPool
 
             pool = SandboxPool(sandbox)
         res = await (await session_of(sid)).run(code) if sid else await pool.run(code)
@@ -220,7 +220,8 @@ async def serve(host: str, port: int, **kw) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m stages.agentflow.tool_service", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stages.agentflow.sandbox.tool_service",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--p50-s", type=float, default=ToolServiceConfig.p50_s)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     ToolServiceConfig(p50_s=a.p50_s, p99_s=a.p99_s, error_rate=a.error_rate)    # same checks as the recipe's
     sandbox = None
     if a.sandbox_json:
-        from stages.agentflow.sandbox import SandboxConfig
+        from stages.agentflow.sandbox.pool import SandboxConfig
 
         sandbox = SandboxConfig(**json.loads(a.sandbox_json))
         if not os.environ.get(KEY_ENV):
@@ -255,7 +256,8 @@ class ToolService:
         if self.sandbox is not None:    # serve /run: a remote code sandbox with these limits
             extra = ["--sandbox-json", json.dumps(dataclasses.asdict(self.sandbox))]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.agentflow.tool_service", "--p50-s", str(c.p50_s), "--p99-s", str(c.p99_s),
+            [sys.executable, "-m", "stages.agentflow.sandbox.tool_service", "--p50-s", str(c.p50_s),
+             "--p99-s", str(c.p99_s),
              "--seed", str(c.seed), "--error-rate", str(c.error_rate), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, KEY_ENV: self.key},

@@ -295,7 +295,7 @@ def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: i
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from stages.shapes import attention_heads
+    from stages.model_config import attention_heads
 
     if heads is None or kv_heads is None:           # before the tokenizer: a bad size fails at once
         heads, kv_heads = attention_heads(hidden_size)

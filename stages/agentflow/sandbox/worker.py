@@ -1,7 +1,7 @@
 """One sandbox worker process: reads snippets on stdin, runs each, writes the result after a marker.
 
-Started by stages/agentflow/sandbox.py (`python -I sandbox_worker.py SETUP_JSON`), one per trajectory,
-inside a bubblewrap jail (stages/agentflow/jail.py: it is then PID 1 of its own PID namespace, its
+Started by stages/agentflow/sandbox/pool.py (`python -I worker.py SETUP_JSON`), one per trajectory,
+inside a bubblewrap jail (stages/agentflow/sandbox/jail.py: it is then PID 1 of its own PID namespace, its
 /tmp already private) or, where bwrap is missing, `unshare --net --mount --pid --fork`. This file
 imports only the standard library: it must start fast and owe nothing to the project.
 

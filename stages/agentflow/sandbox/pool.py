@@ -11,7 +11,7 @@ change other samples' rewards (reward hacking across a group). So:
         and killed when the trajectory ends. Nothing it can write is shared with another
         sandbox. `pool.run(code)` and `pool.tool()` are one-call sessions.
 
-The jail (stages/agentflow/jail.py) is bubblewrap where it runs: an empty root with read-only
+The jail (stages/agentflow/sandbox/jail.py) is bubblewrap where it runs: an empty root with read-only
 binds of /usr and the interpreter, fresh /proc, /dev and size-capped tmpfs /tmp, new network,
 PID, IPC, UTS, mount and cgroup namespaces (no host Unix socket is reachable: no socket file of
 the host is in its file system, and abstract sockets belong to the network namespace), a seccomp
@@ -52,12 +52,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.keys import NONNEG, POSITIVE, key, one_of
-from stages.agentflow import jail
+from stages.agentflow.sandbox import jail
 from stages.agentflow.tools import Tool
+from stages.keys import NONNEG, POSITIVE, key, one_of
 
 log = logging.getLogger(__name__)
-WORKER = Path(__file__).with_name("sandbox_worker.py")
+WORKER = Path(__file__).with_name("worker.py")
 MARKER = b"\x00\x1esandbox-end:"
 BREACHES = ("timeout", "cpu", "memory", "output", "fork", "filesystem", "died")
 # stdlib a snippet may want; imported before the worker drops its uid, which may leave it unable to
@@ -88,7 +88,7 @@ class SandboxConfig:
                                  "| strict: refuse to start without every isolation | none: limits only",
                          one_of("auto", "strict", "none"))
     python: str = key("", 'interpreter for the workers; "" = this one')
-    preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox_worker.setup)")
+    preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox/worker.py setup)")
     remote: bool = key(False, "True: snippets run in a remote sandbox service (rollout.tool_service: a local service "
                               'process per rollout worker when its url is ""), with its latency')
 
