@@ -3,26 +3,19 @@
     LOONGSAGE_SERVE_KEY=... loongsage serve builtin:qwen-vocab-tiny [rollout.max_new_tokens=512 ...]
                     [--port 8000] [--key-file FILE] [--record DIR]
 
-Starts the engine(s) as a run does (Ray actors, `rollout.num_engines`, `rollout.engine`) and the
-black-box proxy (stages/agentflow/proxy.py) on one port, loopback by default, with one endpoint:
+The engines start as a run starts them and the black-box proxy serves one endpoint, loopback by
+default: http://127.0.0.1:PORT/t/serve/v1 (chat/completions, completions, responses, messages,
+models). The key comes from $LOONGSAGE_SERVE_KEY or an owner-only `--key-file`, never the command
+line (any local user reads /proc/PID/cmdline), else a random one is printed. Every call is recorded
+as in a training run, into a recording `loongsage replay DIR/rollouts` trains from (0700/0600):
 
-    http://127.0.0.1:PORT/t/serve/v1     chat/completions, completions, responses, messages (+ count_tokens), models
-
-and a key: from $LOONGSAGE_SERVE_KEY or `--key-file` (owner-only), never the command line (any local
-user reads /proc/PID/cmdline), else a random one, printed. A harness pointed at it
-(docs/harnesses-running.md) is served token-in/token-out and every call is recorded by the proxy's
-Session, exactly as in a training run. What was served becomes a recording that `loongsage replay
-DIR/rollouts` trains from (owner-only: 0700 directories, 0600 files):
-
-    DIR/config.yaml                  the resolved config (model.path = the served model, groups of 1)
+    DIR/config.yaml                      the resolved config (model.path = the served model, groups of 1)
     DIR/rollouts/step=N/part-0.parquet   trajectory N: one row per segment (its own group, reward 0.0)
-    DIR/requests.jsonl               one line per HTTP request: time, method, path, status, ms, request kind
+    DIR/requests.jsonl                   one line per HTTP request: time, method, path, status, ms, kind
 
-A trajectory is everything served between two rotations: SIGUSR1 (or `Server.rotate()`) records
-the current one and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop.
-A trajectory with no model call records nothing. Rewards are 0.0: the recording holds what the
-model did, a reward is for whoever replays it to decide. DIR is held with the run-directory lock
-(pipeline/rundir.py) while serving: a directory that holds a run, a recording or a live serve is refused.
+A trajectory is what was served between two rotations: SIGUSR1 (or `Server.rotate()`) records it
+and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop. Rewards are 0.0:
+a reward is for whoever replays it to decide. DIR is held with the run-directory lock while serving.
 """
 from __future__ import annotations
 
@@ -35,34 +28,31 @@ import threading
 import time
 from pathlib import Path
 
-from aiohttp import web
-
-from stages.agentflow.proxy import Proxy
-
 ROUTE = "serve"                 # the endpoint's fixed path segment: one URL for a whole serve session
 KEY_ENV = "LOONGSAGE_SERVE_KEY"
 SERVE_DEFAULTS = ("rollout.n_samples=1", "batcher.groups_per_step=1", "rollout.max_new_tokens=1024",
                   "rollout.max_turns=0")
 
 
-class LoggedProxy(Proxy):
-    """The proxy with one log line per request (its status is what a harness saw)."""
+def _logged_proxy(*args, on_request, **kwargs):
+    """The proxy with one line per request through `on_request` (its status is what a harness saw)."""
+    from aiohttp import web
 
-    def __init__(self, *args, on_request=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.on_request = on_request
+    from stages.agentflow.proxy import Proxy
 
-    @web.middleware
-    async def _guard(self, request: web.Request, handler):
-        t0 = time.perf_counter()
-        resp = await super()._guard(request, handler)
-        if self.on_request is not None:
+    class LoggedProxy(Proxy):
+        @web.middleware
+        async def _guard(self, request: web.Request, handler):
+            t0 = time.perf_counter()
+            resp = await super()._guard(request, handler)
             path = request.path.split(f"/t/{request.match_info.get('route', '')}", 1)[-1]
-            self.on_request({"t": time.time(), "method": request.method, "path": path, "status": resp.status,
-                             "ms": round((time.perf_counter() - t0) * 1e3, 3),
-                             "kind": request.headers.get("x-loongsage-request-kind", ""),
-                             "user_agent": request.headers.get("User-Agent", "")})
-        return resp
+            on_request({"t": time.time(), "method": request.method, "path": path, "status": resp.status,
+                        "ms": round((time.perf_counter() - t0) * 1e3, 3),
+                        "kind": request.headers.get("x-loongsage-request-kind", ""),
+                        "user_agent": request.headers.get("User-Agent", "")})
+            return resp
+
+    return LoggedProxy(*args, **kwargs)
 
 
 class EngineLog:
@@ -96,7 +86,6 @@ class Server:
         self._lock = threading.Lock()
         self.ep = self.engine = None
 
-    # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Server":
         import ray
 
@@ -123,7 +112,7 @@ class Server:
         client = Affinity(self.engines).for_group(0)
         self.engine = EngineLog(client) if self.keep_engine_calls else client
         r = c.rollout
-        self.proxy = LoggedProxy(self.tok, r.proxy_host, r.proxy_port, int(r.proxy_max_body_mb * 2 ** 20),
+        self.proxy = _logged_proxy(self.tok, r.proxy_host, r.proxy_port, int(r.proxy_max_body_mb * 2 ** 20),
                                  r.proxy_force_sampling, PromptLimit.for_model(self.model_path, self.tok,
                                                                                r.max_prompt_tokens),
                                  on_request=self._on_request)
@@ -161,7 +150,6 @@ class Server:
                 ray.kill(e)
             return path
 
-    # ---- on the loop -----------------------------------------------------------------------------
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -169,7 +157,6 @@ class Server:
         """A fresh Session under the fixed route and key: the URL a harness was given stays valid."""
         ep = await self.proxy.open(self.engine, dict(self.sampling), max_turns=self.cfg.rollout.max_turns)
         entry = self.proxy.sessions.pop(ep.route)
-        self.proxy.stored[ROUTE] = self.proxy.stored.pop(ep.route)
         self.proxy.sessions[ROUTE] = (self.key, entry[1])
         ep.route, ep.api_key = ROUTE, self.key
         ep.base_url = ep.base_url.rsplit("/t/", 1)[0] + f"/t/{ROUTE}/v1"
@@ -310,7 +297,7 @@ def _rotated(server: Server) -> None:
 
 
 def add_subcommand(sub) -> None:
-    s = sub.add_parser("serve", help="serve a model or checkpoint behind the recording proxy (all four APIs)")
+    s = sub.add_parser("serve")
     s.add_argument("model", help="an HF model directory, a checkpoint (RUN/checkpoints/step_N) or builtin:NAME")
     s.add_argument("overrides", nargs="*", help="section.key=value overrides (rollout.*, model.*)")
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")

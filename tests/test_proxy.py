@@ -20,10 +20,10 @@ import ray
 from stages.agentflow.chat import FALLBACK_TEMPLATE, encode, parse_tool_calls, render
 from stages.agentflow.client import EngineClient
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.openai_api import assistant_message
-from stages.agentflow.protocol import Request
+from stages.agentflow.openai_api import finish_reason
+from stages.agentflow.protocol import read_generation
 from stages.agentflow.proxy import Proxy
-from stages.agentflow.session import Choice
+from stages.agentflow.session import Choice, assistant_message
 from stages.agentflow.stream import TokenStream
 from stages.model import load_tokenizer
 
@@ -246,9 +246,8 @@ def test_tool_call_format_and_history_render(ep, model_path):
     content, calls = parse_tool_calls(text)
     assert content == "let me compute" and calls[0]["function"]["name"] == "calculator"
     assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "37+48"}
-    req = Request(n=1, max_tokens=4, temperature=1, top_p=1, stop=[], logprobs=False, stream=False,
-                  include_usage=False, model="m", tools=[{"type": "function", "function": {"name": "calculator"}}])
-    msg, finish = assistant_message(req, Choice(TokenStream([]), [], [], [], text, "stop", "completed", 0.0))
+    msg = assistant_message(read_generation(text, parse_calls=True, reasoning=False))
+    finish = finish_reason(Choice(TokenStream([]), [], [], [], text, "stop", "completed", 0.0, message=msg))
     assert finish == "tool_calls" and msg["content"] == "let me compute"
     assert [c["function"] for c in msg["tool_calls"]] == [c["function"] for c in calls]
     # the fallback template writes a call back the way it was read, so a tool turn round-trips

@@ -22,18 +22,15 @@ import openai
 import pytest
 import ray
 
-from stages.agentflow import anthropic_api, responses_api
 from stages.agentflow.chat import render
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.limits import PromptLimit
-from stages.agentflow.openai_api import parse_chat
-from stages.agentflow.proxy import Proxy
+from stages.agentflow.proxy import PROTOCOLS, Proxy
 from stages.model import load_tokenizer
 from tests.test_proxy import LoopThread, RecordingClient
 from tests.test_proxy_protocols import ADD_TOOL_ANT, ADD_TOOL_OAI, GREEDY, build_scripted_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness_requests"
-DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 SERVED = ["claude_code_small_messages.json", "claude_code_small_messages_turn2.json", "pi_chat.json",
           "pi_chat_turn2.json", "opencode_title_chat.json"]
 DROP_HEADERS = {"content-type", "accept", "user-agent", "content-length", "host", "x-api-key", "authorization"}
@@ -45,15 +42,7 @@ def fixture(name: str) -> dict:
 
 def parse_fixture(fx: dict):
     """The fixture's body as the proxy's adapter reads it: (messages, tools, notes)."""
-    body = fx["body"]
-    if fx["path"].endswith("/messages"):
-        call = anthropic_api.parse_messages(body, DEFAULTS).call
-    elif fx["path"].endswith("/responses"):
-        req = responses_api.parse_responses(body, DEFAULTS)
-        call = req.call
-        call.messages = responses_api.to_messages(req.instructions, req.items)
-    else:
-        call = parse_chat(body, DEFAULTS)
+    call = PROTOCOLS[fx["path"].split("/v1/", 1)[-1]].parse(fx["body"])
     return call.messages, call.tools, call.notes
 
 
@@ -90,7 +79,7 @@ def test_every_captured_request_is_accepted_and_rendered(name, qwen_tok):
 # ---- the small ones, served end to end ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen_server(ray_session, tmp_path_factory, qwen_tok):
-    from stages.agentflow.protocol import tool_call_opening
+    from stages.agentflow.chat import tool_call_opening
     from stages.tasks import qwen_vocab
     from tests.test_proxy_protocols import build_qwen_scripted_model
 

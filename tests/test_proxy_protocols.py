@@ -30,10 +30,9 @@ import pytest
 import ray
 import torch
 
-from stages.agentflow.chat import encode, render
+from stages.agentflow.chat import encode, render, tool_call_opening
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.limits import PromptLimit
-from stages.agentflow.protocol import tool_call_opening
 from stages.agentflow.proxy import Proxy
 from stages.model import load_tokenizer
 from stages.tasks.models import build_char_tokenizer

@@ -1,25 +1,20 @@
 """The Agent protocol and the context every agent runs in.
 
-An agent is any object with `async def run(ctx, sample) -> None`; `sample` is the row
-(prompt, answer, data_source, ...). Both kinds of agent use the same protocol:
+An agent is any object with `async def run(ctx, sample) -> None`; `sample` is the row (prompt, answer, ...).
 
 * white-box: Python code that drives the token stream itself --
       gen = await ctx.generate(stop=[...])       model turn (loss_mask=1)
       await ctx.call_tool("calculator", {...})   tool result  (loss_mask=0)
       await ctx.step(env, gen.text)               environment observation (loss_mask=0) + reward
       ctx.add_text(...) / ctx.add_messages([...]) any other context (loss_mask=0)
-* black-box: code that only speaks the OpenAI API --
+* black-box: a program that speaks an OpenAI or Anthropic API --
       async with ctx.openai_endpoint() as ep:     ep.base_url, ep.api_key for this trajectory
-          ...run the program against it...
-  the proxy records every call and the trajectory becomes the last call's token stream.
+  the proxy records every call (stages/agentflow/session.py) and its segments become the rows.
 
-AgentFlow owns the token stream, so the trajectory is built in token space and model
-tokens are never re-tokenised. A turn past `max_turns` raises TurnLimitReached, which the
-rollout turns into a `truncated` trajectory (what was generated is kept). A turn whose
-context is over the model's context or rollout.max_prompt_tokens raises
-ContextLengthExceeded (stages/agentflow/limits.py), which fails the trajectory; a turn
-that fits gets the completion budget the context leaves (clipped, unless the agent asked
-for `max_new_tokens` itself, which must then fit).
+The trajectory is built in token space: model tokens are never re-tokenised. A turn past `max_turns` raises
+TurnLimitReached (the rollout keeps what was made, as `truncated`); a context over the model's or
+rollout.max_prompt_tokens raises ContextLengthExceeded (limits.py), which fails the trajectory. A turn gets the
+completion budget the context leaves, unless the agent asked for `max_new_tokens` itself, which must fit.
 """
 from __future__ import annotations
 
@@ -31,12 +26,17 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
+from stages.agentflow.config import KINDS
 from stages.agentflow.limits import PromptLimit, raise_if_failed
-from stages.agentflow.session import KINDS, Segment, TurnLimitReached, turn_seed
+from stages.agentflow.session import Segment, turn_seed
 from stages.agentflow.stream import TokenStream
 from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
 
 __all__ = ["Agent", "AgentContext", "Generation", "SingleTurnAgent", "TurnLimitReached"]
+
+
+class TurnLimitReached(RuntimeError):
+    pass
 
 
 @runtime_checkable
@@ -91,10 +91,14 @@ class AgentContext:
     def turns_left(self) -> int | None:
         return None if not self.max_turns else self.max_turns - self.turns
 
+    @property
+    def segments(self) -> int:
+        return len(self.tree)
+
     # ---- model turns -------------------------------------------------------------------
     async def generate(self, stop: list[str] | None = None, **overrides) -> Generation:
-        """Continue the stream with one model turn. `stop` strings end the turn (kept in the stream:
-        the model produced them and later turns see them); `overrides` change sampling for this turn."""
+        """Continue the stream with one model turn. `stop` strings end the turn (kept in the stream: the model
+        produced them and later turns see them); `overrides` change sampling for this turn."""
         if self.max_turns and self.turns >= self.max_turns:
             self.turn_limited = True
             raise TurnLimitReached(f"turn limit reached: {self.max_turns} model turns")
@@ -108,16 +112,16 @@ class AgentContext:
         (out,) = await self.client.generate([req])
         self.gen_s += time.perf_counter() - t0
         raise_if_failed(out)
-        ids, stopped = cut_at_stop(self.tokenizer, context, out["response_ids"], stop or [], keep_stop=True)
+        ids, stop_hit = cut_at_stop(self.tokenizer, context, out["response_ids"], stop or [], keep_stop=True)
         lps, vers = out["logprobs"][: len(ids)], out["versions"][: len(ids)]
         self.stream.add_model(ids, lps, vers, decode_continuation(self.tokenizer, context, ids))
-        self.status = "completed" if stopped else out["status"]
+        self.status = "completed" if stop_hit is not None else out["status"]
         self.turns += 1
         text = decode_continuation(self.tokenizer, context, ids, skip_special=True)
         self.transcript.append({"role": "assistant", "content": text})
         if self.messages is not None:
             self.messages.append({"role": "assistant", "content": text})
-        return Generation(ids, lps, vers, self.status, text, stopped)
+        return Generation(ids, lps, vers, self.status, text, stop_hit is not None)
 
     # ---- context the model did not write (loss_mask=0) ----------------------------------
     def add_tokens(self, token_ids: list[int], role: str = "context") -> None:
@@ -131,9 +135,9 @@ class AgentContext:
         self.transcript.append({"role": role, "content": text})
 
     def add_messages(self, messages: list[dict]) -> None:
-        """Chat prompts only: append messages through the chat template, tokenising only the new text.
-        If the template renders the history differently (not append-only) the stream restarts from
-        the rendered text: a new segment, counted, never a silent re-tokenisation."""
+        """Chat prompts only: append messages through the chat template, tokenising only the new text. If the
+        template renders the history differently (not append-only) the stream restarts from the rendered text:
+        a new segment, never a silent re-tokenisation."""
         if self.messages is None:
             raise ValueError("add_messages needs a chat prompt (the row's prompt as a JSON list of messages); "
                              "use add_text for plain-text prompts")
@@ -141,18 +145,12 @@ class AgentContext:
         self.messages += new
         self.transcript += new
         text = render(self.tokenizer, self.messages)
-        delta = self.stream.extension(text)
-        if delta is None:       # the finished segment keeps its row; the next one starts at the new render
+        if text.startswith(self.stream.text):
+            delta = text[len(self.stream.text):]
+            self.stream.add_context(encode(self.tokenizer, delta), delta)
+        else:       # the finished segment keeps its row; the next one starts at the new render
             self.stream = TokenStream(encode(self.tokenizer, text), text)
             self.tree.append(Segment(len(self.tree), "main", "", len(self.tree) - 1, 0, self.stream))
-        else:
-            self.stream.add_context(encode(self.tokenizer, delta), delta)
-
-    def _observe(self, text: str, role: str) -> None:
-        if self.messages is not None:
-            self.add_messages([{"role": role, "content": text}])
-        else:
-            self.add_text(text, role=role)
 
     async def call_tool(self, name: str, args: dict | str | None = None) -> str:
         """Run a registered tool; its result text joins the stream (a `tool` message in chat mode)."""
@@ -174,11 +172,17 @@ class AgentContext:
             self._observe(res.observation, "user")
         return res
 
+    def _observe(self, text: str, role: str) -> None:
+        if self.messages is not None:
+            self.add_messages([{"role": role, "content": text}])
+        else:
+            self.add_text(text, role=role)
+
     # ---- black-box agents ------------------------------------------------------------
     @asynccontextmanager
     async def openai_endpoint(self):
-        """An OpenAI-compatible base URL and key for this trajectory only. On exit the recorded
-        calls become the trajectory; an agent that never called the model fails."""
+        """An OpenAI/Anthropic-compatible base URL and key for this trajectory only. On exit the recorded calls
+        become the trajectory; an agent that never called the model fails."""
         if self.proxy is None:
             raise RuntimeError("this context has no proxy: black-box agents run inside AgentFlowRollout")
         ep = await self.proxy.open(self.client, self.sampling, self.max_turns, self.max_tokens)
@@ -198,29 +202,19 @@ class AgentContext:
                                                       "fresh_tokens": session.fresh_tokens,
                                                       "resent_bytes": session.resent_bytes}
         if session.final is not None:
-            self.stream = session.final.stream
-            self.tree = session.rows()
-            self.transcript = session.transcript
-            self.status = session.status
+            self.stream, self.tree = session.final.stream, session.rows()
+            self.transcript, self.status = session.transcript, session.status
 
-    @property
-    def segments(self) -> int:
-        return len(self.tree)
-
+    # ---- rows ------------------------------------------------------------------------
     def result(self) -> dict:
         """The trajectory's last stream as one row (its latest segment)."""
         return self.stream.columns() | {"status": self.status}
 
     def results(self, kinds: tuple[str, ...] = KINDS) -> list[dict]:
-        """One row per segment of the given kinds, in the order they started, each with its place in
-        the tree (`segment`: id, kind, parent, start, agent)."""
-        rows = []
-        for s in self.tree:
-            stream = s.stream if s.stream is not None else self.stream
-            if s.kind in kinds:
-                rows.append(stream.columns() | {"status": self.status, "segment": {
-                    "id": s.id, "kind": s.kind, "parent": s.parent, "start": s.start, "agent": s.agent}})
-        return rows
+        """One row per segment of the given kinds, in the order they started, each with its place in the tree."""
+        return [(s.stream or self.stream).columns() | {"status": self.status, "segment": {
+            "id": s.id, "kind": s.kind, "parent": s.parent, "start": s.start, "agent": s.agent}}
+            for s in self.tree if s.kind in kinds]
 
 
 class SingleTurnAgent:

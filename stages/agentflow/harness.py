@@ -1,8 +1,7 @@
-"""Harness quirks, each in one named place: what the real CLIs send that says what a call is part of.
+"""What a proxy call is part of (stages/agentflow/session.py: main | compaction | subagent | side), in one place.
 
-The proxy reads a call's kind (stages/agentflow/session.py: main | compaction | subagent | side)
-from the harness's own signals when the call does not name it with `x-loongsage-request-kind`
-(which always wins):
+A call may name it with `x-loongsage-request-kind` (always wins) and, for one subagent among several,
+`x-loongsage-agent-id`; else the harness's own signals say, else it is main:
 
     Claude Code   `x-claude-code-agent-id: ID` on a subagent's calls           -> subagent ID
     Codex CLI     `x-codex-turn-metadata` (JSON): request_kind compaction     -> compaction
@@ -11,35 +10,44 @@ from the harness's own signals when the call does not name it with `x-loongsage-
     opencode      system prompt "You are a title generator"                   -> side (a title for its UI)
     opencode, pi  system prompt "You are a context summarization ..."        -> compaction
 
-A `side` call (a session title, a summary for display) is not part of the agent's work: it gets
-its own segment, and rollout.train_segments leaves it out by default. The system prompts were read
-from requests the real programs sent (tests/fixtures/harness_requests/).
+A `side` call is not part of the agent's work: its own segment, not trained by default. The system prompts were
+read from requests the real programs sent (tests/fixtures/harness_requests/).
 """
 from __future__ import annotations
 
 import json
 
+from stages.agentflow.config import KINDS
+from stages.agentflow.protocol import bad
+
+KIND_HEADER = "x-loongsage-request-kind"
+AGENT_HEADER = "x-loongsage-agent-id"
 CLAUDE_AGENT_HEADER = "x-claude-code-agent-id"
 CODEX_METADATA_HEADER = "x-codex-turn-metadata"
 CODEX_SUBAGENT_HEADER = "x-openai-subagent"
 CODEX_ROOT_AGENT = "/root"
-# how a system prompt opens -> the kind of call it makes
-SYSTEM_PROMPT_KINDS = (
+SYSTEM_PROMPT_KINDS = (     # how a system prompt opens -> the kind of call it makes
     ("You are a title generator", "side"),                      # opencode: the session's title
     ("You are a context summarization agent", "compaction"),    # opencode: summary that replaces history
     ("You are a context summarization assistant", "compaction"),  # pi: compaction and branch summaries
 )
 
 
-def harness_kind(headers, messages: list[dict] | None) -> tuple[str, str] | None:
-    """(kind, agent id) from a harness's own signals, or None when it sent none."""
+def request_kind(headers, messages: list[dict] | None) -> tuple[str, str]:
+    """(kind, agent id) of a call; a request-kind header this proxy does not know is a 400."""
+    kind = (headers.get(KIND_HEADER) or "").strip().lower()
+    agent = (headers.get(AGENT_HEADER) or "").strip()
+    if not kind:
+        found = _claude(headers) or _codex(headers) or _by_system_prompt(messages or [])
+        return (found[0], agent or found[1]) if found else ("main", agent)
+    if kind not in KINDS:
+        raise bad(f"header {KIND_HEADER}: {kind!r} is not one of {', '.join(KINDS)}", "headers")
+    return kind, agent
+
+
+def _claude(headers) -> tuple[str, str] | None:
     agent = (headers.get(CLAUDE_AGENT_HEADER) or "").strip()
-    if agent:
-        return "subagent", agent
-    found = _codex(headers)
-    if found is not None:
-        return found
-    return _by_system_prompt(messages or [])
+    return ("subagent", agent) if agent else None
 
 
 def _codex(headers) -> tuple[str, str] | None:

@@ -1,59 +1,97 @@
-"""What the protocol adapters share (Chat, Completions, Responses, Messages): no protocol's own format here.
+"""What the protocol adapters share, and nothing of any one protocol's format.
 
-Each adapter turns its request into ONE internal call, a `Request` (messages for the chat template,
-tools, sampling, the harness's own token limit, request kind, stream or not, and `notes`: what the
-request asked that the proxy accepted without honouring: an unknown field, a hosted tool, a content
-block a text model cannot read), and turns the generation (`read_generation`: reasoning, text, tool
-calls with their spans) back into its reply and events. Errors are `APIError`; each path renders it
-in its protocol's format (stages/agentflow/proxy.py `_error`).
-
-Bodies are read by `read_json`, which bounds JSON nesting (MAX_JSON_DEPTH): Python's parser recurses
-per level, and a body nested 100,000 deep would otherwise end in a RecursionError (a 500).
+An adapter (openai_api.py: Chat and Completions; responses_api.py; anthropic_api.py) is a `Protocol`: `parse`
+turns its body into ONE internal call, a `Request`, which `Session.call` serves (stages/agentflow/session.py);
+`respond` turns the choices back into its reply, or its stream of events. What a request asked that the proxy
+accepts without honouring becomes a note (docs/harnesses.md); a malformed value of a known field is an
+`APIError` naming it, which the proxy renders in the path's own error format.
 """
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
+from typing import Callable
 
-from stages.agentflow.chat import THINK_CLOSE, THINK_OPEN, parse_tool_calls, render
+from stages.agentflow.chat import THINK_CLOSE, THINK_OPEN, decode, parse_tool_calls
 
 MAX_JSON_DEPTH = 64     # arrays/objects inside each other; real requests use about 10 (a JSON schema in a tool)
+MAX_TOKENS = 1 << 62    # any positive completion limit is accepted (then clamped); only a malformed one is a 400
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", tokens: tuple[int, int] | None = None):
+                 kind: str = "invalid_request_error", tokens: tuple[int, int, int, int] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.tokens = tokens    # context_length_exceeded: (prompt tokens, or a lower bound; completion budget)
+        self.tokens = tokens    # a prompt over the limit: (its tokens or a lower bound, max_tokens, cap, context)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
 @dataclass
 class Request:
-    n: int
-    max_tokens: int                                      # the completion budget (clamped: stages/agentflow/limits.py)
-    temperature: float
-    top_p: float
-    stop: list[str]
-    logprobs: bool
-    stream: bool
-    include_usage: bool
-    model: str
-    seed: int | None = None                              # choice i samples with seed + i
-    requested: int | None = None                         # the harness's own max_tokens (None: it set none)
-    bound: str = "request"                               # what bound max_tokens: request | rollout | context | budget
-    messages: list[dict] = field(default_factory=list)   # chat
-    tools: list[dict] | None = None                      # chat; None = do not parse tool calls
-    prompt: str | list[int] = ""                         # completions
-    notes: list[str] = field(default_factory=list)       # accepted, not honoured: recorded with the trajectory
-    forced: str | None = None                            # chat: "" (any tool) or a tool: the prompt ends in a call
+    """One model call, whichever protocol asked for it."""
+    messages: list[dict] | None = None      # chat messages for the template (None: `prompt` is the prompt)
+    prompt: str | list[int] = ""            # completions: text or token ids
+    tools: list[dict] | None = None         # chat function tools; None: tool calls are not parsed
+    forced: str | None = None               # "" (any tool) or a tool's name: the prompt ends in a call's opening
+    n: int = 1
+    temperature: float | None = None        # None: the trajectory's own sampling
+    top_p: float | None = None
+    seed: int | None = None                 # choice i samples with seed + i
+    stop: list[str] = field(default_factory=list)
+    requested: int | None = None            # the harness's own completion limit (None: it set none)
+    max_tokens: int = 0                     # the budget served: Session.call clamps (limits.PromptLimit.clamp)
+    bound: str = "request"                  # what bound it: request | rollout | context | budget
+    stream: bool = False
+    logprobs: bool = False
+    include_usage: bool = False
+    model: str = "loongsage"
+    notes: list[str] = field(default_factory=list)     # accepted, not honoured: recorded with the trajectory
+    param: str = "messages"                 # the field a refused prompt is blamed on
+    reasoning: bool = False                 # the reply gives reasoning apart from the text (Responses, Messages)
+    call_prefix: str = "call_"              # how the reply's tool-call ids start
 
 
-def bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
+@dataclass(frozen=True)
+class Protocol:
+    parse: Callable       # (body, session) -> Request
+    respond: Callable     # (request, choices, session) -> a reply body (dict), or a whole SSE stream (bytes)
+    strict: bool = False  # the body must come as `Content-Type: application/json`
+
+
+# ---- reading requests ---------------------------------------------------------------------------------------
+def read_json(raw: bytes):
+    """The body as JSON, or a 400: malformed, or nested deeper than MAX_JSON_DEPTH (Python's parser recurses
+    per level: a body nested 100,000 deep would end in a RecursionError)."""
+    deep = APIError(400, f"the request body nests JSON arrays/objects more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise deep from None
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    stack = [(obj, 1)]
+    while stack:        # iterative: no recursion to exhaust
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > MAX_JSON_DEPTH:
+                raise deep
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+    return obj
+
+
+def body_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
 
 
 def number(body: dict, key: str, default, lo, hi, integer: bool = False):
@@ -62,27 +100,40 @@ def number(body: dict, key: str, default, lo, hi, integer: bool = False):
         return default
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise bad(f"'{key}' must be {kind} in [{lo}, {hi}], got {v!r}", key)
+        raise bad(f"'{key}' must be {'an integer' if integer else 'a number'} in [{lo}, {hi}], got {v!r}", key)
     return v
 
 
-def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+def flag(body: dict, key: str, default: bool = False, message: str | None = None) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, (bool, type(None))):
+        raise bad(message or f"'{key}' must be a boolean", key)
+    return default if v is None else v
 
 
-def sse_event(payload: dict) -> bytes:
-    """An SSE event named by its payload's `type` (the Responses and Messages streams)."""
-    return b"event: " + payload["type"].encode() + b"\n" + sse(payload)
+def sampling(body: dict, top_temperature: float = 2) -> dict:
+    """A request's own temperature and top_p (None where it sets none), checked."""
+    t, p = number(body, "temperature", None, 0, top_temperature), number(body, "top_p", None, 1e-6, 1)
+    return {"temperature": None if t is None else float(t), "top_p": None if p is None else float(p),
+            "model": str(body.get("model") or "loongsage")}
 
 
-# ---- a generation as the adapters present it ------------------------------------------------------------
+def unknown_fields(body: dict, known: set) -> list[str]:
+    """Notes for the fields this proxy does not know: accepted and recorded, never a 400."""
+    return [f"ignored unknown field '{k}'" for k in sorted(set(body) - known)]
 
 
+def not_honoured(body: dict, defaults: dict) -> list[str]:
+    """Notes for the fields set to other than the only values (`defaults[key]`) the proxy honours."""
+    return [f"'{k}'={body[k]!r} accepted but not honoured" for k, ok in defaults.items()
+            if k in body and body[k] not in ok]
+
+
+# ---- a generation as the adapters present it ------------------------------------------------------------------
 @dataclass
 class Generation:
-    """A completion's text as the Responses / Messages APIs present it: reasoning, text, tool calls,
-    with the spans they came from (offsets into the raw text) for streaming them piece by piece."""
+    """A completion's text as the replies present it: reasoning, text and tool calls, with the spans they came
+    from (offsets into the raw text, which starts with a forced call's prefill of `offset` characters)."""
     raw: str
     reasoning: str | None                 # inside <think>...</think>, None if the model wrote none
     reasoning_span: tuple[int, int]
@@ -90,6 +141,7 @@ class Generation:
     text_span: tuple[int, int]
     calls: list[dict]                     # chat-form tool calls (parse_tool_calls)
     think_end: int                        # offset just past </think> (0 without reasoning)
+    offset: int = 0
 
 
 def _strip_span(raw: str, a: int, b: int) -> tuple[int, int]:
@@ -100,21 +152,19 @@ def _strip_span(raw: str, a: int, b: int) -> tuple[int, int]:
     return a, b
 
 
-def read_generation(raw: str, parse_calls: bool, reasoning: bool = True) -> Generation:
-    """Split generated text into reasoning, text and tool calls. Reasoning is `<think>...</think>` at the
-    start, or text up to a `</think>` with no opening tag (a template that opens the block in the
-    generation prompt, as Qwen3's does when thinking)."""
+def read_generation(raw: str, parse_calls: bool, reasoning: bool, prefix: str = "call_") -> Generation:
+    """Generated text split into reasoning, text and tool calls. Reasoning (if `reasoning`) is `<think>...
+    </think>` at the start, or text up to a `</think>` with no opening (a template that opens the block in
+    the generation prompt, as Qwen3's does when thinking)."""
     r, r_span, start = None, (0, 0), 0
     close = raw.find(THINK_CLOSE) if reasoning else -1
     if close >= 0:
         opened = raw.find(THINK_OPEN, 0, close)
         if opened < 0 or not raw[:opened].strip():
-            a = opened + len(THINK_OPEN) if opened >= 0 else 0
-            r_span = _strip_span(raw, a, close)
-            r = raw[r_span[0]:r_span[1]]
-            start = close + len(THINK_CLOSE)
+            r_span = _strip_span(raw, opened + len(THINK_OPEN) if opened >= 0 else 0, close)
+            r, start = raw[r_span[0]:r_span[1]], close + len(THINK_CLOSE)
     rest = raw[start:]
-    content, calls = parse_tool_calls(rest) if parse_calls else (rest, [])
+    _, calls = parse_tool_calls(rest, prefix) if parse_calls else (rest, [])
     if calls:
         t_span = _strip_span(raw, start, start + rest.index("<tool_call>"))
     else:
@@ -123,18 +173,42 @@ def read_generation(raw: str, parse_calls: bool, reasoning: bool = True) -> Gene
 
 
 def with_reasoning(reasoning: str | None, content: str) -> str:
-    """An assistant turn's content with its reasoning written back inline, the way read_generation
-    reads it and Qwen-style templates render it (a template that drops old reasoning drops it)."""
+    """An assistant turn's content with its reasoning inline, as read_generation reads it and Qwen-style
+    templates render it (a template that drops old reasoning drops it)."""
     return content if reasoning is None else f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
 
 
+def custom_input(arguments: str) -> str:
+    """A free-form (custom) tool's input from the call the model wrote: its `input` string, else the text."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(args, dict) and isinstance(args.get("input"), str):
+        return args["input"]
+    return args if isinstance(args, str) else arguments
+
+
+# ---- replies ------------------------------------------------------------------------------------------------
+def token_pieces(tok, choice) -> list[str]:
+    """The completion's per-token text, whose concatenation is its text (one piece where a character spans
+    tokens): for streams and logprobs only, a decode per token costs."""
+    ids = choice.stream.ids
+    pieces, ctx = [], ids[max(len(ids) - len(choice.ids) - 4, 0):len(ids) - len(choice.ids)]
+    for t in choice.ids:
+        head = decode(tok, ctx, skip_special=True)
+        full = decode(tok, ctx + [t], skip_special=True)
+        pieces.append(full[len(head):] if full.startswith(head) else "")
+        ctx = (ctx + [t])[-4:]
+    return pieces if "".join(pieces) == choice.text else [choice.text] + [""] * (len(choice.ids) - 1)
+
+
 def span_pieces(pieces: list[str], span: tuple[int, int], offset: int = 0) -> list[tuple[str, int]]:
-    """The parts of per-token `pieces` (starting at `offset` of the raw text) inside `span`, each with
-    its token's index: a part's stream deltas."""
+    """The parts of per-token `pieces` (starting at `offset` of the raw text) inside `span`, each with its
+    token's index: a part's stream deltas."""
     out, pos = [], offset
-    a, b = span
     for i, p in enumerate(pieces):
-        lo, hi = max(a, pos), min(b, pos + len(p))
+        lo, hi = max(span[0], pos), min(span[1], pos + len(p))
         if lo < hi:
             out.append((p[lo - pos:hi - pos], i))
         pos += len(p)
@@ -151,82 +225,18 @@ def tokens_before(pieces: list[str], end: int) -> int:
     return len(pieces)
 
 
-def call_separator(tok) -> str:
-    """What the chat template writes between an assistant turn's content and its first tool call (Qwen's: a
-    newline; the fallback's: nothing), found by rendering one. A reply's content leaves it out, so the turn
-    rendered back spells what the model wrote."""
-    call = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "PROBE", "tool_calls": [call]}]
-    try:
-        turn = render(tok, msgs, generation_prompt=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render a tool call separates nothing
-        return ""
-    i = turn.rfind("PROBE")
-    j = turn.find("<tool_call>", i)
-    return turn[i + len("PROBE"):j] if 0 <= i < j else ""
+def logprob_entry(piece: str, lp: float) -> dict:
+    return {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
 
 
-def custom_input(arguments: str) -> str:
-    """A free-form (custom) tool's input from the call the model wrote: its `input` string, else the text."""
-    try:
-        args = json.loads(arguments)
-    except ValueError:
-        return arguments
-    if isinstance(args, dict) and isinstance(args.get("input"), str):
-        return args["input"]
-    return args if isinstance(args, str) else arguments
+def new_id(prefix: str, sep: str = "_") -> str:
+    return f"{prefix}{sep}{secrets.token_hex(12)}"
 
 
-def tool_call_opening(tok) -> str | None:
-    """How the chat template opens a tool call, up to the function name (e.g. '<tool_call>\\n{"name": '),
-    found by rendering one; None if it writes no <tool_call> block. A forced tool choice is honoured by
-    ending the prompt with it: the model must continue a call (its tokens are context, not trained)."""
-    probe = "loongsage_probe_fn"
-    call = {"id": "c0", "type": "function", "function": {"name": probe, "arguments": "{}"}}
-    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    try:
-        head = render(tok, msgs[:1], generation_prompt=True)
-        turn = render(tok, msgs, generation_prompt=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render a tool call cannot be forced to write one
-        return None
-    turn = turn[len(head):] if turn.startswith(head) else turn
-    i, j = turn.find("<tool_call>"), turn.find(json.dumps(probe))
-    return turn[i:j] if 0 <= i < j else None
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-# ---- reading bodies -------------------------------------------------------------------------------------------
-def read_json(raw: bytes):
-    """The body as JSON, or a 400: malformed, or nested deeper than MAX_JSON_DEPTH."""
-    try:
-        obj = json.loads(raw)
-    except RecursionError:
-        raise too_deep() from None
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if _depth_over(obj, MAX_JSON_DEPTH):
-        raise too_deep()
-    return obj
-
-
-def too_deep() -> APIError:
-    return APIError(400, f"the request body nests JSON arrays/objects more than {MAX_JSON_DEPTH} levels deep")
-
-
-def _depth_over(obj, limit: int) -> bool:
-    """Whether containers nest deeper than `limit` (iterative: no recursion to exhaust)."""
-    stack = [(obj, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            v = v.values()
-        elif not isinstance(v, list):
-            continue
-        if d > limit:
-            return True
-        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
-    return False
-
-
-def unknown_fields(body: dict, known: set, where: str = "") -> list[str]:
-    """Notes for the fields of `body` this proxy does not know: accepted and recorded, never a 400."""
-    return [f"ignored unknown field '{where}{k}'" for k in sorted(set(body) - known)]
+def sse_events(payloads) -> bytes:
+    """Events named by their payload's `type` (the Responses and Messages streams)."""
+    return b"".join(b"event: " + p["type"].encode() + b"\n" + sse(p) for p in payloads)

@@ -1,91 +1,57 @@
-"""A black-box trajectory as the proxy records it: calls in, a tree of token segments out.
+"""A black-box trajectory as the proxy records it: model calls in, a tree of token segments out.
 
-Every model call of one trajectory lands here. A call's prompt (chat-template text, or
-completion text / ids) is matched against the streams recorded so far (the "tips": one
-per choice of every recent call). If it extends a tip, the new prompt is that tip's ids
-plus the tokens of the new text only, so the model's earlier tokens are reused, never
-re-tokenised. If it extends none (the agent edited or summarised its history, or a chat
-template that rewrites earlier turns, e.g. dropping their <think> reasoning), the longest
-run of a tip's recorded tokens whose text starts the prompt is kept as it was recorded and
-only the rest is tokenized: the call starts a new segment from there.
+`Session.call(request, headers)` serves one call of any protocol, in one pass: restore the history the harness
+re-serialised, render it, check it against the limits, admit it as a turn, generate, remember what the reply
+gives the harness and keep the transcript. It returns each choice with its matched stop string and its
+reasoning, text and tool calls (protocol.Generation), for the protocol to render.
 
-Segments form a tree (`Session.tree`). A call says what it is with the request-kind header
-`x-loongsage-request-kind: main | compaction | subagent | side` (KIND_HEADER) and, for one
-subagent among several, `x-loongsage-agent-id: NAME`; without it, the harness's own signals say
-(stages/agentflow/harness.py: Claude Code's agent id, Codex's turn metadata, title and summary
-prompts); without either, the call is main. A call continues the segment whose tip it extends if
-it is of the same kind and agent; otherwise it starts one:
+A prompt reuses recorded tokens. It is matched against the streams recorded so far (the "tips": one per choice
+of every recent call): if its text extends a tip, it is that tip's ids plus the new text's tokens, so the model's
+tokens are never re-tokenised. If it extends none (an edited history, a template that drops earlier reasoning),
+the longest run of a tip's tokens whose text starts it is kept as recorded and only the rest is tokenized.
 
-    compaction   the agent asks for a summary of its history: a child of the segment it extends
-    main after a compaction   follows the compaction segment (its prompt holds the summary)
-    subagent     its first call hangs off the latest main segment; later calls extend it
-    side         a call the harness makes for itself (a title): its own segment, not trained by default
-    a branch     (history not an extension) a child of the segment it branched from
-
-Harnesses send the history back re-serialised (tool-call arguments as `{"command":"x"}` where the
-model wrote `{"command": "x"}`; reasoning split into `reasoning_content`; an Anthropic tool_use's
-input as an object). `restore` puts back what the proxy sent, per tool-call id and per reply, where
-it means the same, so the history still extends the recorded tokens.
-
-Each segment records its parent, kind, agent and token span (`start`: tokens shared with
-the stream it branched from); its row is its last call's stream (choice 0), whose prompt is
-the segment's first prompt, so tokens another segment trains are never trained twice. The
-rollout turns every segment of a trained kind (rollout.train_segments) into its own row.
-
-Assembling a prompt has no side effect: the proxy checks its length first, and only a call
-it admits (`admit`) counts as a turn and takes its place in the tree.
+Segments form a tree (`tree`). A call's kind (main | compaction | subagent | side) and agent come from its
+headers or its harness's own signals (harness.py). A call continues the segment whose tip it extends if it is of
+the same kind and agent; else it starts one: a compaction hangs off the segment it extends, a main call after a
+compaction follows it, a subagent's first call hangs off the latest main segment, a side call (a title) is its
+own, and a branch (history not an extension) is a child of the segment it branched from. A segment's row is its
+last call's stream from the segment's first prompt, so no token is trained twice; the rollout makes a row of
+every segment of a trained kind (rollout.train_segments).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
-from stages.agentflow.chat import cut_at_stop, decode, decode_continuation, encode, split_reasoning
+from stages.agentflow.chat import (
+    call_separator,
+    cut_at_stop,
+    decode,
+    decode_continuation,
+    encode,
+    render,
+    split_reasoning,
+    tool_call_opening,
+)
 from stages.agentflow.config import KINDS
-from stages.agentflow.harness import harness_kind
-from stages.agentflow.limits import raise_if_failed
-from stages.agentflow.protocol import custom_input
+from stages.agentflow.harness import request_kind
+from stages.agentflow.limits import PromptLimit, RequestRejected, raise_if_failed
+from stages.agentflow.protocol import APIError, Generation, Request, bad, custom_input, read_generation, with_reasoning
 from stages.agentflow.stream import TokenStream
 
-MAX_TIPS = 64   # recent streams kept as extension candidates; older ones are dropped
-KIND_HEADER = "x-loongsage-request-kind"   # main | compaction | subagent: what a call is part of
-AGENT_HEADER = "x-loongsage-agent-id"      # names one subagent among several (optional)
-MAX_SAID = 4096     # tool calls and replies remembered per trajectory, to restore a re-serialised history
-
-
-class KindError(ValueError):
-    """A request-kind header with a value this proxy does not know."""
-
-
-def request_kind(headers, messages: list[dict] | None = None) -> tuple[str, str]:
-    """(kind, agent id) of a call: its request-kind header, else the harness's own signals, else main."""
-    kind = (headers.get(KIND_HEADER) or "").strip().lower()
-    agent = (headers.get(AGENT_HEADER) or "").strip()
-    if not kind:
-        found = harness_kind(headers, messages)
-        if found is not None:
-            return found[0], agent or found[1]
-        kind = "main"
-    if kind not in KINDS:
-        raise KindError(f"header {KIND_HEADER}: {kind!r} is not one of {', '.join(KINDS)}")
-    return kind, agent
-
-
-class TurnLimitReached(RuntimeError):
-    pass
-
-
-class BudgetSpent(TurnLimitReached):
-    """The trajectory's token budget (rollout.max_trajectory_tokens) is spent: it ends as the turn limit ends it."""
-
-
-MAX_NOTES = 64  # notes kept per trajectory (the same note is kept once)
+MAX_TIPS = 64           # recent streams kept as extension candidates; older ones are dropped
+MAX_SAID = 4096         # tool calls and replies remembered, to restore a re-serialised history
+MAX_NOTES = 64          # notes kept per trajectory (the same note once)
+THREAD_CHARS = 1 << 16  # a longer prompt is tokenized on a thread: the loop serves other trajectories meanwhile
 
 
 def turn_seed(seed: int, turn: int, choice: int = 0) -> int:
-    """The sampling seed of one model call (and choice) of a trajectory seeded `seed`: the first
-    call uses `seed` itself; later turns and other choices must not replay its random stream."""
+    """The sampling seed of one model call (and choice) of a trajectory seeded `seed`: the first call uses
+    `seed` itself; later turns and other choices must not replay its random stream."""
     return (seed + turn * 2 ** 40 + choice * 2 ** 24) % 2 ** 62
 
 
@@ -95,133 +61,273 @@ class Choice:
     ids: list[int]            # this completion's ids (after any stop-string cut)
     logprobs: list[float]
     versions: list[int]
-    text: str                 # what the agent sees (special tokens skipped)
-    finish_reason: str        # stop | length
+    text: str                 # what the harness reads (special tokens skipped)
+    finish_reason: str        # stop | length, as the harness is told
     status: str               # engine status: completed | truncated | aborted
     engine_s: float           # time this call waited on the engine
+    prompt_tokens: int = 0
+    stop: str | None = None   # the stop string it was cut at
+    gen: Generation | None = None   # its reasoning, text and tool calls
+    message: dict | None = None     # its chat assistant message, content as sent (Session.call)
 
 
 @dataclass
 class Prompt(TokenStream):
-    """A call's prompt stream, with where it came from: the recorded tip it reuses tokens of."""
+    """A call's prompt stream, with the recorded tip it reuses tokens of."""
     origin: int = -1          # index in Session.tips of that tip (-1: none, every token is fresh)
-    shared: int = 0           # tokens taken from it as recorded (the model's own, never re-tokenised)
+    shared: int = 0           # tokens taken from it as recorded
     extends: bool = False     # the prompt extends the whole tip (else it branches off at `shared`)
     resent_bytes: int = 0     # bytes of the prompt text the proxy had recorded already
-    segment: int = -1         # the segment the call joined (set by Session.admit)
+    segment: int = -1         # the segment the call joined (Session.admit)
 
 
 @dataclass
 class Segment:
-    """One node of a trajectory's segment tree: consecutive calls that extend each other's streams."""
+    """One node of the segment tree: consecutive calls that extend each other's streams."""
     id: int
-    kind: str                 # main | compaction | subagent
+    kind: str                 # main | compaction | subagent | side
     agent: str                # a subagent's id ("" when its calls sent none)
     parent: int               # the segment it branched from or follows (-1: the root)
     start: int                # tokens it shares with the stream it branched from; its own tokens start here
     stream: TokenStream | None = None   # its last call's stream (choice 0): the segment's training row
     calls: int = 0
 
-    @property
-    def span(self) -> tuple[int, int]:
-        return self.start, len(self.stream.ids) if self.stream is not None else self.start
+
+def assistant_message(gen: Generation, separator: str = "") -> dict:
+    """A choice as a chat assistant message. Its content is the model's text byte for byte, less the
+    `separator` the template writes itself before a tool call: rendered back, the turn spells the same text."""
+    if not gen.calls:
+        return {"role": "assistant", "content": gen.raw}
+    content = gen.raw[:gen.raw.index("<tool_call>")].removesuffix(separator)
+    return {"role": "assistant", "content": content or None, "tool_calls": gen.calls}
 
 
 class Session:
-    def __init__(self, client, tok, sampling: dict, max_turns: int = 0, max_tokens: int = 0):
-        self.client, self.tok, self.sampling, self.max_turns = client, tok, sampling, max_turns
-        self.max_tokens = max_tokens    # completion tokens this trajectory may generate in all; 0 = no budget
-        self.generated = 0              # completion tokens generated so far (every choice)
-        self.notes: list[str] = []      # what its requests asked that was accepted, not honoured (recorded)
+    def __init__(self, client, tok, sampling: dict, limit: PromptLimit, max_turns: int = 0, max_tokens: int = 0,
+                 force_sampling: bool = False):
+        self.client, self.tok, self.sampling, self.limit = client, tok, sampling, limit
+        self.max_turns, self.max_tokens = max_turns, max_tokens     # max_tokens: completion tokens in all (0: any)
+        self.force_sampling = force_sampling    # the rollout's temperature, top_p and seeds override the agent's
+        self.generated = 0                  # completion tokens generated so far (every choice)
+        self.notes: list[str] = []          # what its requests asked that was accepted, not honoured
         self.said_args: dict[str, str] = {}                 # tool-call id -> its arguments as the model wrote them
         self.said: dict[tuple[str | None, str], str] = {}   # (reasoning, text) of a reply -> its content as sent
+        self.responses: dict[str, list[dict]] = {}          # stored Responses (previous_response_id) -> items
         self.tips: list[TokenStream] = []
-        self.tip_segs: list[int] = []         # the segment each tip belongs to
+        self.tip_segs: list[int] = []       # the segment each tip belongs to
         self.tree: list[Segment] = []
         self.final: Choice | None = None
         self.transcript: list[dict] = []
         self.calls = 0
         self.gen_s = 0.0
         self.reused_tokens = self.fresh_tokens = self.resent_bytes = 0
-        self.truncated = False      # the turn limit cut the agent off
+        self.truncated = False      # the turn limit or the token budget cut the agent off
         self.closed = False
 
-    @property
-    def segments(self) -> int:
-        return len(self.tree)
+    separator = cached_property(lambda self: call_separator(self.tok))
+    opening = cached_property(lambda self: tool_call_opening(self.tok) or "")
 
-    def note(self, *notes: str) -> None:
-        """Record what a request asked that the proxy accepted without honouring (each note once)."""
-        for n in notes:
-            if n not in self.notes and len(self.notes) < MAX_NOTES:
-                self.notes.append(n)
+    # ---- one model call ------------------------------------------------------------------------------
+    async def call(self, req: Request, headers) -> list[Choice]:
+        """restore -> render -> limits -> admit -> complete -> remember -> transcript."""
+        kind, agent = request_kind(headers, req.messages)
+        prefill = self._prefill(req.forced)
+        if req.messages is not None:
+            req.messages = self.restore(req.messages)
+            req.prompt = self._render(req) + prefill
+        base = await self._prompt(req)
+        req.max_tokens, req.bound = self.limit.clamp(len(base.ids), req.requested, self.sampling["max_new_tokens"],
+                                                     self.tokens_left())
+        self.admit(base, kind, agent)
+        self.note(*req.notes)
+        choices = await self._complete(base, req)
+        for c in choices:
+            c.gen = read_generation(prefill + c.text, req.tools is not None, req.reasoning and not prefill,
+                                    req.call_prefix)
+            c.gen.offset, c.message = len(prefill), assistant_message(c.gen, self.separator if c.gen.calls else "")
+            if req.messages is not None:
+                self.remember(c.message["content"], c.gen.calls)
+        if not self.closed and req.messages is None:
+            prompt = req.prompt if isinstance(req.prompt, str) else base.text
+            self.transcript = [{"role": "prompt", "content": prompt}, {"role": "assistant", "content": choices[0].text}]
+        elif not self.closed:
+            turn, gen = choices[0].message, choices[0].gen
+            if req.reasoning:
+                turn = {"role": "assistant", "content": with_reasoning(gen.reasoning, gen.text)} | (
+                    {"tool_calls": gen.calls} if gen.calls else {})
+            self.transcript = req.messages + [turn]
+        return choices
+
+    async def count(self, req: Request) -> int:
+        """The tokens of a request's rendered prompt (no model call)."""
+        text = self._render(req)
+        return len(await asyncio.to_thread(encode, self.tok, text) if len(text) > THREAD_CHARS else
+                   encode(self.tok, text))
+
+    def _render(self, req: Request) -> str:
+        try:
+            return render(self.tok, req.messages, req.tools)
+        except Exception as e:  # noqa: BLE001 - jinja raises template-specific errors for unsupported histories
+            raise bad(f"the chat template cannot render these messages: {e}", req.param) from None
+
+    def _prefill(self, forced: str | None) -> str:
+        """The prompt's ending that makes the model call a tool ("" = any tool, else the named one)."""
+        if forced is None:
+            return ""
+        if not self.opening:
+            raise bad("this model's chat template writes no <tool_call> block, so a tool call cannot be forced; "
+                      "use auto", "tool_choice")
+        return self.opening + (json.dumps(forced) if forced else "")
+
+    async def _prompt(self, req: Request) -> Prompt:
+        """The call's prompt stream, checked against the limits before anything long is tokenized."""
+        ids, text, param, count = req.prompt, req.prompt, req.param, 0
+        try:
+            if isinstance(ids, list):
+                vocab = len(self.tok)
+                if max(ids) >= vocab:
+                    i = next(i for i, t in enumerate(ids) if t >= vocab)
+                    raise bad(f"prompt[{i}] = {ids[i]} is not a token id: the vocabulary has {vocab} tokens "
+                              f"(ids 0..{vocab - 1})", param)
+                count = len(ids)
+                self.limit.budget(count, 0, param=param)    # the length alone, before the ids are decoded
+                base = self.base_for_ids(ids)
+            else:
+                if not text:
+                    raise bad("the prompt is empty: nothing in this request is text the model can read", param)
+                count = math.ceil(len(text) / self.limit.longest) if self.limit.longest else 0
+                self.limit.check_text(text, param=param)    # cheap: no tokenizing of a hopeless text
+                base = await asyncio.to_thread(self.base_for_text, text) if len(text) > THREAD_CHARS else \
+                    self.base_for_text(text)
+            count = len(base.ids)
+            self.limit.budget(count, 0, param=param)
+        except RequestRejected as e:
+            raise APIError(400, str(e), e.param, e.code,
+                           tokens=(count, req.requested or 0, self.limit.prompt_cap, self.limit.context)) from None
+        return base
+
+    async def _complete(self, base: Prompt, req: Request) -> list[Choice]:
+        """Generate the call's choices and record them as tips."""
+        if req.temperature is None:
+            req.temperature = self.sampling.get("temperature", 1.0)
+        if req.top_p is None:
+            req.top_p = self.sampling.get("top_p", 1.0)
+        row = {**self.sampling, "prompt_ids": base.ids, "max_new_tokens": req.max_tokens,
+               "temperature": req.temperature, "top_p": req.top_p}
+        if self.force_sampling:   # the rollout's sampling and per-sample seeds: an agent's fixed seed would give
+            row |= {"temperature": self.sampling.get("temperature", 1.0),     # a group's samples one answer
+                    "top_p": self.sampling.get("top_p", 1.0)}
+        if req.seed is not None and not self.force_sampling:
+            rows = [row | {"seed": req.seed + i} for i in range(req.n)]
+        elif "seed" in self.sampling:
+            rows = [row | {"seed": turn_seed(self.sampling["seed"], self.calls - 1, i)} for i in range(req.n)]
+        else:
+            rows = [row] * req.n
+        t0 = time.perf_counter()
+        outs = await self.client.generate(rows)
+        for out in outs:        # a row the engine refused (the checks above should have caught it)
+            raise_if_failed(out)
+        engine_s = time.perf_counter() - t0
+        self.gen_s += engine_s
+        choices = [self._choice(base, out, req.stop, engine_s) for out in outs]
+        self.generated += sum(len(c.ids) for c in choices)
+        self.tips = (self.tips + [c.stream for c in choices])[-MAX_TIPS:]
+        self.tip_segs = (self.tip_segs + [base.segment] * len(choices))[-MAX_TIPS:]
+        seg = self.tree[base.segment]
+        if not self.closed:
+            if seg.kind != "side" or self.final is None:    # a title call is not the trajectory's end
+                self.final = choices[0]
+            seg.stream = choices[0].stream
+        if any(c.status == "aborted" for c in choices):
+            raise APIError(503, "the engine aborted this request (the run is stopping or the window closed)",
+                           kind="server_error")
+        if req.bound in ("rollout", "budget") and any(c.finish_reason == "length" for c in choices):
+            # our cut, not the model's context nor the harness's own limit: the harness is told the completion
+            # stopped (told "length" it would ask the model to resume); the trajectory keeps the truth (the
+            # status truncated, and this note)
+            what = "rollout.max_new_tokens" if req.bound == "rollout" else "rollout.max_trajectory_tokens"
+            self.note(f"a completion was cut at {req.max_tokens} tokens by {what}: reported to the harness as stopped")
+            for c in choices:
+                c.finish_reason = "stop"
+        return choices
+
+    def _choice(self, base: Prompt, out: dict, stop: list[str], engine_s: float) -> Choice:
+        ids, matched = cut_at_stop(self.tok, base.ids, out["response_ids"], stop, keep_stop=False)
+        lps, versions = out["logprobs"][:len(ids)], out["versions"][:len(ids)]
+        stream = base.copy()
+        stream.add_model(ids, lps, versions, decode_continuation(self.tok, base.ids, ids))
+        status = "completed" if matched is not None else out["status"]
+        return Choice(stream, ids, lps, versions, decode_continuation(self.tok, base.ids, ids, skip_special=True),
+                      "stop" if status == "completed" else "length", status, engine_s, len(base.ids), matched)
 
     # ---- a history sent back re-serialised ------------------------------------------------------
-    def remember(self, content: str | None, calls: list[dict], ids: list[str] | None = None) -> None:
-        """What a reply gave the harness: its content (as sent) and each tool call's arguments as the model
-        wrote them, under the ids the harness knows them by (`ids`, default the calls' own)."""
+    def remember(self, content: str | None, calls: list[dict]) -> None:
+        """What a reply gave the harness: its content as sent and each tool call's arguments as the model wrote
+        them, under the ids the harness knows them by."""
         if len(self.said_args) > MAX_SAID or len(self.said) > MAX_SAID:
             self.said_args.clear()
             self.said.clear()
-        for c, cid in zip(calls, ids or [c["id"] for c in calls]):
-            self.said_args[cid] = c["function"]["arguments"]
+        self.said_args.update((c["id"], c["function"]["arguments"]) for c in calls)
         if content:
             self.said[split_reasoning(content, None)] = content
 
     def restore(self, messages: list[dict]) -> list[dict]:
-        """The history with the proxy's own replies put back as sent where the harness re-serialised them:
-        a tool call's arguments (same JSON value, other spacing), an assistant turn's content (the same
-        reasoning and text, reasoning sent apart as `reasoning_content` or the text trimmed)."""
-        out = []
-        for m in messages:
-            if m.get("role") == "assistant":
-                m = self._restored(m)
-            out.append(m)
-        return out
+        """The history with the proxy's own replies put back as sent where the harness re-serialised them: a
+        tool call's arguments (the same JSON value, other spacing; a custom tool's {"input": X} for the X read
+        from them), an assistant turn's content (the same reasoning and text, reasoning sent apart as
+        `reasoning_content` or the text trimmed)."""
+        return [self._restored(m) if m.get("role") == "assistant" else m for m in messages]
 
     def _restored(self, m: dict) -> dict:
         sent = self.said.get(split_reasoning(m.get("content") or "", m.get("reasoning_content")))
         if sent is not None and (sent != m.get("content") or "reasoning_content" in m):
             m = {k: v for k, v in m.items() if k != "reasoning_content"} | {"content": sent}
-        if m.get("tool_calls"):
-            m = m | {"tool_calls": [self._restored_call(c) for c in m["tool_calls"]]}
-        return m
+        return m | {"tool_calls": [self._restored_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
 
     def _restored_call(self, call: dict) -> dict:
         fn = call.get("function") or {}
-        raw = self.said_args.get(call.get("id"))
-        args = fn.get("arguments")
-        if raw is None or raw == args or not (_same_json(raw, args) or _same_custom_input(raw, args)):
+        raw, args = self.said_args.get(call.get("id")), fn.get("arguments")
+        if raw is None or raw == args:
             return call
-        return call | {"function": fn | {"arguments": raw}}
-
-    def tokens_left(self) -> int | None:
-        """Completion tokens left in the trajectory's budget (None: no budget)."""
-        return max(self.max_tokens - self.generated, 0) if self.max_tokens else None
+        value = _json(args)
+        same = value is not _INVALID and (value == _json(raw) or value == {"input": custom_input(raw)})
+        return call | {"function": fn | {"arguments": raw}} if same else call
 
     # ---- prompt assembly -----------------------------------------------------------
     def base_for_text(self, text: str) -> Prompt:
         """The stream a prompt text continues: a recorded tip plus the new text's tokens; or, when no tip's
-        text is a prefix of it (edited history, a template that rewrites earlier turns), the longest run of
-        some tip's tokens whose text starts it, plus the rest tokenized: a new segment from there."""
+        text is a prefix of it, the longest run of some tip's tokens whose text starts it, then the rest."""
         full = [i for i, t in enumerate(self.tips) if text.startswith(t.text)]
         if full:
             best = max(full, key=lambda i: len(self.tips[i].text))
             k, head = len(self.tips[best].ids), self.tips[best].text
         else:
-            best = max(range(len(self.tips)), key=lambda i: _common_chars(self.tips[i].text, text), default=-1)
+            best = max(range(len(self.tips)), key=lambda i: _common(self.tips[i].text, text), default=-1)
             k, head = self._tokens_within(self.tips[best], text) if best >= 0 else (0, "")
-        if k == 0:
-            return Prompt(encode(self.tok, text), text)
-        tip = self.tips[best]
         rest = text[len(head):]
-        if k == len(tip.ids):       # extends the whole tip: its records carry over (model tokens stay trained)
-            base = Prompt(list(tip.prompt_ids), tip.text, list(tip.response_ids), list(tip.logprobs),
-                          list(tip.versions), list(tip.loss_mask), origin=best, shared=k, extends=True)
-            base.add_context(encode(self.tok, rest), rest)
-        else:                       # branches off: the shared tokens as recorded, then the rest fresh
-            base = Prompt(tip.ids[:k] + encode(self.tok, rest), text, origin=best, shared=k)
+        base = self._from_tip(best, k, encode(self.tok, rest), rest, text)
         base.resent_bytes = len(head.encode())
+        return base
+
+    def base_for_ids(self, ids: list[int]) -> Prompt:
+        """Token-in prompts (completions with a list of ids) match tips id for id: the longest common prefix."""
+        best, k = max(((i, _common(t.ids, ids)) for i, t in enumerate(self.tips)), key=lambda x: x[1],
+                      default=(-1, 0))
+        return self._from_tip(best, k, list(ids[k:]), None, None)
+
+    def _from_tip(self, best: int, k: int, rest: list[int], rest_text: str | None, text: str | None) -> Prompt:
+        """Tip `best`'s first `k` tokens as recorded, then `rest` (tokens of `rest_text`; the text of the whole
+        prompt is `text`, decoded where None). A prompt extending a whole tip keeps its records (the model's
+        tokens stay trained); one branching off keeps the shared tokens only."""
+        if k == 0:
+            return Prompt(rest, decode(self.tok, rest) if text is None else text)
+        tip = self.tips[best]
+        if k < len(tip.ids):
+            ids = tip.ids[:k] + rest
+            return Prompt(ids, decode(self.tok, ids) if text is None else text, origin=best, shared=k)
+        base = Prompt(list(tip.prompt_ids), tip.text, list(tip.response_ids), list(tip.logprobs), list(tip.versions),
+                      list(tip.loss_mask), origin=best, shared=k, extends=True)
+        base.add_context(rest, decode_continuation(self.tok, tip.ids, rest) if rest_text is None else rest_text)
         return base
 
     def _tokens_within(self, tip: TokenStream, text: str) -> tuple[int, str]:
@@ -237,52 +343,29 @@ class Session:
                 hi = mid - 1
         return lo, head
 
-    def base_for_ids(self, ids: list[int]) -> Prompt:
-        """Token-in prompts (completions with a list of ids) match tips id for id: the longest common prefix."""
-        best, k = -1, 0
-        for i, t in enumerate(self.tips):
-            n = _common_ids(t.ids, ids)
-            if n > k:
-                best, k = i, n
-        if best < 0:
-            return Prompt(list(ids), self.tok.decode(ids, skip_special_tokens=False))
-        tip = self.tips[best]
-        if k == len(tip.ids):
-            base = Prompt(list(tip.prompt_ids), tip.text, list(tip.response_ids), list(tip.logprobs),
-                          list(tip.versions), list(tip.loss_mask), origin=best, shared=k, extends=True)
-            delta = list(ids[k:])
-            base.add_context(delta, decode_continuation(self.tok, tip.ids, delta))
-        else:
-            base = Prompt(list(ids), self.tok.decode(ids, skip_special_tokens=False), origin=best, shared=k)
-        return base
-
-    # ---- generation ----------------------------------------------------------------
-    def admit(self, base: TokenStream, kind: str = "main", agent: str = "") -> int:
-        """Count a call whose prompt is `base` and place it in the segment tree (its segment's id), or
-        refuse it past the turn limit. A call continues the segment of the tip it extends when it is of the
-        same kind (and subagent id); otherwise it starts a segment: after a compaction call, a main call
-        follows the compaction segment (its prompt holds the summary); a branch's parent is the segment it
-        branched from; a subagent's first call hangs off the latest main segment."""
+    # ---- turns and the tree ----------------------------------------------------------------
+    def admit(self, base: Prompt, kind: str, agent: str) -> None:
+        """Count a call as a turn (or refuse it past the turn limit or the token budget) and place it in the tree."""
         if self.closed:
             raise RuntimeError("the trajectory has ended")
         if self.max_turns and self.calls >= self.max_turns:
             self.truncated = True
-            raise TurnLimitReached(f"turn limit reached: this trajectory may make {self.max_turns} model calls")
+            raise bad(f"turn limit reached: this trajectory may make {self.max_turns} model calls",
+                      code="turn_limit_reached")
         if self.tokens_left() == 0:
             self.truncated = True
-            raise BudgetSpent(f"token budget spent: this trajectory may generate {self.max_tokens} tokens "
-                              f"(rollout.max_trajectory_tokens)")
+            raise bad(f"token budget spent: this trajectory may generate {self.max_tokens} tokens "
+                      f"(rollout.max_trajectory_tokens)", code="trajectory_budget_spent")
         self.calls += 1
-        origin = getattr(base, "origin", -1)
-        shared = getattr(base, "shared", 0) if origin >= 0 else 0
+        shared = base.shared if base.origin >= 0 else 0
         self.reused_tokens += shared
         self.fresh_tokens += len(base.ids) - shared
-        self.resent_bytes += getattr(base, "resent_bytes", 0)
-        seg = self.tree[self.tip_segs[origin]] if origin >= 0 else None
-        if seg is not None and getattr(base, "extends", False) and (seg.kind, seg.agent) == (kind, agent):
+        self.resent_bytes += base.resent_bytes
+        seg = self.tree[self.tip_segs[base.origin]] if base.origin >= 0 else None
+        if seg is not None and base.extends and (seg.kind, seg.agent) == (kind, agent):
             seg.calls += 1
             base.segment = seg.id
-            return seg.id
+            return
         if base.response_ids:   # a new segment's row starts at its first prompt: what it inherits is not
             base.prompt_ids, base.response_ids = base.ids, []   # trained again (its own segment trains it)
             base.logprobs, base.versions, base.loss_mask = [], [], []
@@ -295,57 +378,27 @@ class Session:
             parent = next((s.id for s in reversed(self.tree) if s.kind == "main"), -1)
         else:
             parent = last.id if last is not None else -1
-        new = Segment(len(self.tree), kind, agent, parent, shared, calls=1)
-        self.tree.append(new)
-        base.segment = new.id
-        return new.id
+        base.segment = len(self.tree)
+        self.tree.append(Segment(base.segment, kind, agent, parent, shared, calls=1))
 
-    async def complete(self, base: TokenStream, n: int, max_tokens: int, temperature: float, top_p: float,
-                       stop: list[str], seed: int | None = None) -> list[Choice]:
-        """Generate `n` choices continuing `base` (the call was admitted) and record them as tips."""
-        req = {**self.sampling, "prompt_ids": base.ids, "max_new_tokens": max_tokens,
-               "temperature": temperature, "top_p": top_p}
-        t0 = time.perf_counter()
-        if seed is not None:                  # the agent's own seed: choice i samples with seed + i
-            reqs = [req | {"seed": seed + i} for i in range(n)]
-        elif "seed" in self.sampling:         # the rollout's per-sample seed, spread over calls and choices
-            reqs = [req | {"seed": turn_seed(self.sampling["seed"], self.calls - 1, i)} for i in range(n)]
-        else:
-            reqs = [req] * n
-        outs = await self.client.generate(reqs)
-        for out in outs:        # a row the engine refused (the proxy's checks should have caught it)
-            raise_if_failed(out)
-        engine_s = time.perf_counter() - t0
-        self.gen_s += engine_s
-        choices = [self._choice(base, out, stop, engine_s) for out in outs]
-        self.generated += sum(len(c.ids) for c in choices)
-        sid = getattr(base, "segment", -1)
-        if sid < 0:         # a caller that skipped admit(): the call continues the latest segment
-            sid = self.tree[-1].id if self.tree else self.admit(base)
-        self.tips = (self.tips + [c.stream for c in choices])[-MAX_TIPS:]
-        self.tip_segs = (self.tip_segs + [sid] * len(choices))[-MAX_TIPS:]
-        if not self.closed:
-            if self.tree[sid].kind != "side" or self.final is None:    # a title call is not the trajectory's end
-                self.final = choices[0]
-            self.tree[sid].stream = choices[0].stream
-        return choices
+    def tokens_left(self) -> int | None:
+        """Completion tokens left in the trajectory's budget (None: no budget)."""
+        return max(self.max_tokens - self.generated, 0) if self.max_tokens else None
 
-    def _choice(self, base: TokenStream, out: dict, stop: list[str], engine_s: float) -> Choice:
-        ids, stopped = cut_at_stop(self.tok, base.ids, out["response_ids"], stop, keep_stop=False)
-        k = len(ids)
-        stream = base.copy()
-        stream.add_model(ids, out["logprobs"][:k], out["versions"][:k], decode_continuation(self.tok, base.ids, ids))
-        status = "completed" if stopped else out["status"]
-        text = decode_continuation(self.tok, base.ids, ids, skip_special=True)
-        return Choice(stream, ids, out["logprobs"][:k], out["versions"][:k], text,
-                      "stop" if status == "completed" else "length", status, engine_s)
+    def note(self, *notes: str) -> None:
+        """Record what a request asked that the proxy accepted without honouring (each note once)."""
+        for n in notes:
+            if n not in self.notes and len(self.notes) < MAX_NOTES:
+                self.notes.append(n)
 
     # ---- the trajectory ----------------------------------------------------------------
     @property
+    def segments(self) -> int:
+        return len(self.tree)
+
+    @property
     def status(self) -> str:
-        if self.truncated:
-            return "truncated"
-        return self.final.status if self.final else "failed"
+        return "truncated" if self.truncated else self.final.status if self.final else "failed"
 
     def rows(self) -> list[Segment]:
         """The segments that have a recorded stream, in the order they started."""
@@ -358,43 +411,20 @@ class Session:
         self.closed = True
 
 
-def _same_json(a, b) -> bool:
-    """Whether two tool-call arguments (JSON texts, or a decoded value) mean the same JSON value."""
+_INVALID = object()
+
+
+def _json(v):
+    """A tool call's arguments as a JSON value (a text is parsed), or _INVALID."""
     try:
-        a = json.loads(a) if isinstance(a, str) else a
-        b = json.loads(b) if isinstance(b, str) else b
+        return json.loads(v) if isinstance(v, str) else v
     except ValueError:
-        return False
-    return a == b
+        return _INVALID
 
 
-def _same_custom_input(raw: str, args) -> bool:
-    """A custom tool's call sent back as {"input": X} (stages/agentflow/responses_api.py) for a call whose
-    input we read as X from the model's own arguments `raw`."""
-    try:
-        value = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        return False
-    return isinstance(value, dict) and list(value) == ["input"] and value["input"] == custom_input(raw)
-
-
-def _common_chars(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (binary search on C-level startswith)."""
+def _common(a, b) -> int:
+    """Length of the longest common prefix of two strings or id lists (a binary search on C-level compares)."""
     lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if b.startswith(a[:mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _common_ids(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[:mid] == b[:mid]:

@@ -1,12 +1,9 @@
 """One trajectory's token stream: the ids the engine saw, with per-token records.
 
-Both kinds of agent build their trajectory here. Model tokens are appended exactly as
-the engine returned them (ids, logprobs, versions; loss_mask=1); everything else (tool
-results, environment observations, chat-template glue between turns) is appended as
-loss_mask=0 context. Next to the ids the stream keeps `text`: the text those ids stand
-for, as rendered (prompt/context) or decoded (model turns). A later prompt whose text
-starts with `text` extends this stream by its remainder alone, so earlier tokens are
-never re-tokenised.
+Model tokens are appended as the engine returned them (ids, logprobs, versions; loss_mask=1); anything else (tool
+results, observations, chat-template glue between turns) as loss_mask=0 context. Beside the ids the stream keeps
+`text`, what they stand for as rendered or decoded: a later prompt whose text starts with it extends the stream
+by its remainder alone, so earlier tokens are never re-tokenised.
 """
 from __future__ import annotations
 
@@ -28,22 +25,17 @@ class TokenStream:
 
     def add_context(self, ids: list[int], text: str) -> None:
         """Tokens the model did not produce: context for later turns, never trained on."""
-        self.response_ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-        self.loss_mask += [0] * len(ids)
-        self.text += text
+        self._add(ids, [0.0] * len(ids), [-1] * len(ids), 0, text)
 
     def add_model(self, ids: list[int], logprobs: list[float], versions: list[int], text: str) -> None:
+        self._add(ids, logprobs, versions, 1, text)
+
+    def _add(self, ids: list[int], logprobs: list[float], versions: list[int], mask: int, text: str) -> None:
         self.response_ids += ids
         self.logprobs += logprobs
         self.versions += versions
-        self.loss_mask += [1] * len(ids)
+        self.loss_mask += [mask] * len(ids)
         self.text += text
-
-    def extension(self, text: str) -> str | None:
-        """The part of `text` beyond this stream, or None if `text` does not extend it."""
-        return text[len(self.text):] if text.startswith(self.text) else None
 
     def copy(self) -> "TokenStream":
         return TokenStream(list(self.prompt_ids), self.text, list(self.response_ids), list(self.logprobs),
