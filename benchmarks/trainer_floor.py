@@ -81,7 +81,6 @@ class Bare:
         import torch
 
         from stages.model import load_model
-        from stages.update.trainer import adamw
 
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
@@ -89,7 +88,7 @@ class Bare:
         self.model = load_model(model_path, "float32")
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = adamw(self.params, cfg)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         import numpy as np
 
         self.rng = np.random.default_rng(cfg.seed)
@@ -97,7 +96,7 @@ class Bare:
 
     def prepare(self, table):
         """Everything the loop needs as tensors: ids, response positions/ids, mask, old log-probs, advantages."""
-        from stages.update.trainer import task_advantages, to_batch
+        from stages.update.step import task_advantages, to_batch
 
         b = to_batch(table, self.pad)
         adv, mask = task_advantages(self.algo, b)
@@ -106,12 +105,11 @@ class Bare:
     def step(self, prepared) -> None:
         import numpy as np
 
-        from stages.update.trainer import mini_batches, pack_shared_prompts
+        from stages.update.step import mini_batches
+        from stages.update.trainer import pack_shared_prompts
 
         torch = self.torch
         b, adv, mask = prepared
-        n = b.input_ids.shape[0]
-        mb = self.cfg.mini_batch_size or n
         lo, hi = 1 - self.algo.clip_low, 1 + self.algo.clip_high
         live = ((adv * mask) != 0).any(1)
         ent_coef = self.algo.entropy_coef
@@ -119,7 +117,7 @@ class Bare:
         # algorithm.entropy_rows=trained keeps it to the rows with a nonzero advantage
         trained_only = self.algo.entropy_rows == "trained"
         skip = self.cfg.skip_zero_advantage and (ent_coef == 0 or trained_only)
-        for i, idx in enumerate(mini_batches(self.cfg, self.rng, b, n, mb)):
+        for i, idx in enumerate(mini_batches(self.cfg, self.rng, b)):
             full = torch.as_tensor(np.sort(idx))
             # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
             # tokens stay in the denominator. As the trainer, not on the first mini-batch of a decoupled

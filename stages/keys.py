@@ -96,3 +96,13 @@ def problem(value, check: Check | None) -> str | None:
         return None if check(value) else str(check)
     except TypeError:                 # e.g. a None where a bound compares numbers
         return str(check)
+
+
+def check_fields(cfg, section: str) -> None:
+    """Refuse, in __post_init__, a value its key's check refuses: a config built in code is held to
+    what the loader holds a recipe to, with the same words. Nested sections check themselves."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        why = None if dataclasses.is_dataclass(value) else problem(value, check_of(f))
+        if why:
+            raise ValueError(f"{section}.{f.name} must be {why}, got {value!r}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from stages.keys import POSITIVE, between, key, one_of
+from stages.keys import POSITIVE, between, check_fields, key, one_of
 
 SERVE = ("merge", "peft")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -29,14 +29,7 @@ class LoraConfig:
     serve: str = key("merge", "how the HF engine applies a version: merge | peft (see stages/lora.py)", one_of(*SERVE))
 
     def __post_init__(self):
-        if self.rank <= 0:
-            raise ValueError(f"trainer.lora.rank must be > 0, got {self.rank}")
-        if not self.alpha > 0:
-            raise ValueError(f"trainer.lora.alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"trainer.lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.serve not in SERVE:
-            raise ValueError(f"trainer.lora.serve must be one of {', '.join(SERVE)}, got {self.serve!r}")
+        check_fields(self, "trainer.lora")
         if self.target_regex:
             try:
                 re.compile(self.target_regex)

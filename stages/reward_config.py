@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, at_least, key
+from stages.keys import NONNEG, POSITIVE, at_least, check_fields, key
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,4 @@ class RewardConfig:
     seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: row[\"seed\"] for a user fn", NONNEG)
 
     def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
-        if self.workers < 1:
-            raise ValueError(f"reward.workers must be >= 1, got {self.workers}")
+        check_fields(self, "reward")

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, key, one_of
+from stages.keys import NONNEG, POSITIVE, Check, check_fields, key, one_of
 from transfer.config import BLOCK_BYTES, TRANSPORTS
+
+_BUCKET = Check(f"a positive multiple of {BLOCK_BYTES}", lambda n: n > 0 and n % BLOCK_BYTES == 0)
 
 
 @dataclass(frozen=True)
@@ -12,9 +14,8 @@ class TransferConfig:
     transport: str = key("auto", '"auto" picks the fastest transport per receiver; any name in TRANSPORTS forces it '
                                  "for every receiver (planning fails loudly if it cannot reach one)",
                                  one_of("auto", *TRANSPORTS))
-    bucket_bytes: int = key(16 << 20, "size of one bucket, a multiple of 4096: the unit packed, checksummed and sent "
-                                      "while the next one packs (16 MiB measured best for the CPU transports here; GPU"
-                                      " recipes go larger, ~1 GiB)", POSITIVE)
+    bucket_bytes: int = key(16 << 20, "size of one bucket: the unit packed, checksummed and sent while the next one "
+                                      "packs (GPU recipes go larger, ~1 GiB)", _BUCKET)
     timeout_s: float = key(60.0, "the longest any single wait may take (a handshake, one bucket, one load); a transfer"
                                  " as a whole may take longer", POSITIVE)
     discover_timeout_s: float = key(600.0, "discovery is the first call an actor answers, so it also waits for the "
@@ -23,18 +24,11 @@ class TransferConfig:
     apply_in_place: bool = key(True, "receivers whose target offers weights_in_place (the HF engine does) copy each "
                                      "verified bucket straight into the model while later ones travel, holding the "
                                      "target's lock for the whole receive; False lands the whole version first, then "
-                                     "loads it (shorter lock hold, one more pass over the bytes)")
+                                     "loads it (shorter lock hold, one more copy of the weights in memory)")
     adopt_min_bytes: int = key(64 << 20, "a sender with an adopt_fn (the torch trainer) keeps its weights in the "
                                          "shared segment when they are at least this big, so publishing copies "
                                          "nothing; below it the copy is cheap and private weights let the trainer "
                                          "start its next step while local engines still read the version", NONNEG)
 
     def __post_init__(self) -> None:
-        if self.transport != "auto" and self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"transfer.transport={self.transport!r}; valid: auto, {', '.join(TRANSPORTS)}")
-        if self.bucket_bytes <= 0 or self.bucket_bytes % BLOCK_BYTES:
-            raise ValueError(
-                f"transfer.bucket_bytes={self.bucket_bytes} must be a positive multiple of {BLOCK_BYTES}")
-        if self.timeout_s <= 0 or self.discover_timeout_s <= 0:
-            raise ValueError("transfer.timeout_s and transfer.discover_timeout_s must be positive")
+        check_fields(self, "transfer")

@@ -10,6 +10,7 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.schema import table_from_columns
 from stages.update.losses import AlgorithmConfig
+from stages.update.step import mini_batches
 from stages.update.trainer import TorchTrainer, TrainerConfig, lr_at, to_batch
 
 
@@ -180,12 +181,13 @@ def test_a_groups_prompt_packed_once_gives_the_padded_batchs_logprobs_and_gradie
 
 
 def test_mini_batches_of_whole_groups_and_a_bad_split_is_rejected(tiny_model_dir):
-    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_split="groups"), AlgorithmConfig())
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_split="groups", mini_batch_size=8),
+                      AlgorithmConfig())
     t = pa.Table.from_pylist([{"prompt_ids": [3, 4 + g], "response_ids": [5, 1], "response_logprobs": [-1.0, -1.0],
                                "loss_mask": [1, 1], "token_versions": [0, 0], "reward": float(i % 2), "group_id": g,
                                "status": "completed"} for g in range(6) for i in range(4)])
     b = to_batch(t, 0)
-    parts = tr._mini_batches(b, 24, 8)
+    parts = mini_batches(tr.cfg, tr.rng, b)
     assert len(parts) == 3 and sorted(np.concatenate(parts).tolist()) == list(range(24))
     for idx in parts:      # two whole groups each
         assert len(set(b.group_ids[idx].tolist())) == 2 and len(idx) == 8

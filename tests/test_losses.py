@@ -234,14 +234,15 @@ def test_explicit_keys_win_over_preset():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(name="ppo"), "valid: grpo, dr_grpo, dapo"),
-    (dict(loss="sac"), r"valid: \"\" \(the preset's\), ppo_clip, gspo, cispo"),
+    (dict(name="ppo"), "one of grpo, dr_grpo, dapo"),
+    (dict(loss="sac"), "one of '', ppo_clip, gspo, cispo"),
     (dict(advantage="gae"), "rloo"),
     (dict(loss_agg="sum"), "seq_mean_token_sum_norm"),
     (dict(kl_estimator="k4"), "k1, k2, k3"),
     (dict(mis_level="batch"), "geometric"),
     (dict(clip_ratio_c=0.9), "clip_ratio_c"),
-    (dict(mis_low=1.2, mis_high=2.0), "mis_low <= 1"),
+    (dict(mis_low=1.2, mis_high=2.0), r"mis_low must be in \[0, 1\]"),
+    (dict(mis_low=0.5, mis_high=0.8), "mis_low <= 1 <= mis_high"),
     (dict(decoupled=True, tis_cap=2.0), "decoupled"),
     (dict(clip_low=-0.1), "clip_low"),
 ])

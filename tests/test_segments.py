@@ -17,8 +17,8 @@ import torch
 from stages.agentflow.blackbox import openai_agent
 from stages.agentflow.chat import encode
 from stages.agentflow.engine import HFEngine
+from stages.agentflow.harness import AGENT_HEADER, KIND_HEADER
 from stages.agentflow.proxy import Proxy
-from stages.agentflow.session import AGENT_HEADER, KIND_HEADER
 from stages.model import load_tokenizer
 from tests.test_proxy import GREEDY, LoopThread, RecordingClient
 
@@ -210,17 +210,17 @@ def test_the_trajectory_token_budget_ends_a_trajectory_cleanly(ray_session, engi
 def test_a_sample_of_several_rows_counts_once_in_its_group():
     from stages.batcher import BatcherConfig, WindowedBatcher
     from stages.update.advantages import compute_advantages
-    from stages.update.trainer import _sample_weights
+    from stages.update.step import sample_weights
 
     t = pa.table({"group_id": [0, 0, 0, 0], "sample_idx": [0, 0, 0, 1], "status": ["completed"] * 4,
                   "reward": [1.0, 1.0, 1.0, 0.0], "token_versions": [[0]] * 4})
     b = WindowedBatcher(BatcherConfig(groups_per_step=1), n_samples=2)
     assert b.feed(t.slice(0, 3)) == [] and b.feed(t.slice(3)) == [0]    # complete when sample 1 arrives
-    w = _sample_weights(t)
+    w = sample_weights(t)
     assert w.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])
     adv = compute_advantages("grpo", torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.zeros(4), torch.ones(4, 1), weights=w)
     two = compute_advantages("grpo", torch.tensor([1.0, 0.0]), torch.zeros(2), torch.ones(2, 1))
     assert adv[:, 0].tolist() == pytest.approx([two[0, 0].item()] * 3 + [two[1, 0].item()], abs=1e-5)
     rloo = compute_advantages("rloo", torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.zeros(4), torch.ones(4, 1), weights=w)
     assert rloo[:, 0].tolist() == pytest.approx([1.0, 1.0, 1.0, -1.0])
-    assert _sample_weights(t.slice(2)) is None      # one row per sample: no weights
+    assert sample_weights(t.slice(2)) is None      # one row per sample: no weights

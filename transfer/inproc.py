@@ -1,7 +1,7 @@
 """inproc: sender and receiver in one process (a colocated trainer + engine actor).
 
-Nothing is copied or checksummed: the receiver gets the sender's own tensors, through a
-per-process slot, and its load_weights copies them into its model."""
+Nothing is copied or checksummed: the receiver gets the sender's own tensors through a
+per-process slot, and its load_weights (or the in-place landing) copies them into its model."""
 from __future__ import annotations
 
 import os
@@ -9,16 +9,14 @@ import threading
 
 from .errors import TransferError
 
-# mesh id -> the latest version handed over in this process
-_SLOTS: dict[str, "_Slot"] = {}
+_SLOTS: dict[str, "_Slot"] = {}      # mesh id -> the latest version handed over in this process
 _SLOTS_LOCK = threading.Lock()
 
 
 class _Slot:
     def __init__(self):
         self.cond = threading.Condition()
-        self.version = -1
-        self.state: dict = {}
+        self.version, self.state = -1, {}
 
 
 def _slot(mesh_id: str) -> _Slot:
@@ -27,12 +25,11 @@ def _slot(mesh_id: str) -> _Slot:
 
 
 class InprocSend:
-    needs_staging = False
+    staged = False
     reads_after_send = True     # the receiver copies the sender's own tensors
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
-        self.mesh_id = mesh_id
-        self.slot = _slot(mesh_id)
+        self.mesh_id, self.slot = mesh_id, _slot(mesh_id)
 
     def prepare(self, snapshot) -> dict:
         return {"pid": os.getpid()}
@@ -50,19 +47,17 @@ class InprocSend:
 class InprocRecv:
     def __init__(self, mesh_id, name, address, cfg, party):
         if address["pid"] != os.getpid():
-            raise TransferError(f"inproc route, but the sender is pid {address['pid']} and "
-                                f"this receiver pid {os.getpid()}",
-                                receiver=name, transport="inproc", version=None)
-        self.slot = _slot(mesh_id)
-        self.timeout = cfg.timeout_s
+            raise TransferError(f"inproc route, but the sender is pid {address['pid']} and this receiver "
+                                f"pid {os.getpid()}", receiver=name, transport="inproc", version=None)
+        self.slot, self.timeout = _slot(mesh_id), cfg.timeout_s
 
-    def receive(self, version, layout, verify):
+    def receive(self, version, layout):
         with self.slot.cond:
             if not self.slot.cond.wait_for(lambda: self.slot.version >= version, self.timeout):
                 raise TimeoutError(f"sender did not hand over version {version} within {self.timeout}s")
             if self.slot.version != version:
                 raise RuntimeError(f"version {version} was superseded by {self.slot.version}")
-            return dict(self.slot.state)
+            return dict(self.slot.state), iter(())
 
     def close(self) -> None:
         pass

@@ -5,13 +5,13 @@
     mesh.plan()                     # {"engine0": Route("shm", "same node ..."), ...}
     metrics = mesh.publish(step)    # after every optimizer step
 
-The driver holds no weights. It learns the topology once, plans one route per receiver,
-and for each version asks the sender to prepare (snapshot + layout, sent to receivers
-once) and then to send while every receiver receives, all at once, each bounded by
-cfg.timeout_s. Receivers behind the published version are the ones sent to, so a
-receiver that missed a version (failed, added late, restarted) catches up on the next."""
+The driver holds no weights. It learns the topology once, plans one route per receiver, and for
+each version asks the sender to prepare (snapshot + layout) and then to send while every receiver
+receives, all at once, each wait bounded by cfg.timeout_s. Receivers behind the published version
+are the ones sent to, so one that missed a version (failed, added late, restarted) catches up."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections import defaultdict
@@ -27,12 +27,22 @@ from .routes import Route, plan_route
 from .topology import Party, format_table
 
 
+@dataclass
+class Publishing:
+    """A publish in progress (TransferMesh.publish_begin). sender_free: the sender's tensors may
+    change as soon as its send call has run (no receiver reads them after it)."""
+    version: int
+    t0: float
+    due: list[str]
+    layout: object = None
+    send_ref: object = None
+    recv_refs: dict = dataclasses.field(default_factory=dict)
+    sender_free: bool = True
+
+
 class TransferMesh:
-    def __init__(self, sender, receivers: Mapping[str, object],
-                 cfg):   # the recipe's transfer section (stages/transfer_config.TransferConfig)
-        self.sender = sender
-        self.receivers = dict(receivers)
-        self.cfg = cfg
+    def __init__(self, sender, receivers: Mapping[str, object], cfg):   # cfg: stages/transfer_config.TransferConfig
+        self.sender, self.receivers, self.cfg = sender, dict(receivers), cfg
         self.mesh_id = uuid.uuid4().hex[:12]
         self.sender_party: Party | None = None
         self.parties: dict[str, Party] = {}
@@ -57,23 +67,21 @@ class TransferMesh:
         answers = self._gather(refs, self.cfg.discover_timeout_s)
         for who, answer in answers.items():
             if isinstance(answer, Exception):
-                raise TransferError(f"did not answer topology discovery: {answer}",
-                                    receiver=who, transport="-", version=None)
+                raise TransferError(f"did not answer topology discovery: {answer}", receiver=who, transport="-",
+                                    version=None)
         if sender:
-            self.sender_party = _named(answers.pop("*sender*"), "sender")
+            self.sender_party = dataclasses.replace(answers.pop("*sender*"), name="sender")
         for n, (party, specs, version) in answers.items():
-            self.parties[n], self.specs[n], self.versions[n] = _named(party, n), specs, version
-            self.served[n] = version
+            self.parties[n], self.specs[n] = dataclasses.replace(party, name=n), specs
+            self.versions[n] = self.served[n] = version
             self.dead.discard(n)
 
     def plan(self) -> dict[str, Route]:
-        """The route per receiver, with the reason it was chosen (discovering any party
-        not yet described)."""
+        """The route per receiver, with the reason it was chosen (discovering any party not yet described)."""
         missing = [n for n in self.receivers if n not in self.parties]
         if missing or self.sender_party is None:
             self._describe(missing, sender=self.sender_party is None)
-        self.routes = {n: plan_route(self.sender_party, self.parties[n], self.cfg.transport)
-                       for n in self.receivers}
+        self.routes = {n: plan_route(self.sender_party, self.parties[n], self.cfg.transport) for n in self.receivers}
         return dict(self.routes)
 
     def topology_table(self) -> str:
@@ -82,15 +90,13 @@ class TransferMesh:
         return format_table([self.sender_party, *self.parties.values()], self.routes)
 
     def add_receiver(self, name: str, handle) -> Route:
-        """Add a receiver, or replace one whose actor restarted; it catches up on the
-        next publish. Returns its route."""
+        """Add a receiver, or replace one whose actor restarted; it catches up on the next publish."""
         self.receivers[name] = handle
         self._describe([name], sender=self.sender_party is None)
-        route = plan_route(self.sender_party, self.parties[name], self.cfg.transport)
         if name in self.routes:
             self._reset.add(self.routes[name].transport)
-        self.routes[name] = route
-        return route
+        self.routes[name] = plan_route(self.sender_party, self.parties[name], self.cfg.transport)
+        return self.routes[name]
 
     def remove_receiver(self, name: str) -> None:
         handle = self.receivers.pop(name)
@@ -103,46 +109,49 @@ class TransferMesh:
     # ---- publishing ------------------------------------------------------------------
 
     def publish(self, version: int) -> dict[str, float | str]:
-        """Send `version` to every live receiver that serves an older one. Returns the
-        step's metrics; raises TransferError (with .failures and .metrics) if any
-        receiver failed, after the others have applied the version."""
+        """Send `version` to every live receiver that serves an older one. Returns the step's
+        metrics; raises TransferError (with .failures and .metrics) if any receiver failed, after
+        the others have applied the version."""
         return self.publish_end(self.publish_begin(version))
 
-    def publish_begin(self, version: int) -> "Publishing":
-        """The first half of publish: the sender prepares `version`, then its send and
-        every receive are started. When the answer's `sender_free` is True the sender's
-        tensors may change as soon as its send call has run (the trainer's next step can
-        be queued behind it); publish_end collects the outcome."""
+    def publish_begin(self, version: int) -> Publishing:
+        """The first half of publish: the sender prepares `version`, then its send and every
+        receive are started; publish_end collects the outcome."""
         routes = self.routes if self.routes.keys() == self.receivers.keys() else self.plan()
         due = sorted(n for n in routes if n not in self.dead and self.versions[n] < version)
         t0 = time.perf_counter()
         if not due:
-            return Publishing(version, t0, due, None, None, {}, sender_free=True)
+            return Publishing(version, t0, due)
         plan: dict[str, list[str]] = defaultdict(list)
         for n in due:
             plan[routes[n].transport].append(n)
-        layout, addresses = self._prepare(version, dict(plan), due)
-        sender = addresses.pop(SENDER_KEY, {"reads_after_send": True})
+        ref = self.sender.mesh.remote("prepare", self.mesh_id, version, dict(plan), self.cfg, tuple(self._reset))
+        answer = self._gather({"sender": ref}, self.cfg.timeout_s)["sender"]
+        if isinstance(answer, Exception):
+            raise TransferError(f"the sender could not prepare: {_cause(answer)}", receiver=",".join(due),
+                                transport=",".join(plan), version=version)
+        self._reset.clear()
+        layout, addresses = answer
+        for n in due:
+            if lines := layout.mismatches(self.specs[n]):    # a wrong model is a setup error: send nothing
+                raise TransferError(f"model mismatch: {'; '.join(lines[:5])}", receiver=n,
+                                    transport=routes[n].transport, version=version)
+        sender = addresses.pop(SENDER_KEY)
         send_ref = self.sender.mesh.remote("send", self.mesh_id, version)
-        recv_refs = {n: self.receivers[n].mesh.remote(
-            "receive", self.mesh_id, n, version, layout, routes[n].transport,
-            addresses[routes[n].transport], self.cfg) for n in due}
-        return Publishing(version, t0, due, layout, send_ref, recv_refs,
-                          sender_free=not sender["reads_after_send"])
+        recv_refs = {n: self.receivers[n].mesh.remote("receive", self.mesh_id, n, version, layout, routes[n].transport,
+                                                      addresses[routes[n].transport], self.cfg) for n in due}
+        return Publishing(version, t0, due, layout, send_ref, recv_refs, not sender["reads_after_send"])
 
-    def publish_end(self, p: "Publishing") -> dict[str, float | str]:
+    def publish_end(self, p: Publishing) -> dict[str, float | str]:
         """Wait for a publish_begin to finish; see publish."""
-        version, due, routes = p.version, p.due, self.routes
+        version, due = p.version, p.due
         if not due:
             return {"transfer/version": version, "transfer/receivers": 0.0}
-        # Every wait inside the parties is bounded by timeout_s; this backstop only
-        # catches a party that is wedged outside them (e.g. a deadlocked load_weights).
-        backstop = self.cfg.timeout_s * (p.layout.num_buckets + 2)
-        answers = self._gather({"*sender*": p.send_ref, **p.recv_refs}, backstop)
-
+        # Every wait inside the parties is bounded by timeout_s; this backstop only catches a
+        # party wedged outside them (e.g. a deadlocked load_weights).
+        answers = self._gather({"*sender*": p.send_ref, **p.recv_refs}, self.cfg.timeout_s * (p.layout.num_buckets + 2))
         sent = answers.pop("*sender*")
-        failures = {n: self._failure(n, answers[n], sent, version) for n in due
-                    if isinstance(answers[n], Exception)}
+        failures = {n: self._failure(n, answers[n], sent, version) for n in due if isinstance(answers[n], Exception)}
         if isinstance(sent, Exception) and not failures:   # the sender failed on its own
             failures["sender"] = self._failure("sender", sent, sent, version)
         for n in due:
@@ -151,27 +160,14 @@ class TransferMesh:
                 self.served[n] = int(answers[n].get("serves", version))
         metrics = _metrics(version, p.layout, time.perf_counter() - p.t0,
                            {n: a for n, a in answers.items() if n not in failures},
-                           routes, sent if isinstance(sent, dict) else {})
+                           self.routes, sent if isinstance(sent, dict) else {})
         if failures:
-            raise _aggregate(failures, version, metrics)
+            first = failures[min(failures)]
+            reason = first.reason if len(failures) == 1 else \
+                f"{len(failures)} receivers failed: " + " | ".join(str(e) for e in failures.values())
+            raise TransferError(reason, receiver=first.receiver, transport=first.transport, version=version,
+                                bucket=first.bucket, failures=failures, metrics=metrics)
         return metrics
-
-    def _prepare(self, version: int, plan: dict[str, list[str]], due: list[str]):
-        ref = self.sender.mesh.remote("prepare", self.mesh_id, version, plan, self.cfg,
-                                      tuple(self._reset))
-        answer = self._gather({"sender": ref}, self.cfg.timeout_s)["sender"]
-        if isinstance(answer, Exception):
-            raise TransferError(f"the sender could not prepare: {_cause(answer)}",
-                                receiver=",".join(due), transport=",".join(plan),
-                                version=version)
-        self._reset.clear()
-        layout, addresses = answer
-        wrong = {n: layout.mismatches(self.specs[n]) for n in due}
-        for n, lines in wrong.items():
-            if lines:   # a wrong model is a setup error: send nothing at all
-                raise TransferError(f"model mismatch: {'; '.join(lines[:5])}", receiver=n,
-                                    transport=self.routes[n].transport, version=version)
-        return layout, addresses
 
     def _failure(self, name: str, error: Exception, sent, version: int) -> TransferError:
         transport = self.routes[name].transport if name in self.routes else "-"
@@ -182,32 +178,25 @@ class TransferMesh:
         bucket = _cause(sent).bucket if isinstance(_cause(sent), TransferError) else None
         if isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError)):
             self.dead.add(name)
-            reason = "receiver process died"
-            if isinstance(sent, Exception):
-                reason += f" (sender: {_cause(sent)})"
+            reason = "receiver process died" + (f" (sender: {_cause(sent)})" if isinstance(sent, Exception) else "")
         elif isinstance(error, TimeoutError):
-            # Wedged outside every bounded wait: it may still be mid-receive, so it gets
-            # nothing more until add_receiver brings it back (e.g. after a restart).
+            # Wedged outside every bounded wait: it may still be mid-receive, so it gets nothing more
+            # until add_receiver brings it back (e.g. after a restart).
             self.dead.add(name)
             reason = f"{error}; excluded until add_receiver"
         else:
             reason = repr(error)
-        return TransferError(reason, receiver=name, transport=transport, version=version,
-                             bucket=bucket)
+        return TransferError(reason, receiver=name, transport=transport, version=version, bucket=bucket)
 
     @staticmethod
     def _gather(refs: dict[str, object], timeout: float) -> dict[str, object]:
-        """ray.get every ref, waiting at most `timeout` in all; failures come back as
-        exceptions, never raised, so one bad party cannot hide the others."""
-        pending = list(refs.values())
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        """ray.get every ref, waiting at most `timeout` in all; failures come back as exceptions,
+        never raised, so one bad party cannot hide the others."""
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
         out = {}
         for who, ref in refs.items():
-            if ref in pending:
-                out[who] = TimeoutError(f"no answer within {timeout:.0f}s")
-                continue
             try:
-                out[who] = ray.get(ref)
+                out[who] = TimeoutError(f"no answer within {timeout:.0f}s") if ref in pending else ray.get(ref)
             except Exception as e:      # noqa: BLE001 - sorted out by the caller
                 out[who] = e
         return out
@@ -215,26 +204,8 @@ class TransferMesh:
     def close(self) -> None:
         """Release links and the shared segment on every live party (best effort)."""
         refs = [self.sender.mesh.remote("close_sender", self.mesh_id)]
-        refs += [h.mesh.remote("close_receiver", self.mesh_id)
-                 for n, h in self.receivers.items() if n not in self.dead]
+        refs += [h.mesh.remote("close_receiver", self.mesh_id) for n, h in self.receivers.items() if n not in self.dead]
         ray.wait(refs, num_returns=len(refs), timeout=self.cfg.timeout_s)
-
-
-@dataclass
-class Publishing:
-    """A publish in progress (TransferMesh.publish_begin)."""
-    version: int
-    t0: float
-    due: list[str]
-    layout: object
-    send_ref: object
-    recv_refs: dict
-    sender_free: bool
-
-
-def _named(party: Party, name: str) -> Party:
-    from dataclasses import replace
-    return replace(party, name=name)
 
 
 def _cause(error):
@@ -244,31 +215,16 @@ def _cause(error):
     return error
 
 
-def _aggregate(failures: dict[str, TransferError], version: int, metrics: dict) -> TransferError:
-    first = failures[min(failures)]
-    reason = first.reason
-    if len(failures) > 1:
-        reason = f"{len(failures)} receivers failed: " + " | ".join(
-            str(e) for e in failures.values())
-    return TransferError(reason, receiver=first.receiver, transport=first.transport,
-                         version=version, bucket=first.bucket, failures=failures,
-                         metrics=metrics)
-
-
 def _metrics(version, layout, seconds, ok: dict[str, dict], routes, sent: dict) -> dict:
     state_bytes = layout.total_bytes       # what one receiver is sent (tensors + alignment padding)
     m: dict[str, float | str] = {
-        "transfer/version": version,
-        "transfer/receivers": float(len(ok)),
+        "transfer/version": version, "transfer/receivers": float(len(ok)),
         "transfer/state_bytes": float(state_bytes),
         "transfer/payload_bytes": float(layout.payload_bytes),    # the tensors' bytes alone
-        "transfer/bytes": float(state_bytes * len(ok)),
-        "transfer/seconds": seconds,
-        "transfer/gb_per_s": state_bytes / seconds / 1e9,
-    }
+        "transfer/bytes": float(state_bytes * len(ok)), "transfer/seconds": seconds,
+        "transfer/gb_per_s": state_bytes / seconds / 1e9}
     if "pack" in sent:
-        m["transfer/pack_s"] = sent["pack"]
-        m["transfer/zero_copy"] = sent.get("zero_copy", 0.0)
+        m["transfer/pack_s"], m["transfer/zero_copy"] = sent["pack"], sent.get("zero_copy", 0.0)
     per_receiver = {n: a["receive_s"] + a["load_s"] for n, a in ok.items()}
     if ok:      # how long the slowest engine spent applying (its lock held)
         m["transfer/load_s"] = max(a["load_s"] for a in ok.values())
@@ -277,6 +233,5 @@ def _metrics(version, layout, seconds, ok: dict[str, dict], routes, sent: dict) 
         m[key] = max(m.get(key, 0.0), s)
     if per_receiver:
         slowest = max(per_receiver, key=per_receiver.get)
-        m["transfer/slowest_receiver"] = slowest
-        m["transfer/slowest_receiver_s"] = per_receiver[slowest]
+        m["transfer/slowest_receiver"], m["transfer/slowest_receiver_s"] = slowest, per_receiver[slowest]
     return m

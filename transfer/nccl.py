@@ -9,11 +9,10 @@ address by the driver (through Ray, with the rest of the publish); each party th
 (world size, unique id, its rank).
 
 Per bucket, the sender broadcasts a 3-word header (version, index, checksum) and then the bytes,
-from one of two device staging buffers while it packs the next bucket into the other; each receiver
-lands the version in a device buffer, verifies every bucket on the device, and loads only the
-complete version. Joining and every broadcast are bounded by cfg.timeout_s: a party that does not
-join, or a broadcast that does not finish, aborts the communicator (a rebuilt link makes a new
-unique id) and the error names the receivers and the bucket.
+from one of two device buffers while it packs the next bucket into the other; each receiver lands
+the version in a device buffer and the Receiver verifies every bucket on the device. Joining and
+every broadcast are bounded by cfg.timeout_s: a party that does not join, or a broadcast that does
+not finish, aborts the communicator (a rebuilt link makes a new unique id).
 
 CuPy is imported on first use (the `cupy` extra: `pip install 'loongsage[cupy]'`); a process
 without CUDA or CuPy does not offer this transport (topology.py), and a link built there anyway
@@ -27,9 +26,8 @@ import time
 
 import torch
 
-from .errors import TransferError
+from .endpoints import landing_buffer, stream_buckets
 from .layout import byte_views, pack_bucket
-from .links import reuse_buffer
 
 UNIQUE_ID_BYTES = 128       # NCCL_UNIQUE_ID_BYTES
 POLL_S = 2e-4               # how often a wait looks at its broadcast
@@ -127,7 +125,7 @@ class _Wire:
 
 
 class NcclSend:
-    needs_staging = False
+    staged, reads_after_send = False, False
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
         self.nccl = cupy_nccl()
@@ -141,31 +139,22 @@ class NcclSend:
         return {"unique_id": self.unique_id, "world": len(self.ranks) + 1, "ranks": self.ranks}
 
     def send(self, snapshot) -> None:
-        layout, who = snapshot.layout, ",".join(self.receivers)
-        if self.wire is None:
-            try:
-                comm = join(self.nccl, len(self.ranks) + 1, self.unique_id, 0, self.device, self.timeout_s)
-            except Exception as e:
-                raise TransferError(f"communicator did not form: {e}", receiver=who, transport="nccl",
-                                    version=snapshot.version) from e
+        layout = snapshot.layout
+        if self.wire is None:   # the receivers join in their receive
+            comm = join(self.nccl, len(self.ranks) + 1, self.unique_id, 0, self.device, self.timeout_s)
             self.wire = _Wire(comm, self.nccl, self.device, self.timeout_s)
         staging = [torch.empty(layout.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         header = torch.empty(3, dtype=torch.int64, device=self.device)
         in_flight, views = [None, None], byte_views(snapshot.state)
-        for i in range(layout.num_buckets):
-            try:
-                start, end = layout.span(i)
-                slot = i % 2
-                if in_flight[slot] is not None:     # the broadcast still reading this buffer
-                    self.wire.wait(in_flight[slot])
-                buf = staging[slot][:end - start]
-                crc = pack_bucket(views, layout, i, buf)    # read back to the host: the bucket is packed
-                header.copy_(torch.tensor([snapshot.version, i, crc], dtype=torch.int64))
-                self.wire.wait(self.wire.broadcast(header))
-                in_flight[slot] = self.wire.broadcast(buf)
-            except Exception as e:
-                raise TransferError(f"broadcast failed: {e}", receiver=who, transport="nccl",
-                                    version=snapshot.version, bucket=i) from e
+        for i in range(layout.num_buckets):     # bucket i is broadcast from one buffer while i + 1 packs into the other
+            start, end = layout.span(i)
+            if in_flight[i % 2] is not None:     # the broadcast still reading this buffer
+                self.wire.wait(in_flight[i % 2])
+            buf = staging[i % 2][:end - start]
+            crc = pack_bucket(views, layout, i, buf)    # read back to the host: the bucket is packed
+            header.copy_(torch.tensor([snapshot.version, i, crc], dtype=torch.int64))
+            self.wire.wait(self.wire.broadcast(header))
+            in_flight[i % 2] = self.wire.broadcast(buf)
         for done in in_flight:
             if done is not None:
                 self.wire.wait(done)
@@ -184,21 +173,19 @@ class NcclRecv:
         self.wire: _Wire | None = None
         self.flat = None
 
-    def receive(self, version, layout, verify):
-        if self.wire is None:   # joined here, not in __init__: the sender joins during its send
+    def receive(self, version, layout):
+        if self.wire is None:
             comm = join(self.nccl, self.world, self.unique_id, self.rank, self.device, self.timeout_s)
             self.wire = _Wire(comm, self.nccl, self.device, self.timeout_s)
-        self.flat = reuse_buffer(self.flat, layout.total_bytes, self.device)
+        self.flat = landing_buffer(self.flat, layout.total_bytes, self.device)
         header = torch.empty(3, dtype=torch.int64, device=self.device)
-        for i in range(layout.num_buckets):
+
+        def recv_header():
             self.wire.wait(self.wire.broadcast(header))
-            v, j, crc = header.tolist()
-            if (v, j) != (version, i):
-                raise RuntimeError(f"expected bucket {i} of version {version}, got bucket {j} of {v}")
-            start, end = layout.span(i)
-            self.wire.wait(self.wire.broadcast(self.flat[start:end]))
-            verify(i, self.flat[start:end], crc)
-        return layout.unpack(self.flat)
+            return header.tolist()
+
+        return layout.unpack(self.flat), stream_buckets(self.flat, version, layout, recv_header,
+                                                        lambda t: self.wire.wait(self.wire.broadcast(t)))
 
     def close(self) -> None:
         if self.wire is not None:

@@ -1,10 +1,9 @@
-"""The sender's host copy of a version, packed once and shared.
+"""The sender's host copy of a version, packed once and shared by every CPU transport.
 
-Every CPU transport reads the same packed bytes: the sender packs a version once, bucket
-by bucket, into a shared-memory segment (a file in /dev/shm, mapped). Local receivers
-map the same pages (that is the shm transport); gloo and zmq stream each bucket from it
-as soon as it is packed. So the next bucket packs while the previous one travels, and
-no transport makes a per-receiver copy on the sender."""
+The sender packs a version bucket by bucket into a shared-memory segment (a file in shm_dir,
+mapped) and announces each bucket on the segment's board. Local receivers map the same pages
+(that is the shm transport); gloo and zmq send each bucket from it as soon as it is packed. So
+bucket i travels while bucket i+1 packs, and no transport makes a copy per receiver."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +13,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -31,10 +30,6 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
-                # Allocate the pages now: faulting them in one by one on the first pack
-                # costs ~6x more (1 GB: 3.7 s vs 0.6 s measured on tmpfs).
-                if hasattr(os, "posix_fallocate") and size:
-                    os.posix_fallocate(fd, 0, size)
             self.mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -59,57 +54,37 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def remove_orphans(shm_dir: str) -> None:
-    """Remove segments left by senders that were killed (a SIGKILL runs no cleanup).
-    Segment names carry the creator's pid: loongsage-<mesh>-<pid>-<n>."""
+_names = itertools.count()
+
+
+def new_segment(shm_dir: str, mesh_id: str, size: int) -> Segment:
+    """A fresh segment named loongsage-<mesh>-<pid>-<n>, after removing those of senders that were
+    killed (a SIGKILL runs no cleanup): the pid in a name tells whether its creator still runs."""
     for name in os.listdir(shm_dir):
         parts = name.split("-")
-        if parts[0] != "loongsage" or len(parts) < 4 or not parts[-2].isdigit():
-            continue
-        try:
-            os.kill(int(parts[-2]), 0)
-        except ProcessLookupError:
-            _unlink_quietly(os.path.join(shm_dir, name))
-        except PermissionError:
-            pass    # alive, someone else's
-
-
-READER_SLOTS = 32          # local readers that can report their progress on one board
-TRAIL_WAIT_S = 0.25        # how long the sender waits for the readers at one bucket before it stops trailing them
+        if parts[0] == "loongsage" and len(parts) >= 4 and parts[-2].isdigit():
+            try:
+                os.kill(int(parts[-2]), 0)
+            except ProcessLookupError:
+                _unlink_quietly(os.path.join(shm_dir, name))
+            except PermissionError:
+                pass    # alive, someone else's
+    path = os.path.join(shm_dir, f"loongsage-{mesh_id}-{os.getpid()}-{next(_names)}")
+    return Segment(path, size, create=True)
 
 
 class Board:
-    """Per-bucket (version, checksum) words at the head of a segment, then one progress
-    word per local reader.
-
-    The sender writes the checksum, then the version; a reader that sees the version
-    also sees the checksum and the bucket's bytes (x86 keeps stores in order, and a torn
-    read could not pass the checksum anyway: it would fail loudly, never silently).
-    A reader's progress word is version << 24 | buckets it has read of that version."""
+    """Per-bucket (version, checksum) words at the head of a segment. The sender writes the
+    checksum, then the version; a reader that sees the version also sees the checksum and the
+    bucket's bytes (x86 keeps stores in order, and a torn read could not pass the checksum: it
+    would fail loudly, never silently)."""
 
     def __init__(self, segment: Segment, num_buckets: int):
-        words = np.frombuffer(segment.mm, dtype=np.int64, count=2 * num_buckets + READER_SLOTS)
-        self.words = words[:2 * num_buckets].reshape(num_buckets, 2)
-        self.read = words[2 * num_buckets:]
+        self.words = np.frombuffer(segment.mm, dtype=np.int64, count=2 * num_buckets).reshape(num_buckets, 2)
 
     @staticmethod
     def nbytes(num_buckets: int) -> int:
-        return -(-(16 * num_buckets + 8 * READER_SLOTS) // BLOCK_BYTES) * BLOCK_BYTES
-
-    def report(self, slot: int, version: int, count: int) -> None:
-        """Reader `slot` has read the first `count` buckets of `version`."""
-        self.read[slot] = version << 24 | count
-
-    def readers_at(self, slots: list[int], version: int, count: int, deadline: float) -> bool:
-        """Wait until every reader in `slots` has read `count` buckets of `version`;
-        False if the deadline came first."""
-        target, pause = version << 24 | count, 1e-5
-        while (self.read[slots] < target).any():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-4)
-        return True
+        return -(-(16 * num_buckets + 1) // BLOCK_BYTES) * BLOCK_BYTES    # never empty: a 0-byte file cannot be mapped
 
     def clear(self) -> None:
         self.words[:, 0] = -1
@@ -129,9 +104,6 @@ class Board:
         return int(self.words[i, 1])
 
 
-_names = itertools.count()
-
-
 class HostStaging:
     """One packed version in a shared segment, announced bucket by bucket."""
 
@@ -144,41 +116,33 @@ class HostStaging:
         self._ready = -1          # highest bucket packed and announced
         self._error: BaseException | None = None
         self.zero_copy = False    # the owner's tensors live in the segment: nothing to pack
-        self.trail: list[int] = []    # zero copy: board slots of the local readers to checksum behind
 
     def prepare(self, version: int, layout: Layout) -> None:
         """Make room for `version` and invalidate every bucket of the previous one."""
         if self.layout is None or (layout.total_bytes, layout.num_buckets) != (
                 self.layout.total_bytes, self.layout.num_buckets):
-            self._map(layout)
+            if self.segment is not None:
+                self.segment.unlink()
+            board = Board.nbytes(layout.num_buckets)
+            self.segment = new_segment(self.shm_dir, self.mesh_id, board + layout.total_bytes)
+            self.board = Board(self.segment, layout.num_buckets)
+            self.data = self.segment.tensor(board, layout.total_bytes)
         self.layout, self.version = layout, version
         self.board.clear()
-        self.trail = []           # the shm link names its readers again if it takes part
         self.checksums = [0] * layout.num_buckets
         with self._cond:
             self._ready, self._error = -1, None
 
-    def _map(self, layout: Layout) -> None:
-        if self.segment is not None:
-            self.segment.unlink()
-        remove_orphans(self.shm_dir)
-        board = Board.nbytes(layout.num_buckets)
-        path = os.path.join(self.shm_dir, f"loongsage-{self.mesh_id}-{os.getpid()}-{next(_names)}")
-        self.segment = Segment(path, board + layout.total_bytes, create=True)
-        self.board = Board(self.segment, layout.num_buckets)
-        self.data = self.segment.tensor(board, layout.total_bytes)
-
     def holds(self, state: Mapping[str, torch.Tensor]) -> bool:
-        """True when every tensor of `state` already sits in the segment where the layout
-        puts it (the owner adopted the segment): a version then needs no packing."""
+        """True when every tensor of `state` already sits in the segment where the layout puts
+        it (the owner adopted the segment): a version then needs no packing."""
         base = self.data.data_ptr()
-        return all(t.device.type == "cpu" and t.is_contiguous()
-                   and t.data_ptr() == base + s.offset
+        return all(t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() == base + s.offset
                    for s in self.layout.slots for t in [state[s.name]] if s.nbytes)
 
     def adopt(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Copy `state` into the segment and return views of it, one per name, for the
-        owner to keep its weights in from now on; None when they cannot live there."""
+        """Copy `state` into the segment and return views of it, one per name, for the owner to
+        keep its weights in from now on; None when they cannot live there."""
         if not all(t.device.type == "cpu" for t in state.values()):
             return None
         views = byte_views(state)
@@ -197,23 +161,12 @@ class HostStaging:
         return self.data[start:end]
 
     def pack(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Pack and announce every bucket in order; runs on its own thread during a send,
-        so transports move bucket i while bucket i+1 packs."""
+        """Pack (or with zero copy, checksum) and announce every bucket in order; runs on its own
+        thread during a send, so transports move bucket i while bucket i+1 packs."""
         try:
             views = byte_views(state)
-            trail = self.trail if self.zero_copy else []
             for i in range(self.layout.num_buckets):
-                if self.zero_copy:
-                    # Local readers copy the bytes in place without waiting for us; summing
-                    # each bucket just behind them reads it from the shared cache instead of
-                    # memory (one pass of the state less on the memory bus). A reader that
-                    # stalls (waiting for its model's lock, or dead) is not waited for again.
-                    if trail and not self.board.readers_at(trail, self.version, i + 1,
-                                                           time.monotonic() + TRAIL_WAIT_S):
-                        trail = []
-                    crc = checksum(self.view(i))
-                else:
-                    crc = pack_bucket(views, self.layout, i, self.view(i))
+                crc = checksum(self.view(i)) if self.zero_copy else pack_bucket(views, self.layout, i, self.view(i))
                 self.checksums[i] = crc
                 self.board.announce(i, self.version, crc)
                 with self._cond:
@@ -225,14 +178,15 @@ class HostStaging:
                 self._cond.notify_all()
             raise
 
-    def bucket(self, i: int, timeout: float) -> tuple[torch.Tensor, int]:
-        """Wait (in-process) until bucket i is packed; return its bytes and checksum."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._ready >= i or self._error, timeout):
-                raise TimeoutError(f"bucket {i} not packed within {timeout}s")
-            if self._ready < i:
-                raise RuntimeError(f"packing failed: {self._error!r}")
-        return self.view(i), self.checksums[i]
+    def buckets(self, timeout: float) -> Iterator[tuple[int, torch.Tensor, int]]:
+        """(index, bytes, checksum) of each bucket as soon as it is packed (in-process waits)."""
+        for i in range(self.layout.num_buckets):
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._ready >= i or self._error, timeout):  # noqa: B023
+                    raise TimeoutError(f"bucket {i} not packed within {timeout}s")
+                if self._ready < i:
+                    raise RuntimeError(f"packing failed: {self._error!r}")
+            yield i, self.view(i), self.checksums[i]
 
     def close(self) -> None:
         if self.segment is not None:
@@ -241,8 +195,8 @@ class HostStaging:
 
 @dataclass
 class Snapshot:
-    """What a send works from: the sender's tensors for one version, their layout, and
-    (for CPU transports) the host staging they are being packed into."""
+    """What a send works from: the sender's tensors for one version, their layout, and (for CPU
+    transports) the host staging they are being packed into."""
     version: int
     state: dict[str, torch.Tensor]
     layout: Layout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, key, one_of
+from stages.keys import NONNEG, POSITIVE, check_fields, key, one_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -37,6 +37,7 @@ class TeacherConfig:
     workers: int = key(1, "scoring actors; each holds its own resident set, so the budget is per actor", POSITIVE)
 
     def __post_init__(self):
+        check_fields(self, "teacher")
         for name in ("teachers", "routes"):
             bad = [(k, v) for k, v in getattr(self, name).items() if not isinstance(v, str) or not v]
             if bad:
@@ -48,17 +49,6 @@ class TeacherConfig:
         if self.default and self.default not in self.teachers:
             raise TeacherError(f"teacher.default {self.default!r} is not in teacher.teachers "
                                f"(known: {', '.join(self.teachers) or 'none'})")
-        if self.max_resident < 0 or self.max_resident_bytes < 0:
-            raise TeacherError("teacher.max_resident and teacher.max_resident_bytes must be >= 0 (0 = no limit)")
-        if self.top_k < 0 or self.micro_batch <= 0 or self.workers <= 0 or self.logprob_chunk < 0:
-            raise TeacherError("teacher.top_k and teacher.logprob_chunk must be >= 0, teacher.micro_batch and "
-                               "teacher.workers > 0")
-        if self.temperature <= 0:
-            raise TeacherError(f"teacher.temperature must be > 0, got {self.temperature}")
-        if self.dtype not in DTYPES:
-            raise TeacherError(f"teacher.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.device not in DEVICES:
-            raise TeacherError(f"teacher.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
     @property
     def enabled(self) -> bool:

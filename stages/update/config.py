@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, UNIT, Check, key, one_of
+from stages.keys import NONNEG, POSITIVE, UNIT, Check, check_fields, key, one_of
 from stages.lora_config import LoraConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")   # advantages.ESTIMATORS
@@ -45,29 +45,25 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 OVERLONG_MODES = ("none", "mask", "soft")
 MIS_LEVELS = ("token", "sequence", "geometric")
 ENTROPY_ROWS = ("all", "trained")
-
-
-def _check(field: str, value, valid) -> None:
-    if value not in valid:
-        names = ", ".join(v if v else '"" (the preset\'s)' for v in map(str, valid))
-        raise ValueError(f"algorithm.{field}={value!r} is unknown; valid: {names}")
+_DUAL_CLIP = Check("0 (off) or > 1", lambda c: c == 0 or c > 1)
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
     name: str = key("grpo", "preset the empty keys below are filled from", one_of(*PRESETS))
     advantage: str = key("", "\"\" = preset's; else an estimator in advantages.ESTIMATORS", one_of("", *ADVANTAGES))
-    loss: str = key("", "\"\" = preset's; ppo_clip | gspo | cispo")
+    loss: str = key("", "\"\" = preset's; ppo_clip | gspo | cispo", one_of("", *SURROGATE_NAMES))
     loss_agg: str = key("", "\"\" = preset's; token_mean | seq_mean_token_mean | seq_mean_token_sum_norm",
                             one_of("", *LOSS_AGGS))
     clip_low: float | None = key(None, "None = preset's, else CLIP_DEFAULTS[loss]; ratio >= 1 - clip_low", NONNEG)
     clip_high: float | None = key(None, "None = preset's, else CLIP_DEFAULTS[loss]; ratio <= 1 + clip_high (DAPO "
                                         "clip-higher: 0.28)", NONNEG)
-    clip_ratio_c: float = key(3.0, "dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off, else > 1)", NONNEG)
+    clip_ratio_c: float = key(3.0, "dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off, else > 1)",
+                              _DUAL_CLIP)
     norm_length: int = key(0, "seq_mean_token_sum_norm's constant length (0 = the generation limit, "
                                 "rollout.max_new_tokens, as Dr.GRPO intends: one constant for every step)", NONNEG)
     kl_coef: float = key(0.0, "weight of KL to the reference policy (needs ref log-probs)", NONNEG)
-    kl_estimator: str = key("k3", "k1 | k2 | k3 (Schulman's estimators)")
+    kl_estimator: str = key("k3", "k1 | k2 | k3 (Schulman's estimators)", one_of(*KL_ESTIMATOR_NAMES))
     entropy_coef: float = key(0.0, "entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)")
     entropy_rows: str = key("all", "all | trained: the entropy term only on rows the policy gradient trains (a nonzero"
                                    " advantage), so zero-advantage rows still need no forward pass",
@@ -89,21 +85,7 @@ class AlgorithmConfig:
                              one_of(*DISTILL_MODES))
 
     def __post_init__(self):
-        _check("name", self.name, tuple(PRESETS))
-        _check("advantage", self.advantage, ("", *ADVANTAGES))
-        _check("loss", self.loss, ("", *SURROGATE_NAMES))
-        _check("loss_agg", self.loss_agg, ("", *LOSS_AGGS))
-        _check("kl_estimator", self.kl_estimator, KL_ESTIMATOR_NAMES)
-        _check("overlong", self.overlong, ("", *OVERLONG_MODES))
-        _check("mis_level", self.mis_level, MIS_LEVELS)
-        _check("distill", self.distill, DISTILL_MODES)
-        _check("entropy_rows", self.entropy_rows, ENTROPY_ROWS)
-        if self.distill_coef < 0 or self.task_coef < 0:
-            raise ValueError("algorithm.distill_coef and algorithm.task_coef must be >= 0")
-        if any(c is not None and c < 0 for c in (self.clip_low, self.clip_high)):
-            raise ValueError("algorithm.clip_low/clip_high must be >= 0")
-        if self.clip_ratio_c and self.clip_ratio_c <= 1:
-            raise ValueError("algorithm.clip_ratio_c must be > 1 (or 0 to turn dual-clip off)")
+        check_fields(self, "algorithm")
         if self.mis_high and not 0 <= self.mis_low <= 1 <= self.mis_high:
             raise ValueError("algorithm.mis_low <= 1 <= mis_high is needed, or mis_high = 0 to turn MIS off")
         if self.decoupled and (self.tis_cap or self.mis_high or self.geo_is):
@@ -143,7 +125,6 @@ class TrainerConfig:
     grad_clip: float = key(1.0, "clip the gradient's global norm to this", POSITIVE)
     mini_batch_size: int = key(0, "samples per optimizer step; 0 = the whole step (one optimizer step)", NONNEG)
     ppo_epochs: int = key(1, "passes over a step's samples", POSITIVE)
-    fused_optimizer: bool = key(True, "torch's fused AdamW where it covers the parameters (else its loop)")
     num_threads: int = key(0, "torch threads in the trainer actor; 0 = pipeline/resources.py decides", NONNEG)
     seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key", NONNEG)
     backend: str = key("torch", "torch (this module) | megatron (stages/update/megatron, `megatron:` section)",
@@ -186,30 +167,7 @@ class TrainerConfig:
     lora: LoraConfig = key(LoraConfig, "train LoRA adapters only (stages/lora.py)")
 
     def __post_init__(self):
-        if self.backend not in ("torch", "megatron"):
-            raise ValueError(f"trainer.backend must be torch or megatron, got {self.backend!r}")
-        if self.lr <= 0:
-            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
-        if self.max_tokens_per_microbatch < 0:
-            raise ValueError("trainer.max_tokens_per_microbatch must be >= 0 (0 = one pass per mini-batch), "
-                             f"got {self.max_tokens_per_microbatch}")
-        if self.logprob_chunk < 0:
-            raise ValueError(f"trainer.logprob_chunk must be >= 0 (0 = no chunking), got {self.logprob_chunk}")
-        if self.mini_batch_size < 0:
-            raise ValueError(f"trainer.mini_batch_size must be >= 0, got {self.mini_batch_size}")
-        if self.ppo_epochs <= 0:
-            raise ValueError(f"trainer.ppo_epochs must be > 0, got {self.ppo_epochs}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"trainer.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.lr_warmup_steps < 0 or self.lr_decay_steps < 0:
-            raise ValueError("trainer.lr_warmup_steps and trainer.lr_decay_steps must be >= 0")
-        if not 0 <= self.lr_min_ratio <= 1:
-            raise ValueError(f"trainer.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
-        if self.mini_batch_split not in ("rows", "groups"):
-            raise ValueError(f"trainer.mini_batch_split must be rows or groups, got {self.mini_batch_split!r}")
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"trainer.on_nonfinite must be one of {', '.join(ON_NONFINITE)}, "
-                             f"got {self.on_nonfinite!r}")
+        check_fields(self, "trainer")
         if self.lora.enabled and self.backend != "torch":
             raise ValueError(f"trainer.lora.enabled needs trainer.backend=torch: the {self.backend} trainer has no "
                              "LoRA (peft adapts HF modules; Megatron's are its own, sharded)")

@@ -1,6 +1,6 @@
 """Embedded trainer: torch on an HF causal LM, in a Ray actor.
 
-One `train_step(table)` = one RL update from one step's trajectories:
+One `train_step(table)` = one RL update from one step's trajectories (stages/update/step.py):
 rewards -> (overlong shaping) -> advantages -> [recompute old log-probs] -> IS correction
 -> mini-batches of the policy loss -> optimizer steps. Log-probs are taken of
 logits / temperature, the distribution the engine sampled from, so a fresh on-policy
@@ -21,119 +21,23 @@ import torch
 from stages import lora as lora_lib
 from stages.model import load_model
 from stages.token_logprobs import position_stats, split_model
-from stages.update.advantages import compute_advantages
 from stages.update.config import AlgorithmConfig, TrainerConfig
-from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
+from stages.update.correction import mismatch_metrics
 from stages.update.distill import apply_distill, gkd_term
-from stages.update.losses import policy_loss, shape_overlong
+from stages.update.losses import policy_loss
 from stages.update.microbatch import merge_metrics, token_micro_batches
-
-TRAINABLE = ("completed", "truncated")   # failed/aborted rows are recorded, never trained
-
-
-class NonFiniteUpdate(FloatingPointError):
-    """trainer.on_nonfinite=stop and a mini-batch's loss or gradient norm was NaN / inf."""
-
-
-def on_nonfinite(cfg: TrainerConfig, step: int, mini_batch: int, what: str) -> None:
-    """A mini-batch's loss or gradients were NaN / inf (`what` says which): its update is not applied
-    (trainer.on_nonfinite=skip; the caller counts it), or NonFiniteUpdate naming the step (stop)."""
-    if cfg.on_nonfinite == "stop":
-        raise NonFiniteUpdate(f"training step {step} (version {step} -> {step + 1}), mini-batch {mini_batch}: "
-                              f"{what}; the weights were not updated (trainer.on_nonfinite=stop; "
-                              "'skip' drops such mini-batches and goes on)")
-
-
-def finite_metrics(metrics: dict) -> dict:
-    """The step's metrics without NaN / inf values (a skipped mini-batch's own numbers)."""
-    return {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
-
-
-def lr_at(cfg: TrainerConfig, step: int) -> float:
-    """The learning rate of training step `step` (0-based; the trainer's version before the step):
-    linear warm-up over lr_warmup_steps, then constant or a linear / cosine decay that reaches
-    lr * lr_min_ratio at lr_decay_steps and stays there. A function of the step alone, so a
-    resumed run (its version restored) continues the schedule where it stopped."""
-    if step < cfg.lr_warmup_steps:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    span = max(1, cfg.lr_decay_steps - cfg.lr_warmup_steps)
-    progress = min(1.0, (step - cfg.lr_warmup_steps) / span)
-    shape = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.lr_min_ratio + (1 - cfg.lr_min_ratio) * shape)
-
-
-@dataclass
-class Batch:
-    """Right-padded tensors for one step: sequence = prompt + response."""
-    input_ids: torch.Tensor      # [B, L]
-    attn: torch.Tensor           # [B, L]
-    resp_pos: torch.Tensor       # [B, T] index in the sequence of the position predicting response token t
-    resp_ids: torch.Tensor       # [B, T]
-    mask: torch.Tensor           # [B, T] float: trained tokens
-    engine_lp: torch.Tensor      # [B, T]
-    versions: torch.Tensor       # [B, T]
-    rewards: torch.Tensor        # [B]
-    group_ids: torch.Tensor      # [B]
-    lengths: torch.Tensor        # [B]
-    truncated: torch.Tensor      # [B] bool
-    weights: torch.Tensor | None = None   # [B] a row's share of its sample (1/rows of that sample): a trajectory
-                                          # that made several segment rows counts once in its group's statistics
-    prompt_len: np.ndarray | None = None  # [B] prompt tokens of each row
-    prompt_key: np.ndarray | None = None  # [B] rows with the same prompt tokens have the same key
-
-
-def to_batch(table: pa.Table, pad_id: int) -> Batch:
-    """One step's rows as right-padded tensors, filled column-wise from Arrow's flat buffers."""
-    n = table.num_rows
-    p_ids, r_ids = _lists(table, "prompt_ids", np.int64), _lists(table, "response_ids", np.int64)
-    p_len, r_len = np.diff(p_ids[1]), np.diff(r_ids[1])
-    seq_len = p_len + r_len
-    L, T = int(seq_len.max(initial=0)) or 1, int(r_len.max(initial=0)) or 1
-    rows_p, cols_p = _coords(p_len)            # row, column of each prompt token
-    rows_r, cols_r = _coords(r_len)            # row, index in the response of each response token
-    ids = np.full((n, L), pad_id, dtype=np.int64)
-    ids[rows_p, cols_p] = p_ids[0]
-    ids[rows_r, p_len[rows_r] + cols_r] = r_ids[0]
-    attn = (np.arange(L)[None, :] < seq_len[:, None]).astype(np.int64)
-    pos = np.zeros((n, T), dtype=np.int64)
-    pos[rows_r, cols_r] = p_len[rows_r] - 1 + cols_r
-    rid = np.zeros((n, T), dtype=np.int64)
-    rid[rows_r, cols_r] = r_ids[0]
-    status = table.column("status").to_pylist()
-    trainable = np.array([s in TRAINABLE for s in status], dtype=np.float32)
-    mask = np.zeros((n, T), dtype=np.float32)
-    mask[rows_r, cols_r] = _lists(table, "loss_mask", np.float32)[0] * trainable[rows_r]
-    elp = np.zeros((n, T), dtype=np.float32)
-    elp[rows_r, cols_r] = _lists(table, "response_logprobs", np.float32)[0]
-    ver = np.full((n, T), -1, dtype=np.int64)
-    ver[rows_r, cols_r] = _lists(table, "token_versions", np.int64)[0]
-    t = torch.from_numpy
-    return Batch(t(ids), t(attn), t(pos), t(rid), t(mask), t(elp), t(ver),
-                 torch.tensor(table.column("reward").to_pylist(), dtype=torch.float),
-                 torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long), t(r_len.astype(np.int64)),
-                 torch.tensor([s == "truncated" for s in status]), _sample_weights(table), p_len,
-                 _prompt_keys(p_ids, n))
-
-
-def _prompt_keys(p_ids: tuple[np.ndarray, np.ndarray], n: int) -> np.ndarray:
-    """One integer per row, equal for rows whose prompt tokens are equal (a group's samples)."""
-    flat, off = p_ids
-    seen: dict[bytes, int] = {}
-    return np.array([seen.setdefault(flat[off[i]:off[i + 1]].tobytes(), len(seen)) for i in range(n)], dtype=np.int64)
-
-
-@dataclass
-class Terms:
-    """What a step's loss reads besides the log-probs: per-token [B, T] tensors of the whole step."""
-    old: torch.Tensor
-    adv: torch.Tensor
-    mask: torch.Tensor
-    weights: torch.Tensor
-    ref: torch.Tensor | None = None
-    tb: object | None = None        # distill.TeacherBatch (GKD) or None
-
+from stages.update.step import (  # noqa: F401  (NonFiniteUpdate, lr_at, to_batch: read with the trainer)
+    Batch,
+    NonFiniteUpdate,
+    corrected,
+    lr_at,
+    mini_batches,
+    on_nonfinite,
+    skipped_step,
+    step_metrics,
+    task_advantages,
+    to_batch,
+)
 
 # Prompt packing needs a [G, 1, W, W] attention mask, which attention may widen to float: past this
 # many cells (a 8k-token packed sequence) the rows run padded, under the causal mask alone.
@@ -152,46 +56,36 @@ class Packed:
 
 
 def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | None:
-    """`rows` of `b` packed by prompt, or None when no two of them share one (nothing to save).
-    Log-probs through it equal the padded batch's up to float rounding: each token sees the same
-    tokens at the same positions; a group's prompt is computed once instead of once per sample."""
+    """`rows` of `b` packed by prompt (trainer.share_prompts), or None when no two of them share one.
+    Each token sees the same tokens at the same positions as in the padded batch, so the log-probs
+    are equal up to float rounding; a group's prompt is computed once instead of once per sample."""
     r = rows.numpy()
-    keys = b.prompt_key[r]
-    uniq, inverse = np.unique(keys, return_inverse=True)
+    uniq, inverse = np.unique(b.prompt_key[r], return_inverse=True)
     if len(uniq) == len(r):
         return None
-    p_len = b.prompt_len[r]
-    r_len = b.attn[rows].sum(1).numpy() - p_len
-    # packed layout: per sequence g, its prompt (from its first row) then its rows' responses in order
+    p_len, r_len = b.prompt_len[r], b.attn[rows].sum(1).numpy() - b.prompt_len[r]
     starts = np.zeros(len(r), dtype=np.int64)        # where each row's response starts in its sequence
-    width = np.zeros(len(uniq), dtype=np.int64)
-    first = np.full(len(uniq), -1)
-    for i, g in enumerate(inverse):
+    width, first = np.zeros(len(uniq), dtype=np.int64), np.full(len(uniq), -1)
+    for i, g in enumerate(inverse):     # sequence g: its prompt (from its first row), then its rows' responses
         if first[g] < 0:
             first[g], width[g] = i, p_len[i]
-        starts[i] = width[g]
-        width[g] += r_len[i]
-    W = int(width.max())
-    G = len(uniq)
+        starts[i], width[g] = width[g], width[g] + r_len[i]
+    G, W = len(uniq), int(width.max())
     if G * W * W > PACK_MASK_CELLS:     # long prompts: the [G, W, W] mask would cost more than it saves
         return None
     ids = torch.full((G, W), pad_id, dtype=torch.long)
     position = torch.zeros((G, W), dtype=torch.long)
     seg = torch.full((G, W), -1, dtype=torch.long)      # -1 pad, 0 prompt, i + 1 row i's response
     src = b.input_ids[rows]
-    for g in range(G):
-        i = int(first[g])
-        ids[g, :p_len[i]] = src[i, :p_len[i]]
-        position[g, :p_len[i]] = torch.arange(int(p_len[i]))
-        seg[g, :p_len[i]] = 0
+    for g, i in enumerate(first.tolist()):
+        p = int(p_len[i])
+        ids[g, :p], position[g, :p], seg[g, :p] = src[i, :p], torch.arange(p), 0
     for i, g in enumerate(inverse):
         a, n_r, p = int(starts[i]), int(r_len[i]), int(p_len[i])
-        ids[g, a:a + n_r] = src[i, p:p + n_r]
+        ids[g, a:a + n_r], seg[g, a:a + n_r] = src[i, p:p + n_r], i + 1
         position[g, a:a + n_r] = torch.arange(p, p + n_r)
-        seg[g, a:a + n_r] = i + 1
     q, k = seg[:, :, None], seg[:, None, :]
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
-    mask = causal & (k >= 0) & ((k == 0) | (k == q))
+    mask = torch.ones(W, W, dtype=torch.bool).tril() & (k >= 0) & ((k == 0) | (k == q))
     mask |= torch.eye(W, dtype=torch.bool)           # a pad attends to itself: no all-masked (NaN) row
     # the position predicting response token t: the prompt's last token for t = 0, else token t - 1
     t = torch.arange(b.resp_pos.shape[1])
@@ -204,96 +98,32 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
 @contextlib.contextmanager
 def activation_checkpointing(model):
     """HF activation checkpointing on `model` (a peft model: its base) while the block runs: each
-    decoder layer keeps its input only and is run again in the backward. Non-reentrant checkpoints
-    need no gradient on their inputs, so the embedding hook HF adds for them is taken off again (it
-    would pile up, one per call). The backward's recompute needs no flag (torch holds the layer's
-    function), so it may run after the block. A model without HF's support runs as it is."""
-    hf = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    decoder layer keeps its input only and runs again in the backward (which may come after the
+    block: torch holds the layer's function). Non-reentrant checkpoints need no gradient on their
+    inputs, so the embedding hook HF adds for them is taken off (it would pile up, one per call).
+    A model without HF's support runs as it is."""
+    hf = model.get_base_model() if hasattr(model, "peft_config") else model
     if not getattr(hf, "supports_gradient_checkpointing", False):
         yield
         return
-    if hasattr(hf, "activation_checkpointing_enable"):       # transformers >= 5.x's name
-        hf.activation_checkpointing_enable({"use_reentrant": False})
-        off = hf.activation_checkpointing_disable
-    else:
-        hf.gradient_checkpointing_enable({"use_reentrant": False})
-        off = hf.gradient_checkpointing_disable
+    new = hasattr(hf, "activation_checkpointing_enable")       # transformers >= 5.x's name
+    (hf.activation_checkpointing_enable if new else hf.gradient_checkpointing_enable)({"use_reentrant": False})
     hf.disable_input_require_grads()
     try:
         yield
     finally:
-        off()
+        (hf.activation_checkpointing_disable if new else hf.gradient_checkpointing_disable)()
 
 
-def _sample_weights(table: pa.Table) -> torch.Tensor | None:
-    """1 / (rows of the row's sample) when some sample made several rows (segments), else None."""
-    if "sample_idx" not in table.column_names:
-        return None
-    keys = list(zip(table.column("group_id").to_pylist(), table.column("sample_idx").to_pylist()))
-    counts: dict = {}
-    for k in keys:
-        counts[k] = counts.get(k, 0) + 1
-    if len(counts) == len(keys):
-        return None
-    return torch.tensor([1.0 / counts[k] for k in keys], dtype=torch.float)
-
-
-def _lists(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """A list column as (flat values, offsets): no Python object per token."""
-    col = table.column(name).combine_chunks()
-    if isinstance(col, pa.ChunkedArray):    # an empty table
-        col = pa.array([], type=col.type)
-    offsets = col.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-    flat = col.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
-    return flat.astype(dtype, copy=False), offsets - offsets[0]
-
-
-def _coords(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ragged rows of these lengths: each element's row and its index within the row."""
-    rows = np.repeat(np.arange(len(lengths)), lengths)
-    starts = np.cumsum(lengths) - lengths
-    return rows, np.arange(int(lengths.sum())) - starts[rows]
-
-
-def task_advantages(algo: AlgorithmConfig, b: Batch, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Overlong shaping of rewards and mask, then the estimator's per-token advantages [B,T]
-    (both trainers start every update here)."""
-    rewards, mask = shape_overlong(algo, b.rewards, b.mask, b.lengths, b.truncated,
-                                   max_new_tokens or int(b.lengths.max()))
-    return compute_advantages(algo.advantage, rewards, b.group_ids, mask, weights=b.weights), mask
-
-
-def skipped_step(n: int, lr: float, version: int, skipped_steps: int, t0: float) -> dict:
-    """The metrics of a step with no trainable token (every row failed before its first model
-    call, or every token was masked out): nothing to forward and no optimizer step. The caller
-    still advances the version (the clock counts steps; the weights are unchanged), so the
-    window moves on, the lr schedule keeps its place and the run goes on to its end.
-    `skipped_steps` counts such steps over the run, this one included."""
-    return {"train/skipped_steps": skipped_steps, "train/tokens": 0, "train/samples": n,
-            "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
-            "train/lr": lr, "version": version}
-
-
-def mini_batches(cfg: TrainerConfig, rng: np.random.Generator, b: Batch, n: int, mb: int) -> list[np.ndarray]:
-    """Row indices of each mini-batch: n // mb of them, of random rows or of whole random groups."""
-    if cfg.mini_batch_split == "rows":
-        return np.array_split(rng.permutation(n), max(1, n // mb))
-    groups = b.group_ids.numpy()
-    ids = np.unique(groups)
-    chunks = np.array_split(rng.permutation(ids), max(1, min(len(ids), n // mb)))
-    return [np.flatnonzero(np.isin(groups, c)) for c in chunks]
-
-
-def adamw(params: list, cfg: TrainerConfig) -> torch.optim.AdamW:
-    """AdamW, fused into one kernel per step where torch has one for these parameters
-    (measured 7-10% of a quickstart update saved on CPU against the per-tensor loop)."""
-    kw = {"lr": cfg.lr, "betas": tuple(cfg.betas), "weight_decay": cfg.weight_decay}
-    if cfg.fused_optimizer:
-        try:
-            return torch.optim.AdamW(params, fused=True, **kw)
-        except (RuntimeError, ValueError):      # a device or dtype the fused kernel does not cover
-            pass
-    return torch.optim.AdamW(params, **kw)
+@dataclass
+class Terms:
+    """What a step's loss reads besides the log-probs: per-token [B, T] tensors of the whole step."""
+    old: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    weights: torch.Tensor
+    ref: torch.Tensor | None
+    tb: object | None        # distill.TeacherBatch (GKD) or None
 
 
 class TorchTrainer:
@@ -317,11 +147,11 @@ class TorchTrainer:
         for m in (self.model, self.ref):    # how logits are made, checked once now, not in the first step
             if m is not None:
                 split_model(m)
-        # walked once: clipping uses it every mini-batch; with LoRA only the adapters (and their Adam state)
+        # with LoRA only the adapters (and their Adam state)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = adamw(self.params, cfg)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.version = 0
-        self.skipped_steps = 0      # steps with no trainable token over the run (skipped_step)
+        self.skipped_steps = 0      # steps with no trainable token over the run (step.skipped_step)
         self.mesh_endpoint = None
         self.rng = np.random.default_rng(cfg.seed)
 
@@ -342,11 +172,11 @@ class TorchTrainer:
         """Bytes of the trained parameters and of their optimizer state, and this process's peak RSS."""
         import resource
 
-        state = sum(t.numel() * t.element_size() for s in self.opt.state.values() for t in s.values()
-                    if torch.is_tensor(t))
-        return {"trainable_bytes": sum(p.numel() * p.element_size() for p in self.params),
-                "model_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
-                "optimizer_state_bytes": state,
+        def size(ts):
+            return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+        return {"trainable_bytes": size(self.params), "model_bytes": size(self.model.parameters()),
+                "optimizer_state_bytes": size(t for s in self.opt.state.values() for t in s.values()),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def mesh(self, method: str, *args, **kwargs):
@@ -357,14 +187,12 @@ class TorchTrainer:
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
     def _adopt_shared(self, views: dict) -> None:
-        """Keep the weights in the TransferMesh's shared segment (views hold their current
-        values): local engines then read each version in place and publishing copies
-        nothing here. Parameters stay the same objects, so the optimizer is unaffected."""
-        if self.lora:
-            tensors = dict(self.adapter)
-        else:
-            tensors = dict(self.model.named_parameters(remove_duplicate=False))
-            tensors |= dict(self.model.named_buffers(remove_duplicate=False))
+        """Keep the weights in the TransferMesh's shared segment (views hold their current values):
+        local engines then read each version in place and publishing copies nothing here.
+        Parameters stay the same objects, so the optimizer is unaffected."""
+        m = self.model
+        tensors = dict(self.adapter) if self.lora else \
+            dict(m.named_parameters(remove_duplicate=False)) | dict(m.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name, view in views.items():
                 if name in tensors:
@@ -383,59 +211,31 @@ class TorchTrainer:
         if with_state:
             torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
                         "np_rng": self.rng.bit_generator.state, "version": self.version,
-                        "skipped_steps": self.skipped_steps},
-                       os.path.join(path, "trainer_state.pt"))
+                        "skipped_steps": self.skipped_steps}, os.path.join(path, "trainer_state.pt"))
         return path
 
     def load_state(self, path: str) -> int:
-        """Resume: the weights were loaded from `path` at start; restore optimizer, RNGs and version."""
+        """Resume: the weights were loaded from `path` at start; restore optimizer, RNGs and version.
+        With LoRA the base was loaded at start; the adapter is the checkpoint's."""
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-        if self.lora:   # the base was loaded at start; the adapter is the checkpoint's
-            self._load_adapter(path)
+        if self.lora:
+            from safetensors.torch import load_file
+
+            saved = load_file(os.path.join(path, "adapter_model.safetensors"))
+            if wrong := sorted(set(saved) ^ set(self.adapter)):
+                raise ValueError(f"{path}: the adapter does not fit trainer.lora's targets ({len(wrong)} tensors "
+                                 f"differ, e.g. {wrong[0]})")
+            with torch.no_grad():
+                for n, p in self.adapter.items():
+                    if saved[n].shape != p.shape:
+                        raise ValueError(f"{path}: {n} is {tuple(saved[n].shape)}, trainer.lora makes it "
+                                         f"{tuple(p.shape)} (a different trainer.lora.rank?)")
+                    p.copy_(saved[n])
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.rng.bit_generator.state = state["np_rng"]
-        self.version = int(state["version"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.version, self.skipped_steps = int(state["version"]), int(state.get("skipped_steps", 0))
         return self.version
-
-    def _load_adapter(self, path: str) -> None:
-        from safetensors.torch import load_file
-
-        saved = load_file(os.path.join(path, "adapter_model.safetensors"))
-        wrong = sorted(set(saved) ^ set(self.adapter))
-        if wrong:
-            raise ValueError(f"{path}: the adapter does not fit trainer.lora's targets ({len(wrong)} tensors "
-                             f"differ, e.g. {wrong[0]})")
-        with torch.no_grad():
-            for n, p in self.adapter.items():
-                if saved[n].shape != p.shape:
-                    raise ValueError(f"{path}: {n} is {tuple(saved[n].shape)}, trainer.lora makes it "
-                                     f"{tuple(p.shape)} (a different trainer.lora.rank?)")
-                p.copy_(saved[n])
-
-    def _ref_logprobs(self, b: Batch):
-        """The reference policy's log-probs (KL term): the frozen copy, or with LoRA the base (adapter off)."""
-        if self.lora:
-            with self.model.disable_adapter(), self._no_dropout():
-                return self._all_logprobs(self.model, b)
-        return self._all_logprobs(self.ref, b)
-
-    def _all_logprobs(self, model, b: Batch) -> torch.Tensor:
-        """Log-probs [B, T] of every row of the step (no grad), micro-batch by micro-batch."""
-        micro = self._micro_batches(b, torch.arange(len(b.input_ids)))
-        if len(micro) == 1:
-            return self.logprobs(model, b)[0]
-        out = torch.zeros(b.resp_ids.shape)
-        for rows in micro:
-            out[rows] = self.logprobs(model, b, rows)[0]
-        return out
-
-    def _no_dropout(self):
-        """No-grad passes (recompute, reference) see the policy the engine samples: LoRA's dropout off."""
-        if not (self.lora and self.lora.dropout):
-            return contextlib.nullcontext()
-        return _eval_mode(self.model)
 
     # ---- the update -----------------------------------------------------------------
     def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False,
@@ -447,30 +247,38 @@ class TorchTrainer:
         idx = torch.arange(len(b.input_ids))[rows]
         T = b.resp_pos.shape[1]
         real = torch.arange(T)[None, :] < b.lengths[idx][:, None]        # [b, T] response tokens
-        packed = pack_shared_prompts(b, idx, self.pad_id) \
-            if self.cfg.share_prompts and b.prompt_key is not None else None
+        packed = pack_shared_prompts(b, idx, self.pad_id) if self.cfg.share_prompts else None
         if packed is not None:      # a group's prompt computed once for all its samples
-            inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
-                      "attention_mask": packed.mask}
+            inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": packed.mask}
             seq, pos = packed.row[:, None].expand(-1, T)[real], packed.pos[real]
         else:
-            width = int(b.attn[idx].sum(1).max())      # right padding: columns past the longest row are all padding
-            # No attention mask: with right padding, causal attention alone never lets a real token see
-            # a pad (pads come after it), and only real positions are gathered. Bit-identical
-            # log-probs, and the model builds no padding mask (~6% of a quickstart mini-batch).
-            inputs = {"input_ids": b.input_ids[idx][:, :width]}
+            # Right padding and no attention mask: causal attention alone never lets a real token see a pad
+            # (pads come after it), and only real positions are gathered; columns past the longest row go.
+            inputs = {"input_ids": b.input_ids[idx][:, :int(b.attn[idx].sum(1).max())]}
             seq, pos = torch.arange(len(idx))[:, None].expand(-1, T)[real], b.resp_pos[idx][real]
         st = position_stats(model, b.resp_ids[idx][real], seq, pos, self.temperature, self.cfg.logprob_chunk,
                             entropy=with_entropy, gather_ids=None if topk_ids is None else topk_ids[real], **inputs)
-        lp = _scatter(real, st.logprobs)
-        ent = _scatter(real, st.entropy) if with_entropy else None
-        top = _scatter(real, st.gathered) if topk_ids is not None else None
-        return lp, ent, top
+        return (_scatter(real, st.logprobs), _scatter(real, st.entropy) if with_entropy else None,
+                _scatter(real, st.gathered) if topk_ids is not None else None)
 
     def _micro_batches(self, b: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
         """rows cut by trainer.max_tokens_per_microbatch (one micro-batch when it is 0)."""
         return token_micro_batches(b.attn.sum(1).numpy(), b.prompt_len, b.prompt_key, rows,
                                    self.cfg.max_tokens_per_microbatch, self.cfg.share_prompts)
+
+    def _all_logprobs(self, b: Batch, reference: bool = False) -> torch.Tensor:
+        """Log-probs [B, T] of every row with no grad, micro-batch by micro-batch, of the policy the
+        engine samples (LoRA's dropout off), or of the reference: the frozen copy, or with LoRA the
+        base (adapter off)."""
+        model = self.ref if reference and not self.lora else self.model
+        dropout = self.lora is not None and self.lora.dropout > 0
+        out = torch.zeros(b.resp_ids.shape)
+        with torch.no_grad(), self.model.disable_adapter() if reference and self.lora else contextlib.nullcontext():
+            self.model.train(not dropout)
+            for rows in self._micro_batches(b, torch.arange(len(b.input_ids))):
+                out[rows] = self.logprobs(model, b, rows)[0]
+        self.model.train()
+        return out
 
     def _forward_backward(self, b: Batch, rows: torch.Tensor, full: torch.Tensor, t: Terms):
         """Forward and backward of one optimizer step's `rows` (of mini-batch `full`), micro-batch by
@@ -496,88 +304,64 @@ class TorchTrainer:
             parts.append((m, float(t.mask[mrows].sum())))
             lps.append(lp.detach())
         order = torch.argsort(torch.cat(micro))          # micro-batches back in `rows` order
-        return sum(values), merge_metrics(parts), torch.cat(lps)[order] if len(lps) > 1 else lps[0]
+        return sum(values), merge_metrics(parts), torch.cat(lps)[order]
 
     def _checkpointing(self, b: Batch, rows: torch.Tensor):
         """Activation checkpointing on while a pass over `rows` runs, if they lay out more than
         trainer.activation_checkpointing_tokens positions (rows x the longest of them)."""
         limit = self.cfg.activation_checkpointing_tokens
-        if not limit or len(rows) * b.attn.shape[1] <= limit:      # the batch's width bounds the longest row
-            return contextlib.nullcontext()
-        if len(rows) * int(b.attn[rows].sum(1).max()) <= limit:
+        if not limit or len(rows) * int(b.attn[rows].sum(1).max()) <= limit:
             return contextlib.nullcontext()
         return activation_checkpointing(self.model)
 
-    def _mini_batches(self, b: Batch, n: int, mb: int) -> list[np.ndarray]:
-        return mini_batches(self.cfg, self.rng, b, n, mb)
-
-    def _zero_step(self):
-        """The optimizer step of a mini-batch whose gradient is exactly zero (no forward needed)."""
-        self.opt.zero_grad(set_to_none=True)
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        self.opt.step()
-
     def train_step(self, table: pa.Table) -> dict:
-        t0 = time.time()
+        t0, cfg, algo = time.time(), self.cfg, self.algo
         b = to_batch(table, self.pad_id)
-        algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        lr, n = lr_at(cfg, self.version), len(b.rewards)
         if not mask.any():      # every row failed or was masked out: nothing to train on
             self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
-            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
-                                self.skipped_steps, t0)
-        with torch.no_grad():
-            with self._no_dropout():
-                recomputed = None if algo.decoupled else self._all_logprobs(self.model, b)
-            ref_lp = self._ref_logprobs(b) if algo.kl_coef > 0 else None
-        old = old_policy_logprobs(algo, recomputed, b.engine_lp)
-        stale = (b.versions >= 0) & (b.versions < self.version)
-        # decoupled: no recompute pass; the gap is measured on the first mini-batch instead,
-        # whose forward runs under the same weights the recompute would have used
-        metrics = {} if recomputed is None else mismatch_metrics(recomputed, b.engine_lp, mask, stale)
-        weights, mask, is_m = is_weights(algo, old, b.engine_lp, mask)
-        metrics |= is_m
+            return skipped_step(n, lr, self.version, self.skipped_steps, t0)
+        # decoupled: no recompute pass; the gap is measured on the first mini-batch instead, whose
+        # forward runs under the same weights the recompute would have used
+        recomputed = None if algo.decoupled else self._all_logprobs(b)
+        ref_lp = self._all_logprobs(b, reference=True) if algo.kl_coef > 0 else None
+        old, weights, mask, metrics = corrected(algo, b, recomputed, mask, self.version)
         adv, distill_m, tb = apply_distill(algo, table, adv, old, mask, b.resp_ids)   # on-policy distillation
         metrics |= distill_m
-        n = b.input_ids.shape[0]
-        mb = self.cfg.mini_batch_size or n
-        lr = lr_at(self.cfg, self.version)
+        terms = Terms(old, adv, mask, weights, ref_lp, tb)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        losses, gnorms, parts, skipped, mb_i = [], [], [], 0, 0
         # rows with no gradient: every trained token's advantage is 0 and no other term reaches them
         # (the entropy term reaches every row, unless algorithm.entropy_rows=trained keeps it to the others)
-        live = ((adv * mask) != 0).any(1) if (self.cfg.skip_zero_advantage and ref_lp is None and tb is None
-                                                and (algo.entropy_coef == 0 or algo.entropy_rows == "trained")) \
-            else None
-        not_forwarded = 0
-        for _ in range(self.cfg.ppo_epochs):
-            for idx in self._mini_batches(b, n, mb):
-                rows = full = torch.as_tensor(np.sort(idx))
-                measure = recomputed is None and mb_i == 0      # the mismatch metrics see every row
+        live = ((adv * mask) != 0).any(1) if cfg.skip_zero_advantage and ref_lp is None and tb is None and \
+            (algo.entropy_coef == 0 or algo.entropy_rows == "trained") else None
+        losses, gnorms, parts, skipped, not_forwarded = [], [], [], 0, 0
+        for _ in range(cfg.ppo_epochs):
+            for idx in mini_batches(cfg, self.rng, b):
+                rows = full = torch.as_tensor(idx)
+                measure = recomputed is None and not losses and not skipped   # the mismatch sees every row
                 if live is not None and not measure:
                     rows = full[live[full]]
                 if not mask[rows].any():    # no live row, or no trained token (failed rows): a zero gradient,
                     rows = rows[:0]         # so no forward; AdamW still steps, as the full update would
                 not_forwarded += len(full) - len(rows)
+                self.opt.zero_grad(set_to_none=True)
                 if len(rows) == 0:
-                    self._zero_step()
-                    mb_i += 1
+                    for p in self.params:
+                        p.grad = torch.zeros_like(p)
+                    self.opt.step()
                     losses.append(0.0)
                     gnorms.append(0.0)
                     continue
-                self.opt.zero_grad(set_to_none=True)
-                value, m, lp = self._forward_backward(b, rows, full, Terms(old, adv, mask, weights, ref_lp, tb))
-                mb_i += 1
+                value, m, lp = self._forward_backward(b, rows, full, terms)
                 if measure:
-                    metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], stale[rows])
-                bad = "" if math.isfinite(value) else f"non-finite loss {value}"
-                if not bad:     # the gradients of every micro-batch are in
-                    gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True))
-                    bad = "" if math.isfinite(gnorm) else f"non-finite grad norm {gnorm} (loss {value})"
-                if bad:         # never applied: weights and optimizer state stay as they were
-                    on_nonfinite(self.cfg, self.version, mb_i, bad)
+                    metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], b.stale(self.version)[rows])
+                gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)) \
+                    if math.isfinite(value) else math.nan   # the gradients of every micro-batch are in
+                if not math.isfinite(gnorm):    # never applied: weights and optimizer state stay as they were
+                    on_nonfinite(cfg, self.version, len(losses) + skipped + 1, f"non-finite loss {value}"
+                                 if not math.isfinite(value) else f"non-finite grad norm {gnorm} (loss {value})")
                     self.opt.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
@@ -586,16 +370,9 @@ class TorchTrainer:
                 gnorms.append(gnorm)
                 parts.append(m)
         self.version += 1
-        trained = mask.sum().item()
-        if parts:       # no loss metrics when every mini-batch was skipped: there was no finite loss
-            metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0]}
-            metrics |= {"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(gnorms))}
-        metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/rows_not_forwarded": not_forwarded, "train/skipped_steps": self.skipped_steps,
-                    "train/seconds": time.time() - t0,
-                    "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)),
-                    "train/lr": lr, "version": self.version}
-        return finite_metrics(metrics)
+        return step_metrics(metrics, parts, losses, gnorms, adv, mask, t0, lr, self.version, samples=n,
+                            nonfinite_skipped=skipped, rows_not_forwarded=not_forwarded,
+                            skipped_steps=self.skipped_steps)
 
 
 def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -603,12 +380,3 @@ def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     at where's True entries, in order; differentiable through values."""
     out = values.new_zeros((*where.shape, *values.shape[1:]))
     return out.index_put(torch.nonzero(where, as_tuple=True), values)
-
-
-@contextlib.contextmanager
-def _eval_mode(model):
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train()

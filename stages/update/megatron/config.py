@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, at_least, key, one_of
+from stages.keys import NONNEG, POSITIVE, at_least, check_fields, key, one_of
 
 
 @dataclass(frozen=True)
@@ -24,15 +24,7 @@ class MegatronConfig:
                                   POSITIVE)
 
     def __post_init__(self):
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"megatron.{name} must be >= 1, got {getattr(self, name)}")
-        if self.micro_batch_size < 0:
-            raise ValueError(f"megatron.micro_batch_size must be >= 0, got {self.micro_batch_size}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"megatron.device must be auto, cuda or cpu, got {self.device!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"megatron.timeout_s must be > 0, got {self.timeout_s}")
+        check_fields(self, "megatron")
 
     @property
     def world_size(self) -> int:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from stages.update.losses import AlgorithmConfig
-from stages.update.trainer import TrainerConfig
+from stages.update.config import AlgorithmConfig, TrainerConfig
 
 from .config import MegatronConfig
 

@@ -28,15 +28,16 @@ import pyarrow as pa
 import ray
 import torch
 
-from stages.update.correction import is_weights, mismatch_metrics, old_policy_logprobs
-from stages.update.losses import AlgorithmConfig, policy_loss
-from stages.update.trainer import (
+from stages.update.config import AlgorithmConfig, TrainerConfig
+from stages.update.losses import policy_loss
+from stages.update.step import (
     Batch,
-    TrainerConfig,
-    finite_metrics,
+    corrected,
     lr_at,
+    mini_batches,
     on_nonfinite,
     skipped_step,
+    step_metrics,
     task_advantages,
     to_batch,
 )
@@ -262,56 +263,38 @@ class MegatronTrainer:
             return self._train_step(table)
 
     def _train_step(self, table: pa.Table) -> dict | None:
-        t0 = time.time()
+        t0, cfg, algo = time.time(), self.cfg, self.algo
         b = to_batch(table, self.pad_id)
-        algo = self.algo
         adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        lr, reports = lr_at(cfg, self.version), self.last and self.tp_rank == 0 and self.dp_rank == 0
         if not mask.any():      # every rank holds the same table, so every rank skips it
             self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
-            if not (self.last and self.tp_rank == 0 and self.dp_rank == 0):
-                return None
-            return skipped_step(len(b.rewards), lr_at(self.cfg, self.version - 1), self.version,
-                                self.skipped_steps, t0)
+            return skipped_step(len(b.rewards), lr, self.version, self.skipped_steps, t0) if reports else None
         recomputed = None if algo.decoupled else self.logprobs(self.module, b)
         ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
         metrics, fields = {}, self._inputs(b)
         if self.last:     # only the last stage sees logits, so only it computes the loss
-            old = old_policy_logprobs(algo, recomputed, b.engine_lp)
-            stale = (b.versions >= 0) & (b.versions < self.version)
-            metrics = mismatch_metrics(old if recomputed is not None else b.engine_lp, b.engine_lp, mask, stale)
-            weights, mask, is_m = is_weights(algo, old, b.engine_lp, mask)
-            metrics |= is_m
+            old, weights, mask, metrics = corrected(algo, b, recomputed, mask, self.version)
             fields |= {"old": old, "adv": adv, "mask": mask, "weights": weights, "ref": ref_lp}
-        n = b.input_ids.shape[0]
-        mb = self.cfg.mini_batch_size or n
-        parts, gnorms, skipped = [], [], 0
-        lr = lr_at(self.cfg, self.version)
         for o in self._inner_optimizers():      # the same schedule as TorchTrainer's, set on every rank
             for group in o.optimizer.param_groups:
                 group["lr"] = lr
-        for _ in range(self.cfg.ppo_epochs):
-            for idx in np.array_split(self.rng.permutation(n), max(1, n // mb)):
-                part, gnorm = self._optimizer_step(np.sort(idx), fields)
+        parts, gnorms, skipped = [], [], 0
+        for _ in range(cfg.ppo_epochs):
+            for idx in mini_batches(cfg, self.rng, b):
+                part, gnorm = self._optimizer_step(idx, fields)
                 if gnorm is None:   # every rank agrees: the decision was all-reduced
-                    on_nonfinite(self.cfg, self.version, len(parts) + skipped + 1,
+                    on_nonfinite(cfg, self.version, len(parts) + skipped + 1,
                                  f"a non-finite loss or gradient (loss {part.get('loss', 'on the last stage')})")
                     skipped += 1
                     continue
                 parts.append(part)
                 gnorms.append(gnorm)
         self.version += 1
-        if not (self.last and self.tp_rank == 0 and self.dp_rank == 0):
+        if not reports:
             return None
-        trained = mask.sum().item()
-        if parts:       # no loss metrics when every mini-batch was skipped
-            metrics |= {f"train/{k}": float(np.mean([p[k] for p in parts])) for k in parts[0] if k != "loss"}
-            metrics |= {"train/loss": float(np.mean([p["loss"] for p in parts])),
-                        "train/grad_norm": float(np.mean(gnorms))}
-        metrics |= {"train/nonfinite_skipped": skipped, "train/tokens": trained, "train/samples": n,
-                    "train/skipped_steps": self.skipped_steps, "train/seconds": time.time() - t0,
-                    "train/adv_abs_mean": float((adv.abs() * mask).sum() / max(trained, 1)), "train/lr": lr,
-                    "version": self.version}
-        return finite_metrics(metrics)
+        return step_metrics(metrics, parts, [p["loss"] for p in parts], gnorms, adv, mask, t0, lr, self.version,
+                            samples=len(b.rewards), nonfinite_skipped=skipped, skipped_steps=self.skipped_steps)
 
     def _inputs(self, b: Batch) -> dict:
         L = b.input_ids.shape[1]
