@@ -13,16 +13,11 @@ signature
 (`async def` works too). A function that draws random numbers (a sampled judge) seeds them
 from `row["seed"]`: a function of run.seed, the row's group and sample (pipeline/seeds.py).
 
-A user function runs in a small pool of worker processes
-(stages/reward_pool.py, `reward.workers` of them), all rows of a batch queued at once, each
-call with `reward.timeout_s`: an exception, a non-finite reward (NaN, inf) or a timeout
-marks only that row `failed`, with the error and reward 0, and a call past its timeout has
-its worker killed and replaced, so a hung function neither serialises the batch nor keeps
-the process from exiting (the function's module must import in a fresh interpreter: each
-worker imports it by its dotted path, with this process's sys.path). The built-in rules
-(pure, microseconds a row) run in this process: through the pool exact_match cost 1.8-2.2
-ms per 64 quickstart rows instead of 0.7-0.9 ms, plus ~0.4 s to start the workers
-(benchmarks/reward_stage.py).
+A user function runs in worker processes (stages/reward_pool.py, `reward.workers` of them), each
+row with `reward.timeout_s`: an exception, a non-finite reward (NaN, inf) or a timeout marks only
+that row `failed`, with the error and reward 0, and a hung call has its worker killed and replaced
+(the function's module must import in a fresh interpreter: each worker imports it by its dotted
+path, with this process's sys.path). The built-in rules are pure and run in this process.
 
 Agents: when agent code set a (finite) reward itself (a white-box environment's rewards, an in-process
 agent's return value) the row's `agent_reward` is the reward and reward.fn is not called; reward_info
@@ -46,7 +41,6 @@ from stages.reward_config import RewardConfig
 from stages.reward_pool import RewardPool, call_reward, error_text
 from stages.schema import with_columns
 
-DECODE_CACHE_ROWS = 65536     # decoded responses kept per reward worker
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -138,7 +132,6 @@ class Reward:
         self.fn = load_reward_fn(cfg.fn)    # imported here too: a bad path fails at construction, not per row
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(model_path, tokenizer_class)
         self.pool = None if cfg.fn in BUILTIN else RewardPool(cfg.fn, cfg.workers, cfg.timeout_s)
-        self._texts: dict[tuple, str] = {}    # response ids -> text: a group's samples often give the same answer
 
     def close(self) -> None:
         """Kill the worker processes (garbage collection and interpreter exit do it too)."""
@@ -174,17 +167,6 @@ class Reward:
                 results.append((False, error_text(self.cfg.fn, e)))
         return results
 
-    def _text(self, ids: list[int]) -> str:
-        key = tuple(ids)
-        text = self._texts.get(key)
-        if text is None:
-            eos = self.tok.eos_token_id
-            text = self.tok.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
-            if len(self._texts) >= DECODE_CACHE_ROWS:
-                self._texts.clear()
-            self._texts[key] = text
-        return text
-
     def _args(self, row: dict) -> tuple:
         """The reward fn's arguments for a row: (prompt, response text, answer, row)."""
         transcript = json.loads(row.get("transcript") or "[]")
@@ -192,7 +174,8 @@ class Reward:
             row = row | {"transcript": transcript}
             text = next((m["content"] or "" for m in reversed(transcript) if m["role"] == "assistant"), "")
         else:
-            text = self._text(row["response_ids"])
+            ids, eos = row["response_ids"], self.tok.eos_token_id
+            text = self.tok.decode(ids[: ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
         if self.pool is not None:       # a user fn; the built-in rules draw nothing
             row = row | {"seed": self._seed(row)}
         return row["prompt"], text, row.get("answer") or "", row
