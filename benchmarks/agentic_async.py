@@ -62,7 +62,7 @@ def trajectory_walls(out: str) -> list[float]:
 
 
 def bubble(out: str) -> float:
-    from pipeline.profile import bubbles, load_spans
+    from pipeline.planner.spans import bubbles, load_spans
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -90,7 +90,7 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(ROOT)     # run as a script: the repository first, not this folder (its transfer.py names
     #                             the package); imported (tests/test_plan.py), the importer's path stands
 
-from pipeline.plan import PlanInput, setup  # noqa: E402
+from pipeline.planner.plan import PlanInput, setup  # noqa: E402
 from pipeline.planner.report import simulated_summary  # noqa: E402
 from pipeline.planner.sim import Simulation  # noqa: E402
 from stages.batcher import BatcherConfig, WindowedBatcher  # noqa: E402

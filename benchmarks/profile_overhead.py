@@ -28,7 +28,8 @@ import pyarrow as pa  # noqa: E402
 from pipeline.cluster import init_ray  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.controller import Controller  # noqa: E402
-from pipeline.profile import Profiler, bubbles, load_spans, profiled, sink_summaries  # noqa: E402
+from pipeline.planner.spans import bubbles, load_spans, sink_summaries  # noqa: E402
+from pipeline.profile import Profiler, profiled  # noqa: E402
 
 
 class Identity:

@@ -1,4 +1,4 @@
-"""`loongsage` command line: run a recipe, replay a recording, profile a run.
+"""`loongsage` command line.
 
     loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--resume | --overwrite] [--verbose]
     loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
@@ -12,11 +12,14 @@
 
 Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
 an option of several values (plan --sweep) takes every word up to the next option.
+
+The command line answers before torch or Ray is imported: -h lists the subcommands without importing
+their modules, a subcommand imports only its own, and `run` refuses a bad value or a used run directory
+before the run's own modules load.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import math
 import os
@@ -25,6 +28,121 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+# name -> (the module that declares its options and runs it: add_subcommand(sub), what -h says of it)
+SUBCOMMANDS = {
+    "run": ("pipeline.cli", "run a recipe"),
+    "replay": ("pipeline.replay", "train from a recorded rollouts/ dataset, without rollout engines"),
+    "profile": ("pipeline.planner.spans", "per-stage table and timeline plots of a run's profile/"),
+    "make-teacher": ("stages.tasks.make_teacher", "SFT a tiny specialist teacher on a built-in task"),
+    "make-model": ("stages.tasks.make_model", "write a tiny random model on a real vocabulary"),
+    "export": ("pipeline.export", "write a checkpoint as an HF model directory (--merge: LoRA base + adapter)"),
+    "plan": ("pipeline.planner.plan", "simulate a run on a cluster (calibrated on a run's profile, or presets)"),
+    "config": ("pipeline.config_doc", "the config reference; --check validates a recipe"),
+    "serve": ("pipeline.serve", "serve a model or checkpoint behind the recording proxy (all four APIs)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # no "Writing model shards" bars from transformers, here and in the Ray workers that inherit this environment
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    args = parse_argv(sys.argv[1:] if argv is None else list(argv))
+    return args.fn(args)
+
+
+def parser(name: str | None = None) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The parser and its subcommands: `name` declared in full by its module, or (None) every
+    subcommand by its name and help alone."""
+    p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    if name is None:
+        for n, (_, text) in SUBCOMMANDS.items():
+            sub.add_parser(n, help=text)
+    else:
+        importlib.import_module(SUBCOMMANDS[name][0]).add_subcommand(sub)
+    return p, sub
+
+
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """The command line as its subcommand's parser reads it, options and positionals intermixed
+    (argparse refuses intermixed parsing on a parser that has subcommands: the top level only picks one)."""
+    if argv and argv[0] in SUBCOMMANDS:
+        _, sub = parser(argv[0])
+        return sub.choices[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
+    return parser()[0].parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
+
+
+def add_subcommand(sub) -> None:
+    r = sub.add_parser("run")
+    r.add_argument("config", help="recipe YAML, e.g. configs/quickstart.yaml")
+    r.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    r.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the run directory's newest intact checkpoint (run.resume_from=latest)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds an earlier run (its files are removed)")
+    r.add_argument("--verbose", action="store_true",
+                   help="show Ray's own logs on the terminal (by default they go to RUN_DIR/ray.log)")
+    r.set_defaults(fn=cmd_run)
+
+
+def cmd_run(args) -> int:
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.config import ConfigError, check_names, load_config
+    from pipeline.rundir import RunDirError, claim
+
+    if args.resume and not args.run_dir:
+        print("error: --resume continues the run in --run-dir DIR: name it", file=sys.stderr)
+        return 2
+    overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
+    try:
+        cfg = load_config(args.config, overrides)
+        check_names(cfg)          # as `config --check` does: reward.fn imports, the paths it names exist
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    one_line = (ValueError, ConfigError, CheckpointError, RunDirError)     # errors that are their message
+    run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        # claimed before anything (ray.log included) is written into it, and before torch and Ray load
+        with claim(run_dir, cfg.run.resume_from, args.overwrite, log=lambda m: print(m, file=sys.stderr)):
+            summary = _train(cfg, run_dir, args.verbose, one_line)
+    except one_line as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted before the run could stop at a step; nothing to resume from", file=sys.stderr)
+        return 130
+    except BaseException:
+        if not args.verbose:
+            print(f"(Ray's own log of this run: {run_dir / 'ray.log'})", file=sys.stderr)
+        raise
+    code = resume_hint(summary, args.config, args.overrides, run_dir)
+    if code is not None:
+        return code
+    init, final = summary["initial"].get("eval/accuracy"), summary["final"].get("eval/accuracy")
+    print(f"done: {summary['steps']} steps, weights version {summary['version']}; run directory {run_dir}")
+    if init is not None and final is not None:
+        print(f"eval/accuracy: {_num(init, '.3f')} at step 0 -> {_num(final, '.3f')} at step {summary['steps']}")
+    return 0
+
+
+def _train(cfg, run_dir: Path, verbose: bool, one_line: tuple) -> dict:
+    """The run under a live progress line; Ray's own output goes to RUN_DIR/ray.log unless verbose."""
+    import contextlib
+
+    from pipeline.cluster import ray_output_to
+    from pipeline.controller import run
+
+    with contextlib.nullcontext() if verbose else ray_output_to(run_dir / "ray.log"):
+        bar, on_step, say = _progress(cfg.run.steps)
+        with bar:
+            try:
+                return run(cfg, run_dir, on_step=on_step, log=say)
+            except one_line:
+                bar.live.transient = True       # the terminal keeps the error's one line, not the bar
+                raise
 
 
 def _finite(v) -> bool:
@@ -52,22 +170,22 @@ def _progress(total: int):
         console.print(text, markup=False, highlight=False)
 
     def on_step(line: dict) -> None:
+        step = line.get("step")
+        at = {"completed": step} if isinstance(step, int) else {}
         if "eval/accuracy" in line:
             state["acc"] = line["eval/accuracy"]
-            say(f"[eval] step {line.get('step')}: accuracy {_num(line['eval/accuracy'], '.3f')} "
+            say(f"[eval] step {step}: accuracy {_num(line['eval/accuracy'], '.3f')} "
                 f"(reward mean {_num(line.get('eval/reward_mean'), '.3f')})")
         if "train/loss" in line:
             samples = line.get("rollout/samples")
             state["samples"] += samples if _finite(samples) else 0
             rate = state["samples"] / max(time.time() - state["t0"], 1e-9)
-            info = (f"reward {_num(line.get('rollout/reward_mean'), '.3f')}  eval acc {_num(state['acc'], '.3f')}  "
-                    f"loss {_num(line['train/loss'], '+.4f')}  {rate:.1f} samples/s")
-            step = line.get("step")
-            bar.update(task, info=info, **({"completed": step} if isinstance(step, int) else {}))
+            bar.update(task, info=f"reward {_num(line.get('rollout/reward_mean'), '.3f')}  eval acc "
+                                  f"{_num(state['acc'], '.3f')}  loss {_num(line['train/loss'], '+.4f')}  "
+                                  f"{rate:.1f} samples/s", **at)
         elif "train/skipped_steps" in line and line.get("train/tokens") == 0:   # skipped: no trainable row
-            step = line.get("step")
             bar.update(task, info=f"step skipped: no trainable rows ({line['train/skipped_steps']} skipped so far)",
-                       **({"completed": step} if isinstance(step, int) else {}))
+                       **at)
 
     return bar, on_step, say
 
@@ -91,135 +209,6 @@ def resume_hint(summary: dict, config: str, overrides: list[str], run_dir: str |
     else:
         print(f"{where}; no checkpoint was written, so there is nothing to resume from")
     return code
-
-
-def cmd_run(args) -> int:
-    from pipeline.config import ConfigError, check_names, load_config
-
-    if args.resume and not args.run_dir:
-        print("error: --resume continues the run in --run-dir DIR: name it", file=sys.stderr)
-        return 2
-    overrides = [*args.overrides, *(["run.resume_from=latest"] if args.resume else [])]
-    try:      # before torch and Ray are imported (seconds): a bad key or value is refused at once
-        cfg = load_config(args.config, overrides)
-        check_names(cfg)          # as `config --check` does: reward.fn imports, the paths it names exist
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.cluster import ray_output_to
-    from pipeline.controller import run
-    from pipeline.rundir import RunDirError, claim
-
-    one_line = (ValueError, ConfigError, CheckpointError, RunDirError)     # errors that are their message
-    run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    # Ray's own output goes to RUN_DIR/ray.log; --verbose leaves it on the terminal
-    ray_log = run_dir / "ray.log"
-    quiet = contextlib.nullcontext() if args.verbose else ray_output_to(ray_log)
-    try:
-        # the run directory is claimed before anything (ray.log included) is written into it
-        with claim(run_dir, bool(cfg.run.resume_from), args.overwrite, log=lambda m: print(m, file=sys.stderr)):
-            with quiet:
-                bar, on_step, say = _progress(cfg.run.steps)
-                with bar:
-                    try:
-                        summary = run(cfg, run_dir, on_step=on_step, log=say)
-                    except one_line:
-                        bar.live.transient = True       # the terminal keeps the error's one line, not the bar
-                        raise
-    except one_line as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted before the run could stop at a step; nothing to resume from", file=sys.stderr)
-        return 130
-    except BaseException:
-        if not args.verbose:
-            print(f"(Ray's own log of this run: {ray_log})", file=sys.stderr)
-        raise
-    code = resume_hint(summary, args.config, args.overrides, run_dir)
-    if code is not None:
-        return code
-    init, final = summary["initial"].get("eval/accuracy"), summary["final"].get("eval/accuracy")
-    print(f"done: {summary['steps']} steps, weights version {summary['version']}; run directory {run_dir}")
-    if init is not None and final is not None:
-        print(f"eval/accuracy: {_num(init, '.3f')} at step 0 -> {_num(final, '.3f')} at step {summary['steps']}")
-    return 0
-
-
-def cmd_replay(args) -> int:
-    from pipeline.replay import cli_replay
-
-    return cli_replay(args.rollouts_dir, args.config, args.overrides, args.run_dir)
-
-
-def cmd_profile(args) -> int:
-    from pipeline.profile import cli_profile
-
-    return cli_profile(args.run_dir, args.out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    # the terminal carries the run's own lines: no "Writing model shards" bars from transformers (read at its
-    # import, here and in every Ray worker the run starts, which inherit this environment)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    args = parse_argv(sys.argv[1:] if argv is None else list(argv))
-    return args.fn(args)
-
-
-# subcommand -> (its module, the function that adds its parser), in the order -h lists them
-SUBCOMMANDS = {
-    "make-teacher": ("stages.tasks.make_teacher", "add_subcommand"),   # tiny specialist teachers (OPD recipe)
-    "make-model": ("stages.tasks.make_model", "add_subcommand"),           # a tiny model on Qwen's vocabulary
-    "export": ("pipeline.export", "register"),                         # a checkpoint as an HF model directory
-    "plan": ("pipeline.plan", "add_subcommand"),                       # simulate a run on a cluster
-    "config": ("pipeline.config_doc", "add_subcommand"),               # the config reference, --check RECIPE
-    "serve": ("pipeline.serve", "add_subcommand"),                     # the engines behind the recording proxy
-}
-
-
-def parse_argv(argv: list[str]) -> argparse.Namespace:
-    """The command line as every subcommand's parser reads it (nothing is run)."""
-    p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run a recipe")
-    r.add_argument("config", help="recipe YAML, e.g. configs/quickstart.yaml")
-    r.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    r.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the run directory's newest intact checkpoint (run.resume_from=latest)")
-    r.add_argument("--overwrite", action="store_true",
-                   help="start over in a run directory that holds a finished run (its files are removed)")
-    r.add_argument("--verbose", action="store_true",
-                   help="show Ray's own logs on the terminal (by default they go to RUN_DIR/ray.log)")
-    r.set_defaults(fn=cmd_run)
-    rp = sub.add_parser("replay", help="train from a recorded rollouts/ dataset, without rollout engines")
-    rp.add_argument("rollouts_dir", help="RUN_DIR/rollouts of a recorded run")
-    rp.add_argument("config", nargs="?", default=None, help="recipe YAML (default: the recorded run's config.yaml)")
-    rp.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. replay.reward_min=0.5")
-    rp.add_argument("--run-dir", default=None, help="run directory (default RUN_DIR-replay-<time>)")
-    rp.set_defaults(fn=cmd_replay)
-    pr = sub.add_parser("profile", help="per-stage table and timeline plots of a run's profile/")
-    pr.add_argument("run_dir", help="a run directory")
-    pr.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/profile_report)")
-    pr.set_defaults(fn=cmd_profile)
-    # the other subcommands are declared in their own modules, some of which import torch or Ray: only the
-    # one named is imported (all of them for -h or a wrong name), so `run` reaches its config check at once
-    named = argv[0] if argv and argv[0] in (*sub.choices, *SUBCOMMANDS) else None
-    for name, (module, register) in SUBCOMMANDS.items():
-        if named is None or named == name:
-            getattr(importlib.import_module(module), register)(sub)
-    return parse(p, sub, argv)
-
-
-def parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Namespace:
-    """Options and positionals in any order (`run CFG --run-dir D k=v`), for every subcommand: its own
-    parser parses what follows its name intermixed (argparse's intermixed parsing refuses a parser
-    that has subcommands, so the top level only picks the subcommand)."""
-    if argv and argv[0] in sub.choices:
-        return sub.choices[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
-    return parser.parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def cmd_config(args) -> int:
 
 
 def add_subcommand(sub) -> None:
-    c = sub.add_parser("config", help="the config reference; --check validates a recipe")
+    c = sub.add_parser("config")
     c.add_argument("args", nargs="*", metavar="SECTION | key=value",
                    help="a section to print (e.g. rollout); with --check: section.key=value overrides")
     c.add_argument("--check", metavar="RECIPE", default=None, help="validate RECIPE and print the resolved config")

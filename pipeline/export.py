@@ -3,18 +3,14 @@
     loongsage export --merge RUN/checkpoints/step_000160 OUT     # a LoRA checkpoint: base + adapter merged
     loongsage export RUN/checkpoints/step_000160 OUT             # a full checkpoint: its weights as they are
 
-A LoRA checkpoint is a peft adapter (adapter_model.safetensors, adapter_config.json naming
-its HF base). --merge loads the base, applies the adapter with peft and merges it into the
-weights (W + (alpha / r) B A), so OUT loads with `AutoModelForCausalLM.from_pretrained(OUT)`
-and no peft. The tokenizer comes from the checkpoint (saved beside the adapter) or the base.
-Training state (trainer_state.pt, controller.json) is not exported.
+A LoRA checkpoint is a peft adapter naming its HF base: --merge merges it into the base's weights
+(W + (alpha / r) B A), so OUT loads with `AutoModelForCausalLM.from_pretrained(OUT)` and no peft.
+The tokenizer comes from the checkpoint or the base; training state is not exported.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-from stages.lora import base_of, is_adapter_dir
 
 
 class ExportError(ValueError):
@@ -23,6 +19,7 @@ class ExportError(ValueError):
 
 def export(checkpoint: str, out: str, merge: bool = False, base: str = "", dtype: str = "float32") -> Path:
     """Write `checkpoint` to `out` as an HF model directory; returns `out`."""
+    from stages.lora import base_of, is_adapter_dir
     from stages.model import load_model, load_tokenizer
 
     ckpt, dest = Path(checkpoint), Path(out)
@@ -51,6 +48,7 @@ def merged(adapter_dir: Path, base: str = "", dtype: str = "float32"):
     """The HF base (`base`, or the one the adapter names) with the adapter merged in: a plain HF model."""
     from peft import PeftModel
 
+    from stages.lora import base_of
     from stages.model import load_model
 
     base = base or base_of(adapter_dir)
@@ -70,9 +68,8 @@ def cmd_export(args) -> int:
     return 0
 
 
-def register(sub) -> None:
-    """Add `loongsage export` to the CLI's subcommands."""
-    p = sub.add_parser("export", help="write a checkpoint as an HF model directory (--merge: LoRA base + adapter)")
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("export")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. RUN/checkpoints/step_000160")
     p.add_argument("out", help="the HF model directory to write")
     p.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base model")

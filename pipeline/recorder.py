@@ -1,21 +1,12 @@
 """Recorder and reader of RUN_DIR/rollouts/: the trajectories the trainer consumed, per step.
 
     rollouts/step=000001/part-0.parquet     rows of step 1, in the order they were trained
-    rollouts/step=000002/part-0.parquet     ...
 
-A hive-partitioned Parquet dataset: `ray.data.read_parquet(dir)`, `pyarrow.dataset.dataset(
-dir, partitioning="hive")` and `pandas.read_parquet(dir)` all read it and get `step` as a
-column. Each step is written once, when it is consumed, so memory never holds more than one
-step. A file is written under a hidden temporary name of its own (random, created exclusively:
-a planted file or symlink is never written through) and renamed when complete: an aborted run
-leaves at most a `.part-0.parquet.*.tmp` that no reader picks up, never a truncated
-`part-0.parquet`. A recording holds every prompt and completion: its directories are created
-0700 and its files 0600.
-
-File metadata carries the schema version (stages/schema.py), the step and the group size.
-`Recording.open` checks every file before anything reads rows: a file that is not whole
-Parquet, a missing column, a newer schema version or a group with missing samples is an
-error that names the file, so replay never trains on partial rows.
+A hive-partitioned Parquet dataset (`ray.data.read_parquet`, `pyarrow.dataset` and `pandas.read_parquet`
+read it with `step` as a column), written a step at a time as it is consumed. A file is written whole
+or not at all (`write_atomic`); a recording holds every prompt and completion, so its directories are
+0700 and its files 0600. File metadata carries the schema version, the step and the group size;
+`Recording.open` checks every file before anything reads rows, so replay never trains on partial rows.
 """
 from __future__ import annotations
 
@@ -30,14 +21,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.replay_config import ReplayConfig
 from stages.schema import COLUMNS, SCHEMA_VERSION, conform
 
 VERSION_KEY = b"loongsage.schema_version"
 STEP_KEY = b"loongsage.step"
 N_SAMPLES_KEY = b"loongsage.n_samples"
 PART = "part-0.parquet"
-TMP = f".{PART}.*.tmp"        # temporaries (glob): a leading dot, pyarrow skips them; .tmp, Ray's reader does
+TMP = f".{PART}.*.tmp"        # write_atomic's temporaries (a glob)
 INDEX_COLUMNS = ("group_id", "sample_idx", "data_source", "reward", "segment")
 
 
@@ -47,10 +37,6 @@ class RecordingError(ValueError):
 
 class RecordingWarning(UserWarning):
     pass
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step={step:06d}"
 
 
 class Recorder:
@@ -66,14 +52,15 @@ class Recorder:
             VERSION_KEY: str(SCHEMA_VERSION).encode(), STEP_KEY: str(step).encode(),
             N_SAMPLES_KEY: str(self.n_samples).encode()}
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        d = step_dir(self.root, step)
+        d = self.root / f"step={step:06d}"
         d.mkdir(mode=0o700, exist_ok=True)
         return write_atomic(table.replace_schema_metadata(meta), d / PART)
 
 
 def write_atomic(table: pa.Table, final: Path) -> Path:
-    """Write `table` to `final` whole or not at all: into a hidden temporary of a random name in the same
-    directory (created exclusively, owner-only: a planted symlink is never followed), then renamed."""
+    """Write `table` to `final` whole or not at all: into a hidden temporary of a random name beside it
+    (created exclusively, owner-only: a planted symlink is never followed), then renamed. The leading dot
+    and .tmp keep pyarrow's and Ray's readers off an aborted run's temporary."""
     fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -90,7 +77,6 @@ def write_atomic(table: pa.Table, final: Path) -> Path:
 class StepFile:
     step: int
     path: Path
-    rows: int
     n_samples: int
 
 
@@ -113,7 +99,7 @@ def _check_file(path: Path) -> StepFile:
     if missing:
         raise RecordingError(f"{path}: missing column(s) {', '.join(missing)} of the trajectory schema")
     step = int(meta.get(STEP_KEY, path.parent.name.split("=", 1)[-1]))
-    return StepFile(step, path, f.metadata.num_rows, int(meta.get(N_SAMPLES_KEY, 0)))
+    return StepFile(step, path, int(meta.get(N_SAMPLES_KEY, 0)))
 
 
 class Recording:
@@ -130,8 +116,7 @@ class Recording:
         root = Path(rollouts_dir)
         if not root.is_dir():
             raise RecordingError(f"{root}: no such recording directory (expected RUN_DIR/rollouts)")
-        unfinished = sorted(root.glob(f"step=*/{TMP}"))
-        for u in unfinished:
+        for u in sorted(root.glob(f"step=*/{TMP}")):
             if not (u.parent / PART).exists():
                 warnings.warn(f"{u}: unfinished write of an aborted run; step {u.parent.name} is not part of the "
                               f"recording", RecordingWarning, stacklevel=2)
@@ -180,11 +165,9 @@ def of_kinds(t: pa.Table, kinds: tuple[str, ...] | None) -> pa.Table:
 
 
 def _group_index(f: StepFile, kinds=None) -> tuple[pa.Table, int]:
-    """Per group of one file: step, group_id, data_source, mean reward; and the group size (samples:
-    a trajectory of several segments makes several rows of one sample).
-
-    A group with fewer samples than the recorded n_samples (or than the file's largest group,
-    for a file without that metadata) is an error."""
+    """Per group of one file: step, group_id, data_source, mean reward; and the group size in samples
+    (a trajectory of several segments is several rows of one sample). A group short of the recorded
+    n_samples (or of the file's largest group, without that metadata) is an error."""
     t = of_kinds(pq.read_table(f.path, columns=list(INDEX_COLUMNS)), kinds)
     g = t.group_by(["group_id", "data_source"], use_threads=False).aggregate(
         [("reward", "mean"), ("sample_idx", "count_distinct")])
@@ -199,30 +182,3 @@ def _group_index(f: StepFile, kinds=None) -> tuple[pa.Table, int]:
         raise RecordingError(f"{f.path}: a group spans several data sources")
     return pa.table({"step": pa.array([f.step] * g.num_rows, pa.int64()), "group_id": g.column("group_id"),
                      "data_source": g.column("data_source"), "reward": g.column("reward_mean")}), n
-
-
-class ReplayError(ValueError):
-    pass
-
-
-def select_groups(rec: Recording, f: ReplayConfig | None = None) -> pa.Table:
-    """The recording's group index (step, group_id, data_source, reward) after the filters, in recorded order."""
-    f = f or ReplayConfig()
-    g = rec.groups
-    if f.steps:
-        unknown = sorted(set(f.steps) - set(rec.steps))
-        if unknown:
-            raise ReplayError(f"replay.steps: {unknown} not in the recording {rec.root} "
-                              f"(it has steps {rec.steps[0]}..{rec.steps[-1]})")
-        g = g.filter(pc.is_in(g.column("step"), pa.array(f.steps, pa.int64())))
-    if f.data_sources:
-        have = set(rec.groups.column("data_source").to_pylist())
-        unknown = sorted(set(f.data_sources) - have)
-        if unknown:
-            raise ReplayError(f"replay.data_sources: {unknown} not in the recording (it has {sorted(have)})")
-        g = g.filter(pc.is_in(g.column("data_source"), pa.array(f.data_sources, pa.string())))
-    if f.reward_min is not None:
-        g = g.filter(pc.greater_equal(g.column("reward"), f.reward_min))
-    if f.reward_max is not None:
-        g = g.filter(pc.less_equal(g.column("reward"), f.reward_max))
-    return g

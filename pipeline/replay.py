@@ -3,25 +3,16 @@
     replay("runs/a/rollouts", cfg, "runs/a-replay", ReplayConfig(steps=(1, 2)))
     loongsage replay runs/a/rollouts [CONFIG] [replay.reward_min=0.5 ...] --run-dir DIR
 
-The source is the recording (`RecordedSource`); the rest is the same path a run takes:
-WindowedBatcher -> Update -> the TorchTrainer actor, with no engines, no weight sync and
-no evaluation. The batcher's staleness bound is off: recorded token versions count the
-recorded run's weights, and every recorded group already passed the bound once.
+The recording is the source (`RecordedSource`); the rest is a run's path: WindowedBatcher ->
+Update -> the TorchTrainer actor, with no engines, no weight sync and no evaluation. With the
+recording's config a synchronous replay reproduces the recorded run's per-step loss, grad norm and
+final weights exactly: the trainer's seed, thread count and each step's rows in order are the same.
 
-In synchronous mode with the recording's config, a replay reproduces the recorded run's
-per-step loss, grad norm and final weights exactly, because everything the update
-reads is the same: the trainer's seed (torch and the mini-batch permutation RNG,
-both advanced only by train_step), its torch thread count (from the same resource plan),
-and each step's table row for row (recorded after the batcher's ordering, read back in
-file order, re-batched by the same batcher on the same group ids).
-
-Filters keep or drop whole groups (advantages are normalised within a group): recorded
-steps, data sources, and a range on the group's mean reward. Rows of a segment kind not in
-rollout.train_segments are left out, as a run leaves them out (by default `side`: a harness's
-title call that `loongsage serve` recorded). Kept groups are re-batched B per step, so a
-filtered replay has fewer steps; groups left over at the end are reported, never trained as
-a short step. A step that trains nothing (every group of one sample or of equal rewards, every
-row failed) is said in one line naming why and counted in `train/skipped_steps`.
+Filters keep or drop whole groups (advantages are normalised within a group): recorded steps, data
+sources, a range on the group's mean reward. Rows of segment kinds outside rollout.train_segments are
+left out, as a run leaves them out. Kept groups are re-batched B per step; groups left over are
+reported, never trained as a short step. A step that trains nothing says why in one line and counts
+in `train/skipped_steps`.
 """
 from __future__ import annotations
 
@@ -36,18 +27,43 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.checkpoint import write as write_checkpoint
-from pipeline.recorder import Recorder, Recording, RecordingError, ReplayConfig, ReplayError, select_groups
+from pipeline.recorder import Recorder, Recording, RecordingError
+from pipeline.replay_config import ReplayConfig
 
 CHUNK_STEPS = 50     # recorded steps read per Ray Dataset: memory holds a chunk, never the whole recording
 
 
-class RecordedSource:
-    """A pipeline source whose rows are a recording's.
+class ReplayError(ValueError):
+    pass
 
-    Seq g is the g-th kept group in recorded order (as PromptSource's seq g is the g-th
-    group of its prompt stream). Blocks never span two recorded steps, so with the
-    recording's groups_per_step the batcher forms exactly the recorded steps.
-    """
+
+def select_groups(rec: Recording, f: ReplayConfig | None = None) -> pa.Table:
+    """The recording's group index (step, group_id, data_source, reward) after the filters, in recorded order."""
+    f = f or ReplayConfig()
+    g = rec.groups
+    if f.steps:
+        unknown = sorted(set(f.steps) - set(rec.steps))
+        if unknown:
+            raise ReplayError(f"replay.steps: {unknown} not in the recording {rec.root} "
+                              f"(it has steps {rec.steps[0]}..{rec.steps[-1]})")
+        g = g.filter(pc.is_in(g.column("step"), pa.array(f.steps, pa.int64())))
+    if f.data_sources:
+        have = set(rec.groups.column("data_source").to_pylist())
+        unknown = sorted(set(f.data_sources) - have)
+        if unknown:
+            raise ReplayError(f"replay.data_sources: {unknown} not in the recording (it has {sorted(have)})")
+        g = g.filter(pc.is_in(g.column("data_source"), pa.array(f.data_sources, pa.string())))
+    if f.reward_min is not None:
+        g = g.filter(pc.greater_equal(g.column("reward"), f.reward_min))
+    if f.reward_max is not None:
+        g = g.filter(pc.less_equal(g.column("reward"), f.reward_max))
+    return g
+
+
+class RecordedSource:
+    """A pipeline source whose rows are a recording's: seq g is the g-th kept group in recorded order.
+    Blocks never span two recorded steps, so with the recording's groups_per_step the batcher forms
+    exactly the recorded steps."""
     inputs: tuple = ()
 
     def __init__(self, recording: Recording, groups: pa.Table):
@@ -272,18 +288,18 @@ def resolve_replay_config(rollouts_dir: str | Path, config: str | None, override
     return load_config(config, overrides)
 
 
-def cli_replay(rollouts_dir: str, config: str | None, overrides: list[str], run_dir: str | None) -> int:
+def cli_replay(args) -> int:
     """`loongsage replay ROLLOUTS_DIR [CONFIG] [key=value ...] [--run-dir DIR]`; returns the exit code."""
-    import sys
-
     from pipeline.config import ConfigError
 
+    config, overrides = args.config, args.overrides
     if config is not None and "=" in config:      # `replay DIR key=value`: no CONFIG, the first override
         config, overrides = None, [config, *overrides]
     try:
-        cfg = resolve_replay_config(rollouts_dir, config, overrides)
-        out = Path(run_dir or f"{Path(rollouts_dir).resolve().parent}-replay-{time.strftime('%Y%m%d-%H%M%S')}")
-        summary = replay(rollouts_dir, cfg, out, cfg.replay, trackers=cfg.trackers, on_step=_say_step)
+        cfg = resolve_replay_config(args.rollouts_dir, config, overrides)
+        parent = Path(args.rollouts_dir).resolve().parent
+        out = Path(args.run_dir or f"{parent}-replay-{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = replay(args.rollouts_dir, cfg, out, cfg.replay, trackers=cfg.trackers, on_step=_say_step)
     except (ConfigError, RecordingError, ReplayError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -294,4 +310,13 @@ def cli_replay(rollouts_dir: str, config: str | None, overrides: list[str], run_
 
 def _say_step(m: dict) -> None:
     if m.get("train/grad_norm"):        # a step that trained nothing was said by replay() itself
-        print(f"step {m['step']}: loss {m['train/loss']:+.5f} grad_norm {m.get('train/grad_norm', 0.0):.4f}")
+        print(f"step {m['step']}: loss {m['train/loss']:+.5f} grad_norm {m['train/grad_norm']:.4f}")
+
+
+def add_subcommand(sub) -> None:
+    p = sub.add_parser("replay")
+    p.add_argument("rollouts_dir", help="RUN_DIR/rollouts of a recorded run")
+    p.add_argument("config", nargs="?", default=None, help="recipe YAML (default: the recorded run's config.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. replay.reward_min=0.5")
+    p.add_argument("--run-dir", default=None, help="run directory (default RUN_DIR-replay-<time>)")
+    p.set_defaults(fn=cli_replay)

@@ -1,15 +1,13 @@
 """A run directory is owned by one run at a time.
 
-`RUN/.lock` names its holder (pid, host, start time) and is held with `flock` for as long as
-the run lives: the kernel drops the lock when the holder dies, so a lock left by a dead run
-on this host is stale and taken over (said in one line). A lock written on another host
-cannot be checked from here: it is refused, naming the host, until that run ends or the
-file is removed. The lock is shared within a process (the CLI takes it, the controller's
-run inside it finds it held). The lock file is owner-only and never opened through a symlink: a
-`.lock` that is not a regular file (a planted symlink, a fifo, a directory) is refused, naming it.
+`RUN/.lock` names its holder (pid, host, start time) and is held with `flock` while the run lives:
+the kernel drops the lock when the holder dies, so a lock left by a dead run on this host is taken
+over (said in one line). A lock written on another host cannot be checked from here: it is refused,
+naming the host. Nested use within one process shares the lock (the CLI takes it, the controller's
+run inside it finds it held). The lock file is owner-only and never opened through a symlink.
 
-`claim` adds the rule for a finished run's directory: a new run into it is refused unless
-it resumes (run.resume_from / --resume) or overwrites (--overwrite: the old run's files go).
+`claim` adds the rule for a directory holding an earlier run: a new run into it is refused unless it
+resumes (run.resume_from, --resume) or overwrites (--overwrite: the earlier run's files go).
 """
 from __future__ import annotations
 
@@ -35,9 +33,9 @@ class RunDirError(Exception):
     """The run directory belongs to another run; the message is one line for the user."""
 
 
-def _holder(text: str) -> dict:
+def _holder(fd: int) -> dict:
     try:
-        info = json.loads(text)
+        info = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
         return info if isinstance(info, dict) else {}
     except ValueError:
         return {}
@@ -50,8 +48,7 @@ def _describe(info: dict) -> str:
 
 def _open_lock(path: Path) -> int | None:
     """An fd of the regular file `path`, created owner-only if missing (None: it vanished meanwhile).
-    Never through a symlink (a planted `.lock -> ~/.bashrc` would be truncated) nor into a fifo or
-    directory: those are refused naming the file."""
+    A symlink (a planted `.lock -> ~/.bashrc` would be truncated), fifo or directory is refused."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         try:
@@ -72,9 +69,8 @@ def _open_lock(path: Path) -> int | None:
                       f"this directory")
 
 
-def _open_locked(path: Path) -> int:
-    """An fd of `path` holding its flock, or RunDirError naming the holder. Retries when the file
-    was replaced between open and flock (another run took it over)."""
+def _acquire(path: Path, log: Callable[[str], None]) -> int:
+    """An fd of `path` holding its flock, with this process written in; RunDirError names a live holder."""
     while True:
         fd = _open_lock(path)
         if fd is None:
@@ -82,17 +78,25 @@ def _open_locked(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            info = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+            info = _holder(fd)
             os.close(fd)
             raise RunDirError(f"run directory {path.parent} is in use by {_describe(info)}; "
                               f"choose another directory or wait for that run to end") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
+        with contextlib.suppress(FileNotFoundError):
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        os.close(fd)        # replaced between open and flock (another run took it over): again
+    old, host = _holder(fd), socket.gethostname()
+    if old.get("host") and old["host"] != host:
         os.close(fd)
+        raise RunDirError(f"run directory {path.parent} is locked by {_describe(old)}, which cannot be checked from "
+                          f"{host}; if that run has ended, remove {path}")
+    if old.get("pid"):
+        log(f"run directory {path.parent}: taking over the stale lock of {_describe(old)}, which is no longer running")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": host, "started": time.time()}).encode(), 0)
+    os.fsync(fd)
+    return fd
 
 
 @contextlib.contextmanager
@@ -101,39 +105,18 @@ def locked(run_dir: str | Path, log: Callable[[str], None] = print):
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     key = str(run_dir.resolve())
-    if key in _held:
-        fd, n = _held[key]
-        _held[key] = (fd, n + 1)
-    else:
-        _held[key] = (_acquire(run_dir / LOCK, log), 1)
+    fd, n = _held.get(key) or (_acquire(run_dir / LOCK, log), 0)
+    _held[key] = (fd, n + 1)
     try:
         yield
     finally:
-        fd, n = _held[key]
+        fd, n = _held.pop(key)
         if n > 1:
             _held[key] = (fd, n - 1)
         else:
-            del _held[key]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(run_dir / LOCK)       # while still held: no one can take a lock being removed
             os.close(fd)
-
-
-def _acquire(path: Path, log: Callable[[str], None]) -> int:
-    fd = _open_locked(path)
-    old = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
-    host = socket.gethostname()
-    if old.get("host") and old["host"] != host:
-        os.close(fd)
-        raise RunDirError(f"run directory {path.parent} is locked by {_describe(old)}, which cannot be checked from "
-                          f"{host}; if that run has ended, remove {path}")
-    if old.get("pid"):
-        log(f"run directory {path.parent}: taking over the stale lock of {_describe(old)}, which is no longer running")
-    me = json.dumps({"pid": os.getpid(), "host": host, "started": time.time()})
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, me.encode(), 0)
-    os.fsync(fd)
-    return fd
 
 
 def previous_run(run_dir: Path) -> list[str]:
@@ -141,16 +124,32 @@ def previous_run(run_dir: Path) -> list[str]:
     return [n for n in RUN_FILES if (Path(run_dir) / n).exists()]
 
 
+def trained(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` trained a step: it left a checkpoint, or a train line in its metrics."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return (any((Path(run_dir) / "checkpoints").glob("step_*"))
+            or (metrics.is_file() and '"train/loss"' in metrics.read_text(errors="replace")))
+
+
 @contextlib.contextmanager
-def claim(run_dir: str | Path, resume: bool, overwrite: bool, log: Callable[[str], None] = print):
-    """Hold `run_dir` for a new run. A directory holding a finished run is refused unless the run
-    resumes or overwrites; overwrite removes the earlier run's files first."""
+def claim(run_dir: str | Path, resume: bool | str, overwrite: bool, log: Callable[[str], None] = print):
+    """Hold `run_dir` for a new run. A directory holding an earlier run is refused unless the run
+    resumes or overwrites; overwrite removes the earlier run's files first; resume `latest` needs a
+    checkpoint there."""
     run_dir = Path(run_dir)
     with locked(run_dir, log):
         found = previous_run(run_dir)
         if found and not resume and not overwrite:
-            raise RunDirError(f"run directory {run_dir} holds a finished run ({', '.join(found)}); resume it with "
-                              f"--resume (or run.resume_from=...), start over with --overwrite, or choose another "
+            if trained(run_dir):
+                raise RunDirError(f"run directory {run_dir} holds a finished run ({', '.join(found)}); resume it "
+                                  f"with --resume (or run.resume_from=...), start over with --overwrite, or choose "
+                                  f"another --run-dir")
+            raise RunDirError(f"run directory {run_dir} holds a run that trained nothing ({', '.join(found)}); "
+                              f"start over in it with --overwrite, or choose another --run-dir")
+        if resume == "latest" and not any((run_dir / "checkpoints").glob("step_*")):
+            raise RunDirError(f"run.resume_from=latest: run directory {run_dir} holds no checkpoint to resume from"
+                              f"{' (its run trained nothing)' if found else ''}; start over"
+                              f"{' in it with --overwrite' if found else ' without --resume'}, or choose another "
                               f"--run-dir")
         if found and overwrite and not resume:
             for name in found:

@@ -1,28 +1,10 @@
-"""Every subcommand takes its options and positional arguments in any order (pipeline/cli.py parse)."""
+"""Every subcommand takes its options and positional arguments in any order (pipeline/cli.py parse_argv)."""
 import argparse
 
 import pytest
 
 from pipeline import cli
 
-
-def _parsers():
-    """The CLI's parser and its subcommands, as main() builds them (captured at parse time)."""
-    got = {}
-
-    def capture(parser, sub, argv):
-        got.update(parser=parser, sub=sub)
-        return argparse.Namespace(fn=lambda _args: 0)
-
-    real, cli.parse = cli.parse, capture
-    try:
-        cli.main(["-h"])       # -h: every subcommand is declared (run alone imports only its own)
-    finally:
-        cli.parse = real
-    return got["parser"], got["sub"]
-
-
-PARSER, SUB = _parsers()
 VALUES = {int: "3", float: "0.5"}
 
 
@@ -43,15 +25,15 @@ def _words(sp: argparse.ArgumentParser):
     return opts, pos
 
 
-@pytest.mark.parametrize("name", sorted(SUB.choices))
+@pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
 def test_options_before_between_or_after_the_positionals(name):
-    opts, pos = _words(SUB.choices[name])
+    opts, pos = _words(cli.parser(name)[1].choices[name])
     flat = [w for o in opts for w in o]
     orders = [flat + [w for p in pos for w in p], [w for p in pos for w in p] + flat]
     if len(pos) > 1 or (pos and len(pos[0]) > 1):     # an option between two positional words
         words = [w for p in pos for w in p]
         orders.append(words[:1] + flat + words[1:])
-    parsed = [vars(cli.parse(PARSER, SUB, [name, *argv])) for argv in orders]
+    parsed = [vars(cli.parse_argv([name, *argv])) for argv in orders]
     for p in parsed:
         p.pop("fn")
     assert all(p == parsed[0] for p in parsed), parsed
@@ -59,7 +41,7 @@ def test_options_before_between_or_after_the_positionals(name):
 
 
 def test_run_takes_its_run_dir_before_the_overrides():
-    args = cli.parse(PARSER, SUB, ["run", "configs/quickstart.yaml", "--run-dir", "D", "run.steps=1", "eval.every=0"])
+    args = cli.parse_argv(["run", "configs/quickstart.yaml", "--run-dir", "D", "run.steps=1", "eval.every=0"])
     assert (args.config, args.run_dir) == ("configs/quickstart.yaml", "D")
     assert args.overrides == ["run.steps=1", "eval.every=0"]
 

@@ -1,4 +1,4 @@
-"""The scale planner (pipeline/plan.py, pipeline/planner/): its simulation obeys the real window's
+"""The scale planner (pipeline/planner/): its simulation obeys the real window's
 properties, reduces to closed forms where one exists, and names what is wrong with bad input."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.plan import PlanInput, simulate, sweep
 from pipeline.planner.calibrate import calibrate
 from pipeline.planner.cluster import build_costs, load_cluster
 from pipeline.planner.model import Costs, EngineModel, Layout, PlanError, StageCosts, SyncModel, TrainerModel
+from pipeline.planner.plan import PlanInput, simulate, sweep
 from pipeline.planner.report import simulated_summary
 from pipeline.planner.sim import Recipe, Simulation
 from pipeline.planner.workload import ParametricLengths, SampleSpec, turns_of

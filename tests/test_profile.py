@@ -1,4 +1,5 @@
-"""Profiler: spans from wrapped stages (in process and in Ray Data actors), the loader, the analysis, the report."""
+"""Profiler: spans from wrapped stages (in process and in Ray Data actors); reading them back: the loader,
+the analysis, the report (pipeline/planner/spans.py)."""
 import asyncio
 import os
 import sys
@@ -10,22 +11,19 @@ import pyarrow as pa
 import pytest
 import ray
 
-from pipeline.profile import (
+from pipeline.planner.spans import (
     ProfileError,
-    Profiler,
     ProfileWarning,
-    SpanSink,
     bubbles,
-    cli_profile,
     load_spans,
     profile_report,
-    profiled,
     queue_depths,
     stage_table,
     staleness,
     throughput,
     utilization,
 )
+from pipeline.profile import Profiler, SpanSink, profiled
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # Ray workers get the toy stages by value
 
@@ -235,5 +233,7 @@ def test_profile_report_prints_table_and_writes_plots(tmp_path):
     for p in out["plots"].values():
         assert p.parent == run / "profile_report" and p.read_bytes()[:4] == b"\x89PNG"
     assert out["bubbles"]["trainer_idle_s"].sum() == pytest.approx(8.2)
-    assert cli_profile(str(tmp_path / "missing")) == 2
+    from pipeline.cli import main
+
+    assert main(["profile", str(tmp_path / "missing")]) == 2
     assert np.isfinite(out["stages"]["rows_per_s"]).all()

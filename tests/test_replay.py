@@ -257,7 +257,7 @@ def test_replay_reproduces_loss_grad_norm_and_weights_exactly(recorded_run, tiny
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # a complete replay leaves a complete profile
-        from pipeline.profile import load_spans
+        from pipeline.planner.spans import load_spans
 
         spans = load_spans(tmp_path / "replay")
     assert list(spans.loc[spans["stage"] == "update", "step"]) == [1, 2, 3]
@@ -265,7 +265,7 @@ def test_replay_reproduces_loss_grad_norm_and_weights_exactly(recorded_run, tiny
 
 def test_a_run_records_profiles_and_tracks_through_the_hooks(recorded_run):
     """Needs the controller/builder hooks: Recorder, Profiler on every stage, trackers."""
-    from pipeline.profile import load_spans
+    from pipeline.planner.spans import load_spans
 
     meta = pq.ParquetFile(recorded_run / "rollouts" / "step=000001" / "part-0.parquet").schema_arrow.metadata
     assert int(meta[N_SAMPLES_KEY]) == 4

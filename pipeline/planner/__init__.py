@@ -1,1 +1,2 @@
-"""The scale planner: a simpy simulation of one run through the real window code (see pipeline/plan.py)."""
+"""Optional tools a run does not import: the scale planner (`loongsage plan`: a simpy simulation of a run
+through the real window code, plan.py) and the profile reader (`loongsage profile`, spans.py)."""

@@ -54,7 +54,7 @@ def _median(v, default: float = 0.0) -> float:
 
 def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
     from pipeline.config import ConfigError, load_config
-    from pipeline.profile import ProfileError, load_spans
+    from pipeline.planner.spans import ProfileError, load_spans
     from pipeline.recorder import Recording, RecordingError
 
     run = Path(run_dir)

@@ -7,7 +7,7 @@ model loads) is left out of both by default.
 
     samples_per_s, tokens_per_s   trained rows / response tokens over the window from the end of
                                   step `skip` to the end of the last step
-    trainer_busy                  update seconds / step-window seconds (profile.bubbles)
+    trainer_busy                  update seconds / step-window seconds (spans.bubbles)
     rollout_busy                  seconds some sample was generating / step-window seconds
     bubble_frac                   the trainer's idle share of the step windows
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.profile import STEP_PHASES, _union, bubbles
+from pipeline.planner.spans import STEP_PHASES, _union, bubbles
 
 
 def summarize(spans, rollouts=None, skip: int = 1) -> dict:
@@ -71,7 +71,7 @@ def measured_summary(run_dir, skip: int = 1) -> dict:
     import json
     from pathlib import Path
 
-    from pipeline.profile import load_spans
+    from pipeline.planner.spans import load_spans
     from pipeline.recorder import Recording
 
     spans = load_spans(run_dir)
@@ -111,8 +111,8 @@ def report_text(s: dict) -> str:
 
 
 def plot(res, path) -> str:
-    """The simulated run's Gantt chart (profile.plot_gantt on its spans), as a PNG."""
-    from pipeline.profile import plot_gantt
+    """The simulated run's Gantt chart (spans.plot_gantt), as a PNG."""
+    from pipeline.planner.spans import plot_gantt
 
     spans = res.spans
     gen = res.rollouts()

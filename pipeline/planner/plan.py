@@ -1,4 +1,4 @@
-"""`loongsage plan`: simulate a run on a cluster before buying it (pipeline/planner/).
+"""`loongsage plan`: simulate a run on a cluster before buying it.
 
     loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--lengths SRC]
                    [--steps N] [--sweep KEY=V1,V2 ...] [--max-staleness S] [--out DIR]
@@ -223,7 +223,7 @@ def _cli_sweep(inp: PlanInput, args) -> int:
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("plan", help="simulate a run on a cluster (calibrated on a run's profile, or from presets)")
+    p = sub.add_parser("plan")
     p.add_argument("config", nargs="?", default=None, help="recipe YAML (default: the calibrated run's config.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value: recipe keys, cluster keys or short names (engines=8)")
     p.add_argument("--calibrate", default=None, metavar="RUN", help="a run directory: costs from its profile")
