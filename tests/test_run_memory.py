@@ -1,40 +1,11 @@
-"""A run's memory: the local Ray a run starts holds no idle workers (each ~80 MB RSS); the tokenizer is
-loaded by the processes that need it, a large one by one process at a time, and the driver loads it once."""
+"""A run's memory: the tokenizer is loaded by the processes that need it, a large one by one process at a
+time, and the driver loads it once."""
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-CODE = """
-import json, time, psutil, ray
-from pipeline.cluster import init_ray
-from pipeline.config import Config
-init_ray(Config(), 2)
-time.sleep(3)          # a prestart would have begun by now: Ray starts them when the driver registers
-cmds = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-ray.shutdown()
-print(json.dumps(cmds))
-"""
-
-
-def test_local_ray_starts_no_idle_workers_and_no_monitors():
-    """No idle workers (each ~80 MB RSS: a run's actors start their own); no autoscaler monitor and no
-    log monitor (~80 MB each: nothing to autoscale on one machine, and a run logs nothing to the driver)."""
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
-    cmds = json.loads(out.stdout.strip().splitlines()[-1])
-    assert any("gcs_server" in c for c in cmds) and any("raylet" in c for c in cmds)   # the walk saw Ray's tree
-    assert not [c for c in cmds if c.startswith("ray::IDLE")]
-    assert not [c for c in cmds if "log_monitor.py" in c or "autoscaler/_private/monitor.py" in c]
-
-
-# ---- the processes that load the tokenizer, and when ----
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> str:
