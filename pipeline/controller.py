@@ -783,8 +783,8 @@ def _placement(c: Config) -> Placement | None:
 
 
 # rollout.engine -> (engine class, extra constructor arguments from the config)
-ENGINES = {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.rollout.engine_batching,
-                                                 c.rollout.engine_max_rows, c.rollout.kv_cache_mb, special)),
+ENGINES = {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.rollout.engine_max_rows,
+                                                 c.rollout.kv_cache_mb, special)),
            "vllm": (VLLMEngine, lambda c, special: (c.vllm, c.trainer.lora)),
            "sglang": (SGLangEngine, lambda c, special: (c.sglang, c.trainer.lora))}
 

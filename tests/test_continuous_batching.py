@@ -1,5 +1,5 @@
 """Continuous batching in the embedded engine: rows join and leave the running batch between
-decode steps, sample what the static loop samples, and let weights land and aborts bite per step."""
+decode steps, sample what they sample alone, and let weights land and aborts bite per step."""
 import json
 import shutil
 import threading
@@ -29,16 +29,11 @@ def _mixed(eng) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir):
-    return HFEngine(tiny_model_dir, seed=5, batching="static"), HFEngine(tiny_model_dir, seed=5)
-
-
-def test_continuous_batching_samples_what_the_static_loop_samples(engines):
-    static, cont = engines
-    assert cont.batching == "continuous"
+def test_a_batch_samples_what_each_row_samples_alone(tiny_model_dir):
+    cont = HFEngine(tiny_model_dir, seed=5)
     reqs = _mixed(cont)
-    a, b = static.generate(reqs), cont.generate(reqs)
+    a = [cont.generate([r])[0] for r in reqs]       # one row at a time: nothing to batch with
+    b = cont.generate(reqs)
     for x, y in zip(a, b):
         assert x["response_ids"] == y["response_ids"] and x["status"] == y["status"]
         assert x["versions"] == y["versions"]
@@ -60,7 +55,7 @@ def test_continuous_batching_samples_what_the_static_loop_samples(engines):
         t.join()
     assert [got[i]["response_ids"] for i in range(len(reqs))] == [x["response_ids"] for x in a]
     st = cont.pop_stats()
-    assert st["requests"] == 2 * len(reqs) and st["decode_steps"] > 0
+    assert st["requests"] == 3 * len(reqs) and st["decode_steps"] > 0
     assert 1 <= st["running_rows_mean"] <= st["running_rows_max"] <= len(reqs)
 
 
@@ -121,9 +116,14 @@ def test_weights_land_and_aborts_bite_between_decode_steps(long_model_dir):
     assert out["versions"][0] == 0 and out["versions"][-1] == 7
     assert out["versions"] == sorted(out["versions"])
     assert waited < 0.5, waited                     # within a decode step or so, not at the row's end
-    # held rows keep one version for the whole call: they take the static loop, under the lock
-    held = eng.generate([_endless(eng, 5, hold=True)])[0]
-    assert held["status"] == "truncated" and set(held["versions"]) == {7}
+    # a held call keeps one version for the whole call: a version sent meanwhile lands after it
+    held: dict = {}
+    t = threading.Thread(target=lambda: held.update(eng.generate([_endless(eng, 200, hold=True)])[0]))
+    t.start()
+    time.sleep(0.2)
+    eng.load_weights({}, version=8)
+    t.join()
+    assert held["status"] == "truncated" and set(held["versions"]) == {7} and eng.weight_version() == 8
 
 
 def test_a_full_running_batch_queues_rows_first_come_first_served(long_model_dir):
@@ -140,8 +140,8 @@ def test_a_full_running_batch_queues_rows_first_come_first_served(long_model_dir
 
 
 def test_batching_settings_are_checked_by_key(tiny_model_dir):
-    with pytest.raises(ConfigError, match="rollout.engine_batching"):
-        load_config(None, ["rollout.engine_batching=dynamic"])
+    with pytest.raises(ConfigError, match="rollout.engine_batching"):      # one decode loop: no such key
+        load_config(None, ["rollout.engine_batching=static"])
     with pytest.raises(ConfigError, match="rollout.engine_max_rows"):
         load_config(None, ["rollout.engine_max_rows=0"])
     with pytest.raises(ValueError, match="max_running_rows"):

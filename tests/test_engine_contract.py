@@ -2,13 +2,14 @@
 
 Without vLLM or SGLang installed: every engine class answers each method of the contract with the
 contract's arguments (the library engines import their library lazily), the pieces they share
-behave (the hold/update gate with real threads, sampling settings, statistics), and the HF engine
+behave (the hold/update gate with real threads, sampling settings, statistics, LoRA adapter slots), and the HF engine
 passes the contract's checks (tests/engine_contract.py). vLLM passes them in the `vllm` tier and
 SGLang in benchmarks/gpu/sglang_check.py.
 """
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 
 from stages.agentflow import engine_contract as contract
 from stages.agentflow.engine import HFEngine
+from stages.agentflow.sampling import Sampling, sampling_of
 from stages.agentflow.sglang_engine import SGLangEngine
 from stages.agentflow.vllm_engine import VLLMEngine
 from tests.engine_contract import check_generation, check_refusals, check_resume
@@ -67,12 +69,11 @@ def test_a_hold_call_keeps_updates_out_and_waits_for_one_in_progress():
             time.sleep(0.05)
             log.append(f"{tag} end")
 
-    gate.hold()
-    t = threading.Thread(target=update, args=("u1",))
-    t.start()
-    time.sleep(0.05)
-    assert log == []                    # the update waits for the hold call
-    gate.unhold()
+    with gate.holding():
+        t = threading.Thread(target=update, args=("u1",))
+        t.start()
+        time.sleep(0.05)
+        assert log == []                # the update waits for the hold call
     t.join(5)
     assert log == ["u1 start", "u1 end"]
 
@@ -82,7 +83,11 @@ def test_a_hold_call_keeps_updates_out_and_waits_for_one_in_progress():
         t2 = threading.Thread(target=lambda: (second.set(), update("u2")))
         t2.start()
         second.wait(5)
-        held = threading.Thread(target=lambda: (gate.hold(), log.append("hold"), gate.unhold()))
+        def hold():
+            with gate.holding():
+                log.append("hold")
+
+        held = threading.Thread(target=hold)
         held.start()
         time.sleep(0.05)
         assert "hold" not in log
@@ -95,10 +100,26 @@ def test_a_hold_call_keeps_updates_out_and_waits_for_one_in_progress():
 
 
 def test_sampling_settings_as_a_library_engine_takes_them():
-    s = contract.sampling_of({"temperature": 0.7, "top_p": 0.9, "seed": 41, "prefix_ids": [5, 6]})
+    s = sampling_of({"temperature": 0.7, "top_p": 0.9, "seed": 41, "prefix_ids": [5, 6]})
     assert (s.temperature, s.top_p, s.seed) == (0.7, 0.9, 43)
-    assert contract.sampling_of({"temperature": 0.0, "top_p": 0.5}) == contract.Sampling(0.0, 1.0, None)
-    assert contract.sampling_of({"seed": 2 ** 63 - 1, "prefix_ids": [1]}).seed == 0
+    assert sampling_of({"temperature": 0.0, "top_p": 0.5}) == Sampling(0.0, 1.0, None)
+    assert sampling_of({"seed": 2 ** 63 - 1, "prefix_ids": [1]}).seed == 0
+
+
+def test_an_adapter_is_freed_once_neither_newest_nor_bound():
+    slots = contract.AdapterSlots("engine7")
+    try:
+        assert slots.bind() is None and slots.unbind(None) == []       # no adapter yet: the base
+        assert slots.advance(1) == []
+        first = slots.bind()
+        assert first == 1 and slots.advance(2) == []                    # v1 still serves a request
+        assert slots.unbind(first) == [1]                               # its last request returned
+        assert slots.bind() == 2 and slots.advance(3) == []
+        assert slots.unbind(2) == [2] and slots.current == 3
+        assert slots.path(3).startswith(slots.dir)
+    finally:
+        slots.remove()
+    assert not os.path.exists(slots.dir)
 
 
 def test_a_restarted_engine_waits_for_weights_then_says_it_restarts(monkeypatch):

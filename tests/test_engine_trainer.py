@@ -1,5 +1,4 @@
 """The embedded engine and trainer, and the rollout stage on a hand-made batch with a real engine actor."""
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -238,7 +237,7 @@ def test_to_batch_lays_out_ragged_rows_right_padded(tiny_model_dir):
 
 
 def test_inverse_cdf_samples_the_distribution_and_never_a_zero_probability_token():
-    from stages.agentflow.engine import inverse_cdf
+    from stages.agentflow.sampling import inverse_cdf
 
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3]])
     u = torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -252,7 +251,7 @@ def test_inverse_cdf_samples_the_distribution_and_never_a_zero_probability_token
 
 
 def test_seeded_uniforms_are_a_function_of_seed_and_step():
-    from stages.agentflow.engine import seeded_uniform
+    from stages.agentflow.sampling import seeded_uniform
 
     u = seeded_uniform([7] * 1000 + list(range(1000)), list(range(1000, 2000)) + [3] * 1000)
     assert ((u > 0) & (u <= 1)).all() and len(set(u.tolist())) == 2000
@@ -278,35 +277,6 @@ def test_a_seeded_request_samples_the_same_tokens_alone_batched_or_resumed(tiny_
     for g, o in zip(group, other):
         assert g["response_ids"] == o["response_ids"]
         assert torch.allclose(torch.tensor(g["logprobs"]), torch.tensor(o["logprobs"]), atol=1e-5)
-
-
-def test_engine_times_its_thread_count_on_a_small_model_and_keeps_its_sampling_stream(tiny_model_dir, monkeypatch):
-    import stages.agentflow.engine as engine_mod
-
-    calibrated = HFEngine(tiny_model_dir, seed=9, num_threads=2)
-    assert calibrated.info()["threads"] in (1, 2)
-    single = HFEngine(tiny_model_dir, seed=9, num_threads=1)      # not timed: nothing to choose
-    assert single.info()["threads"] == 1
-    reqs = _requests(single, ["12+7=", "3+45="] * 4)          # unseeded: the engine's own stream
-    # timing at start samples only seeded rows: the engine's own stream is where it started
-    assert [o["response_ids"] for o in calibrated.generate(reqs)] == [o["response_ids"] for o in single.generate(reqs)]
-    monkeypatch.setattr(engine_mod, "CALIBRATE_MAX_PARAMS", 0)    # a "large" model keeps every thread
-    assert HFEngine(tiny_model_dir, num_threads=2).info()["threads"] == 2
-
-
-@pytest.mark.parametrize("two_thread_s, kept", [(0.004, 2), (0.0095, 1), (0.02, 1)])
-def test_engine_keeps_more_threads_only_when_they_decode_clearly_faster(tiny_model_dir, monkeypatch,
-                                                                        two_thread_s, kept):
-    calls = []
-
-    def timed_decode(self, reqs, *args):        # 1 thread: 10 ms per unit; 2 threads: two_thread_s
-        calls.append(torch.get_num_threads())
-        time.sleep(0.01 if torch.get_num_threads() == 1 else two_thread_s)
-        return []
-
-    monkeypatch.setattr(HFEngine, "_decode", timed_decode)
-    assert HFEngine(tiny_model_dir, num_threads=2).info()["threads"] == kept
-    assert calls[:4] == [1, 2, 1, 2]             # interleaved, so a burst of load hits both settings
 
 
 class Exploding:
@@ -436,35 +406,22 @@ def test_a_step_with_no_trainable_row_is_skipped_counted_and_the_clock_moves_on(
     assert again.load_state(str(tmp_path / "ck")) == 3 and again.skipped_steps == 2
 
 
-def test_inverse_cdf_in_row_chunks_picks_what_the_whole_batch_does(monkeypatch):
-    """A large vocabulary's CDF is taken a few rows at a time (float64 [64, 151k] would be 78 MB): the same tokens."""
-    import stages.agentflow.engine as engine_mod
-
-    g = torch.Generator().manual_seed(0)
-    probs = torch.softmax(torch.randn(37, 1000, generator=g), -1)
-    probs[::3, ::2] = 0.0                   # top-p cuts: rows that do not sum to 1
-    u = 1.0 - torch.rand(37, generator=g, dtype=torch.float64)
-    whole = engine_mod.inverse_cdf(probs, u)
-    monkeypatch.setattr(engine_mod, "CDF_CELLS", 5000)      # 5 rows a chunk
-    assert torch.equal(engine_mod.inverse_cdf(probs, u), whole)
-
-
 def test_sampling_in_row_chunks_gives_the_whole_batchs_tokens_and_logprobs(raw_model_dir, monkeypatch):
-    """_sample takes a large vocabulary's rows a few at a time (each [64, 151k] tensor of its math is
+    """The sampler takes a large vocabulary's rows a few at a time (each [64, 151k] tensor of its math is
     39 MB): the same tokens and log-probs, seeded rows and the engine's own draws alike, top-p or not."""
-    import stages.agentflow.engine as engine_mod
+    import stages.agentflow.sampling as sampling
+    from stages.agentflow.engine import _Row
 
-    eng = engine_mod.HFEngine(raw_model_dir, seed=5)
+    eng = HFEngine(raw_model_dir, seed=5)
     logits = torch.randn(23, 300, generator=torch.Generator().manual_seed(1))
-    seeds = [None if i % 3 == 0 else 100 + i for i in range(23)]
-    steps = list(range(23))
 
     def sampled(temp, top_p):
+        rows = [_Row([1], [0] * i, [], [], 1, None if i % 3 == 0 else 100 + i, temp, top_p, 0.0) for i in range(23)]
         eng._gen.manual_seed(7)
-        return eng._sample(logits, temp, top_p, seeds, steps)
+        return sampling.sample(logits, torch.tensor([temp] * 23), torch.tensor([top_p] * 23), eng._uniforms(rows))
 
     cases = [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)]
     whole = [sampled(*c) for c in cases]
-    monkeypatch.setattr(engine_mod, "CDF_CELLS", 1000)      # 3 rows a chunk
+    monkeypatch.setattr(sampling, "CDF_CELLS", 1000)      # 3 rows a chunk
     for (tok, lp), (tok_c, lp_c) in zip(whole, [sampled(*c) for c in cases]):
         assert torch.equal(tok, tok_c) and torch.equal(lp, lp_c)

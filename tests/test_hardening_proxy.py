@@ -20,10 +20,10 @@ import ray
 
 from stages.agentflow.client import EngineClient
 from stages.agentflow.engine import HFEngine
+from stages.agentflow.engine_contract import plan_rows
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.proxy import Proxy
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
-from stages.agentflow.sglang_engine import plan_rows
 from stages.model import load_tokenizer
 from stages.schema import table_from_columns
 from tests.test_proxy import LoopThread  # the proxy's event loop on a thread, as on a rollout worker
@@ -190,7 +190,7 @@ def test_sglang_rows_are_checked_and_clipped_before_the_server_sees_them():
     """SGLang refuses a whole batch when one row's input + max_new_tokens reaches its context."""
     ok = {"prompt_ids": [6, 10, 13], "max_new_tokens": 8}
     rows = [ok | {"prompt_ids": [5] * 63}, ok, ok | {"prompt_ids": [5] * 60}, ok | {"prompt_ids": [-1]}]
-    out, todo = plan_rows(rows, context=64, vocab=20, eos_id=1, version=3)
+    out, todo = plan_rows(rows, context=64, vocab=20, eos_id=1, reserve=1)     # SGLang's reserve
     assert out[0]["status"] == "failed" and out[0]["code"] == "context_length_exceeded"
     assert out[3]["status"] == "failed" and "prompt_ids" in out[3]["error"]
     assert [(i, budget) for i, _, budget in todo] == [(1, 8), (2, 3)]   # 60 + 3 < 64

@@ -14,8 +14,9 @@ import torch
 
 import stages.agentflow.engine as engine_mod
 from pipeline.config import ConfigError, load_config
-from stages.agentflow.engine import HFEngine, inverse_cdf, seeded_uniform
+from stages.agentflow.engine import HFEngine
 from stages.agentflow.limits import ContextLengthExceeded, PromptLimit, model_limits, raise_if_failed
+from stages.agentflow.sampling import inverse_cdf, seeded_uniform
 
 
 def _ids(eng, text: str) -> list[int]:
@@ -52,7 +53,7 @@ def _full_logits_reference(model, req: dict, eos: int) -> tuple[list[int], list[
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    eng = HFEngine(tiny_model_dir, seed=3, batching="static")
+    eng = HFEngine(tiny_model_dir, seed=3)
     return eng, [_full_logits_reference(eng.model, r, eng.eos_id) for r in _mixed(eng)]
 
 
@@ -62,10 +63,8 @@ def _assert_same(out: list[dict], ref: list[tuple[list[int], list[float]]]) -> N
         assert torch.allclose(torch.tensor(o["logprobs"]), torch.tensor(lps), atol=1e-5)
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_engine_samples_and_scores_what_full_logits_give(tiny_model_dir, reference, batching, monkeypatch):
-    static, ref = reference
-    eng = static if batching == "static" else HFEngine(tiny_model_dir, seed=3)
+def test_engine_samples_and_scores_what_full_logits_give(reference, monkeypatch):
+    eng, ref = reference
     _assert_same(eng.generate(_mixed(eng)), ref)
     monkeypatch.setattr(engine_mod, "PREFILL_MASK_ELEMS", 1)      # every distinct context prefilled alone
     _assert_same(eng.generate(_mixed(eng)), ref)
@@ -92,9 +91,8 @@ def token_bytes(tiny_model_dir) -> int:
     return eng.kv_token_bytes
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_a_request_over_the_kv_cache_fails_alone_and_names_the_key(tiny_model_dir, token_bytes, batching):
-    eng = HFEngine(tiny_model_dir, seed=1, batching=batching, kv_cache_mb=24 * token_bytes / 2 ** 20)
+def test_a_request_over_the_kv_cache_fails_alone_and_names_the_key(tiny_model_dir, token_bytes):
+    eng = HFEngine(tiny_model_dir, seed=1, kv_cache_mb=24 * token_bytes / 2 ** 20)
     assert eng.kv_cache_tokens == 24
     long = {"prompt_ids": _ids(eng, "12+7=" * 4), "max_new_tokens": 6, "seed": 0}     # 20 + 6 > 24
     short = {"prompt_ids": _ids(eng, "12+7="), "max_new_tokens": 6, "seed": 0}
@@ -107,21 +105,18 @@ def test_a_request_over_the_kv_cache_fails_alone_and_names_the_key(tiny_model_di
         raise_if_failed(out[0])
 
 
-@pytest.mark.parametrize("batching", ["continuous", "static"])
-def test_rows_run_together_only_while_their_kv_cache_fits(tiny_model_dir, token_bytes, batching):
+def test_rows_run_together_only_while_their_kv_cache_fits(tiny_model_dir, token_bytes):
     """Room for two rows of 11 tokens: five rows run two at a time, and sample what they sample unbounded."""
-    eng = HFEngine(tiny_model_dir, seed=1, batching=batching, kv_cache_mb=22 * token_bytes / 2 ** 20)
+    eng = HFEngine(tiny_model_dir, seed=1, kv_cache_mb=22 * token_bytes / 2 ** 20)
     rows = [{"prompt_ids": _ids(eng, p), "max_new_tokens": 6, "seed": 7} for p in ["12+7=", "3+45=", "99+9=",
                                                                                   "5+51=", "8+80="]]
     eng.eos_id = -1                                     # every row decodes its whole budget
     bounded = eng.generate(rows)
     steps = eng.pop_stats()
-    free = HFEngine(tiny_model_dir, seed=1, batching=batching)
+    free = HFEngine(tiny_model_dir, seed=1)
     free.eos_id = -1
     assert [o["response_ids"] for o in bounded] == [o["response_ids"] for o in free.generate(rows)]
-    if batching == "continuous":
-        assert steps["running_rows_max"] == 2
-    assert eng._packs([r["prompt_ids"] for r in rows], [11] * 5) == [[0, 1], [2, 3], [4]]
+    assert steps["running_rows_max"] == 2
 
 
 def test_kv_cache_setting_is_checked_by_key(tiny_model_dir):

@@ -51,10 +51,7 @@ class RolloutConfig:
     engine: str = key("hf", "hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:` section) | "
                             "sglang (GPU; `sglang:` section)", one_of("hf", "vllm", "sglang"))
     engine_threads: int = key(0, "torch threads per engine; 0 = decided by pipeline/resources.py", NONNEG)
-    engine_batching: str = key("continuous", "hf engine: continuous (rows join/leave the running batch between decode "
-                                             "steps) | static (one decode loop per call); stages/agentflow/engine.py",
-                                             one_of("continuous", "static"))
-    engine_max_rows: int = key(256, "hf engine, continuous: rows decoding at once (more wait in its queue)",
+    engine_max_rows: int = key(256, "hf engine: rows decoding at once (more wait in its queue)",
                                     at_least(1))
     kv_cache_mb: float = key(1024.0, "hf engine: its KV cache, the memory its running rows may hold (rows x the "
                                      "widest row's context + budget); a request that cannot fit alone fails", POSITIVE)
@@ -99,8 +96,6 @@ class RolloutConfig:
             raise ValueError(f"rollout.stale_steps must be >= 0, got {self.stale_steps}")
         if self.engine not in ("hf", "vllm", "sglang"):
             raise ValueError(f"rollout.engine must be hf, vllm or sglang, got {self.engine!r}")
-        if self.engine_batching not in ("continuous", "static"):
-            raise ValueError(f"rollout.engine_batching must be continuous or static, got {self.engine_batching!r}")
         if self.engine_max_rows < 1:
             raise ValueError(f"rollout.engine_max_rows must be >= 1, got {self.engine_max_rows}")
         if not self.kv_cache_mb > 0:

@@ -1,5 +1,5 @@
 """The one engine contract every rollout engine serves (HF: engine.py, vLLM: vllm_engine.py,
-SGLang: sglang_engine.py), and the pieces of it the engines share.
+SGLang: sglang_engine.py), and the plumbing they share (EngineBase, VersionGate, AdapterSlots).
 
 The rollout stage, the proxy, evaluation, the controller and the TransferMesh call only the
 methods of `RolloutEngine`; which engine answers is `rollout.engine`. What each call means:
@@ -28,18 +28,19 @@ in the `vllm` tier, SGLang in benchmarks/gpu/sglang_check.py).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import threading
+import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from stages.agentflow.client import EngineRestarting
+from stages.agentflow.limits import failed_row, room, row_error
 
-RESYNC_TIMEOUT_S = 120.0      # a version that failed part-way in place waits for the next publish
 RESTART_WAIT_S = 10.0         # a restarted engine's calls wait this long for the weights, then fail as restarting
 # an engine's finish reason -> the row's status (vLLM's and SGLang's names are the same)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -60,7 +61,6 @@ class RolloutEngine(Protocol):
     def pop_stats(self) -> dict: ...
 
 
-# ---- restarts ----------------------------------------------------------------------------
 def reconstructed() -> bool:
     """True in an actor process Ray restarted (it holds the initial weights, not the current ones)."""
     try:
@@ -72,31 +72,61 @@ def reconstructed() -> bool:
 
 
 def wait_synced(synced: threading.Event, engine_id: str) -> None:
-    """generate's first wait: a restarted engine serves only once the current weights are back. The
-    controller's engine watch re-sends them within a second of the restart, or after the update in
-    hand; a caller waits for them a little, then is told the engine is restarting (it may retry)."""
+    """generate's first wait: a restarted engine serves only once the controller's engine watch has
+    re-sent the current weights; a caller waits a little, then is told the engine restarts (it may retry)."""
     if not synced.wait(timeout=RESTART_WAIT_S):
         raise EngineRestarting(f"{engine_id} restarted and was not re-sent the current weights within "
                                f"{RESTART_WAIT_S:.0f}s; retry")
 
 
 def identity(engine, /, **more) -> dict:
-    """info()'s answer: who serves, where, which version, and the process's incarnation (new in every
-    process: the controller counts a restart when it changes) and whether it awaits the current weights
-    (a process restarted before the controller first asked its incarnation has nothing else to tell)."""
+    """info()'s answer: who serves, where, which version, the process's incarnation and whether it
+    awaits the current weights."""
     return {"engine_id": engine.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
             "version": engine.version, "incarnation": engine.incarnation, "needs_sync": engine.needs_sync(), **more}
 
 
-class LibraryWeights:
-    """The contract's weight accessors for an engine around a library (vLLM, SGLang): it keeps the
-    version it serves, the specs a version carries (`_specs`, published_specs) and an event set once
-    it serves current weights (`_synced`: clear in a restarted process until they are re-sent)."""
+def plan_rows(requests: list, context: int, vocab: int, eos_id: int, reserve: int = 0,
+              refuse=None) -> tuple[list[dict], list]:
+    """Split a generate call: rows answered here (refused: failed with error and code; or with nothing
+    left to generate: a resumed row that had ended, no budget) and (index, row, budget) to decode, the
+    budget clipped to the context. `reserve`: context tokens the engine keeps back (SGLang refuses
+    input + max_new >= context); `refuse(row)`: the engine's own (code, message) or None."""
+    out: list[dict] = [{}] * len(requests)
+    todo = []
+    for i, r in enumerate(requests):
+        refused = row_error(r, context, vocab, reserve) or (refuse(r) if refuse else None)
+        if refused:
+            out[i] = failed_row(*refused)
+            continue
+        budget, prefix = room(r, context, reserve), list(r.get("prefix_ids", []))
+        ended = bool(prefix) and prefix[-1] == eos_id
+        if ended or budget <= 0:
+            out[i] = {"response_ids": prefix, "logprobs": list(r.get("prefix_logprobs", [])),
+                      "versions": list(r.get("prefix_versions", [])), "status": "completed" if ended else "truncated"}
+        else:
+            todo.append((i, r, budget))
+    return out, todo
 
-    version: int
-    mesh_endpoint: object
+
+class EngineBase:
+    """What every engine does alike: who it is, the version it serves and whether a restarted process
+    still awaits it, the TransferMesh's endpoint, statistics, and generate's row planning."""
+
+    engine_id: str
+    context: int
+    vocab: int
+    eos_id: int
     _specs: dict
-    _synced: threading.Event
+
+    def _start(self, engine_id: str) -> None:
+        self.engine_id, self.version, self.mesh_endpoint = engine_id, 0, None
+        self.incarnation = uuid.uuid4().hex     # new in every process: the controller counts a restart when it changes
+        self._synced = threading.Event()        # clear in a restarted process until the current weights are re-sent
+        if not reconstructed():
+            self._synced.set()
+        self._stats_lock = threading.Lock()
+        self.stats = fresh_stats()
 
     def weight_version(self) -> int:
         return self.version
@@ -107,17 +137,49 @@ class LibraryWeights:
     def weight_specs(self) -> dict:
         return dict(self._specs)
 
+    def _landed(self, version: int) -> None:
+        self.version = int(version)
+        self._synced.set()
+
     def mesh(self, method: str, *args, **kwargs):
-        return mesh_call(self, method, *args, **kwargs)
+        """The TransferMesh's Receiver in this actor, made on first use."""
+        if self.mesh_endpoint is None:
+            import transfer
 
+            self.mesh_endpoint = transfer.Receiver(target=self)
+        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
-def mesh_call(engine, method: str, *args, **kwargs):
-    """An engine's `mesh` remote method: the TransferMesh's Receiver in this actor, made on first use."""
-    if engine.mesh_endpoint is None:
-        import transfer
+    def pop_stats(self) -> dict:
+        with self._stats_lock:
+            st, self.stats = self.stats, fresh_stats()
+        return summarize_stats(st)
 
-        engine.mesh_endpoint = transfer.Receiver(target=engine)
-    return getattr(engine.mesh_endpoint, method)(*args, **kwargs)
+    def _count(self, **add) -> None:
+        with self._stats_lock:
+            for k, v in add.items():
+                self.stats[k] += v
+
+    def _count_step(self, rows: int) -> None:
+        with self._stats_lock:
+            self.stats["decode_steps"] += 1
+            self.stats["_rows_sum"] += rows
+            self.stats["running_rows_max"] = max(self.stats["running_rows_max"], rows)
+
+    def _count_waits(self, waits: list[float]) -> None:
+        with self._stats_lock:
+            self.stats["_wait_sum"] += sum(waits)
+            self.stats["_waited"] += len(waits)
+            self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], *waits)
+
+    def _plan(self, requests: list, reserve: int = 0, refuse=None) -> tuple[list[dict], list]:
+        """plan_rows, once a restarted engine has the current weights."""
+        if requests:
+            wait_synced(self._synced, self.engine_id)
+        return plan_rows(requests, self.context, self.vocab, self.eos_id, reserve, refuse)
+
+    def _served(self, out: list[dict]) -> list[dict]:
+        self._count(requests=len(out), tokens=sum(len(o["response_ids"]) for o in out))
+        return out
 
 
 # ---- what a version carries -------------------------------------------------------------------
@@ -130,8 +192,7 @@ def weight_specs_of(model_path: str, dtype: str) -> dict[str, tuple[tuple[int, .
 
 
 def published_specs(model_path: str, dtype: str, lora) -> dict:
-    """What the trainer publishes to an engine that is not the HF one: the whole model, or with
-    trainer.lora the adapter alone."""
+    """What the trainer publishes to a library engine: the whole model, or with trainer.lora the adapter alone."""
     if lora is None:
         return weight_specs_of(model_path, dtype)
     from stages.lora import adapter_specs, meta_model
@@ -139,29 +200,50 @@ def published_specs(model_path: str, dtype: str, lora) -> dict:
     return adapter_specs(meta_model(model_path), lora)
 
 
-def adapter_dir(engine_id: str) -> str:
-    """Where an engine writes each LoRA version as a peft directory for its server to read: tmpfs
-    where there is one (an adapter is read once, at load)."""
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    return tempfile.mkdtemp(prefix=f"loongsage-lora-{engine_id}-", dir=shm)
+class AdapterSlots:
+    """LoRA versions served as named adapters (vLLM, SGLang): each written as a peft directory (tmpfs
+    where there is one: it is read once, at load); new requests are bound to the newest, and an adapter
+    is freed once it is neither the newest nor bound to a request in flight."""
 
+    def __init__(self, engine_id: str):
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.dir = tempfile.mkdtemp(prefix=f"loongsage-lora-{engine_id}-", dir=shm)
+        self.current: int | None = None     # the adapter version new requests are bound to (None: the base)
+        self._users: dict[int, int] = {}    # adapter version -> requests in flight bound to it
+        self._lock = threading.Lock()
 
-# ---- sampling ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_p: float
-    seed: int | None
+    def path(self, version: int) -> str:
+        return os.path.join(self.dir, f"v{version}")
 
+    def advance(self, version: int) -> list[int]:
+        """Adapter `version` is loaded: new requests are bound to it. Returns the adapters now free."""
+        with self._lock:
+            self.current = int(version)
+            self._users.setdefault(self.current, 0)
+            return self._free()
 
-def sampling_of(r: dict) -> Sampling:
-    """A row's sampling settings as a library engine takes them: top_p is moot when greedy; a seeded
-    row's sampler is seeded with seed + tokens already in its response, so a resumed row draws a
-    stream of its own too (the HF engine instead draws token t's uniform from (seed, t))."""
-    temp = float(r.get("temperature", 1.0))
-    top_p = float(r.get("top_p", 1.0)) if temp > 0 else 1.0
-    seed = (int(r["seed"]) + len(r.get("prefix_ids", []))) % (2 ** 63) if r.get("seed") is not None else None
-    return Sampling(temp, top_p, seed)
+    def bind(self) -> int | None:
+        with self._lock:
+            if self.current is not None:
+                self._users[self.current] += 1
+            return self.current
+
+    def unbind(self, version: int | None) -> list[int]:
+        if version is None:
+            return []
+        with self._lock:
+            self._users[version] -= 1
+            return self._free()
+
+    def _free(self) -> list[int]:
+        free = [v for v, n in self._users.items() if n == 0 and v != self.current]
+        for v in free:
+            del self._users[v]
+        return free
+
+    def remove(self, version: int | None = None) -> None:
+        """An adapter's files, or (None) every one of them."""
+        shutil.rmtree(self.dir if version is None else self.path(version), ignore_errors=True)
 
 
 # ---- statistics -------------------------------------------------------------------------
@@ -179,38 +261,31 @@ def summarize_stats(st: dict) -> dict:
     return st
 
 
-# ---- versions against `hold` calls -------------------------------------------------------------
 class VersionGate:
     """`hold` calls against weight updates: a version lands only when no hold call is in flight, and a
-    hold call that arrives during an update waits for it to finish. Updates are counted, not flagged:
-    two updates queued one behind the other keep hold calls out until the second has landed."""
+    hold call that arrives during an update waits for it. Updates are counted, not flagged: two updates
+    queued one behind the other keep hold calls out until the second has landed, so a stream of hold
+    calls never starves an update."""
 
     def __init__(self):
         self._cv = threading.Condition()
         self._holding = 0
         self._updating = 0
 
-    def hold(self) -> None:
-        with self._cv:
-            self._cv.wait_for(lambda: not self._updating)
-            self._holding += 1
-
-    def unhold(self) -> None:
-        with self._cv:
-            self._holding -= 1
-            self._cv.notify_all()
-
     @contextmanager
     def holding(self, hold: bool = True):
         """One call's whole life under one version (a no-op for an ordinary call)."""
-        if not hold:
-            yield
-            return
-        self.hold()
+        if hold:
+            with self._cv:
+                self._cv.wait_for(lambda: not self._updating)
+                self._holding += 1
         try:
             yield
         finally:
-            self.unhold()
+            if hold:
+                with self._cv:
+                    self._holding -= 1
+                    self._cv.notify_all()
 
     @contextmanager
     def updating(self):

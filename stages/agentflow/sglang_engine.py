@@ -1,65 +1,45 @@
-"""Scale-out rollout engine: an SGLang server behind the HFEngine method surface, in a Ray actor.
+"""Scale-out rollout engine: an SGLang server in a Ray actor, behind the engine contract (engine_contract.py).
 
-The actor launches `python -m sglang.launch_server` on the GPUs Ray gave it (TP across
-them) and speaks its HTTP API, as slime does: token ids in (`input_ids`), token ids,
-log-probs and per-token weight versions out (`meta_info.output_token_logprobs`,
-`meta_info.weight_versions`). A server process, not an in-process `sglang.Engine`:
-the actor is threaded (many rollout workers call `generate` at once) and the Engine's
-event loop is not; the server batches concurrent requests itself.
-It serves the one engine contract (engine_contract.py) the HF and vLLM engines serve, with
-the pieces they share: the hold/update gate, sampling seeds, statistics, the weight specs, and
-the wait for weights in a restarted process.
+The actor launches `python -m sglang.launch_server` on the GPUs Ray gave it (TP across them) and
+speaks its HTTP API, as slime does: token ids in (`input_ids`); ids, log-probs and per-token weight
+versions out (`meta_info.output_token_logprobs`, `meta_info.weight_versions`). A server process, not
+an in-process `sglang.Engine`: the actor is threaded and the Engine's event loop is not; the server
+batches concurrent requests itself. SGLang's log-probs are those of logits / temperature.
 
-Weights (TransferMesh drives them, as for HFEngine):
-  load_weights            the Receiver landed a version in this process (CUDA IPC from a
-                          colocated trainer, NCCL, or host memory): hand it to the server
-                          with update_weights_from_tensor. CUDA tensors cross as IPC
-                          handles (nothing is copied through HTTP); host tensors are
-                          first copied to this actor's GPU in buckets.
-  init_weight_group /     the direct NCCL path: the trainer joins SGLang's own weight
-  load_weights_distributed  group (DistributedWeightSender) and broadcasts straight into
-                          the server's TP workers (update_weights_from_distributed).
-A version is applied atomically: generation is paused (`retract`: running requests go
-back to the queue and continue under the new weights, each token tagged with the version
-that produced it: partial rollout) or, while a `hold` request is in flight, the update
-waits for it to finish. SGLang's logprobs are those of logits / temperature, the
-distribution sampled from, as the trainer computes them.
+Weights (the TransferMesh drives them): `load_weights` hands a landed version (CUDA IPC from a
+colocated trainer, NCCL, or host memory) to the server with update_weights_from_tensor, CUDA tensors
+as IPC handles; `init_weight_group` / `load_weights_distributed` is the direct NCCL path: the
+trainer (DistributedWeightSender) broadcasts straight into the server's TP workers. A version lands
+whole: generation is paused (`retract`: running requests continue under the new weights, each token
+tagged with its version: partial rollout), after the `hold` requests in flight.
 
-LoRA (trainer.lora on): the server runs the base with SGLang's LoRA support (--enable-lora,
---max-lora-rank, --lora-target-modules) and a version is the adapter alone. The landed
-adapter is written as a peft adapter directory (tmpfs) and loaded with
-/load_lora_adapter under the name v<version>; from then on new requests name it
-(`lora_path`), and the previous adapter is unloaded (/unload_lora_adapter) once the last
-request bound to it returns. A request is bound to one adapter for its whole life, so its
-tokens carry that adapter's version; updates never pause generation. The file route, not
-/load_lora_adapter_from_tensors: the file API is the same across SGLang releases, the
-tensor one changed its fields (serialized_tensors -> serialized_named_tensors); an
-adapter is small, so the round trip through tmpfs costs little.
+LoRA (trainer.lora on): the server runs the base with SGLang's LoRA support and a version is the
+adapter alone, written as a peft directory and loaded with /load_lora_adapter as v<version>; a
+request is bound to one adapter for its whole life (AdapterSlots), so updates never pause
+generation. The file route, not /load_lora_adapter_from_tensors: the file API is the same across
+SGLang releases, the tensor one changed its fields; an adapter is small.
 
-GPU only: SGLang's kernels need CUDA. Tests and benchmarks/gpu/sglang_check.py run it
-where a GPU is lent.
+GPU only: SGLang's kernels need CUDA. benchmarks/gpu/sglang_check.py runs it where a GPU is lent.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
-from stages.agentflow import engine_contract as contract
 from stages.agentflow.engine_config import SGLangConfig
-from stages.agentflow.engine_contract import STATUS
-from stages.agentflow.limits import failed_row, model_limits, room, row_error
+from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
+from stages.agentflow.limits import model_limits
+from stages.agentflow.sampling import sampling_of
 from stages.lora import LoraConfig, meta_model, write_adapter
 from stages.model import load_tokenizer
 
@@ -126,10 +106,9 @@ def lora_server_args(lora: LoraConfig, names: list[str]) -> dict:
             "max-loras-per-batch": 2}
 
 
-class SGLangEngine(contract.LibraryWeights):
-    """HFEngine's surface over an SGLang server. Runs as a threaded Ray actor with
-    num_gpus = cfg.tp (the server uses exactly the GPUs Ray assigned). The first five
-    arguments are HFEngine's, so the controller builds either the same way."""
+class SGLangEngine(EngineBase):
+    """The engine contract over an SGLang server. A threaded Ray actor with num_gpus = cfg.tp (the
+    server uses exactly the GPUs Ray assigned); the first five arguments are every engine's."""
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, num_threads: int = 1,
                  engine_id: str = "engine0", cfg: SGLangConfig | None = None, lora: LoraConfig | None = None):
@@ -138,38 +117,25 @@ class SGLangEngine(contract.LibraryWeights):
                                "use rollout.engine=hf on CPU")
         cfg = cfg or SGLangConfig()
         torch.set_num_threads(num_threads)
-        self.engine_id, self.model_path, self.dtype, self.cfg, self.tp = engine_id, model_path, dtype, cfg, cfg.tp
+        self._start(engine_id)
+        self.model_path, self.dtype, self.cfg, self.tp = model_path, dtype, cfg, cfg.tp
         self.tok = load_tokenizer(model_path)
         self.eos_id = self.tok.eos_token_id
-        self.version = 0
-        self.incarnation = uuid.uuid4().hex      # new in every process: a changed one means restarted
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.mesh_endpoint = None
         self.lora = lora if lora is not None and lora.enabled else None
-        self._specs = contract.published_specs(model_path, dtype, self.lora)
-        self._adapter: str | None = None          # the adapter new requests are sent with (None: the base)
-        self._bound: dict[str, int] = {}          # adapter -> requests in flight bound to it
-        self._adapters = threading.Lock()
+        self._specs = published_specs(model_path, dtype, self.lora)
+        self._slots = AdapterSlots(engine_id) if self.lora is not None else None
         if self.lora is not None:
-            self._lora_dir = contract.adapter_dir(engine_id)
             # the module names SGLang adapts (every layer's; the controller checked the targets are those)
             self._lora_names = lora_module_names(self._specs)
             # the adapter files name their targets as SGLang reads them: a list of names, never a regex
             self._lora_files = dataclasses.replace(self.lora, target_regex="", target_modules=tuple(self._lora_names))
-        # SGLang refuses a whole /generate batch if one row's input + max_new_tokens reaches its
-        # context: rows are checked and clipped here instead, so one bad row fails alone
         self.context, self.vocab = model_limits(model_path)
         self.context = int(cfg.server_args.get("context-length") or cfg.server_args.get("context_length")
                            or self.context)
         self.vocab = self.vocab or len(self.tok)
-        self._gate = contract.VersionGate()     # hold requests vs weight updates
+        self._gate = VersionGate()              # hold requests vs weight updates
         self._update_lock = threading.Lock()
-        self._stats_lock = threading.Lock()
-        self.stats = contract.fresh_stats()
-        # a restarted engine's server holds the initial weights: it waits for the current version
-        self._synced = threading.Event()
-        if not contract.reconstructed():
-            self._synced.set()
         self._launch(seed)
 
     # ---- the server ------------------------------------------------------------------
@@ -232,12 +198,12 @@ class SGLangEngine(contract.LibraryWeights):
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
-        if getattr(self, "_lora_dir", None):
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        if self._slots is not None:
+            self._slots.remove()
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
-        return contract.identity(self, server=self.url, engine="sglang")
+        return identity(self, server=self.url, engine="sglang")
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version (update_weights_from_tensor, bucket by bucket). Each
@@ -261,47 +227,22 @@ class SGLangEngine(contract.LibraryWeights):
                     "serialized_named_tensors": [blob] * self.tp,     # one payload per TP rank
                     "flush_cache": last, "weight_version": str(version) if last else None})
                 del owned
-            self.version = int(version)
-        self._synced.set()
+            self._landed(version)
 
     def _load_adapter(self, named: dict, version: int) -> None:
         """A LoRA version: load it as adapter v<version>; new requests use it from the moment it is
         loaded (requests in flight finish on theirs), and the previous one goes when it is free."""
-        if not named:       # only the clock (a resumed run): the adapter itself follows in a publish
-            self.version = int(version)
-            self._synced.set()
-            return
-        name = f"v{int(version)}"
-        path = write_adapter(named, self._lora_files, self.model_path, os.path.join(self._lora_dir, name))
-        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-        with self._adapters:
-            previous, self._adapter, self.version = self._adapter, name, int(version)
-        self._synced.set()
-        self._release(previous)
+        version = int(version)
+        if named:           # else only the clock (a resumed run): the adapter itself follows in a publish
+            path = write_adapter(named, self._lora_files, self.model_path, self._slots.path(version))
+            self._post("/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(path)})
+            self._unload(self._slots.advance(version))
+        self._landed(version)
 
-    @contextmanager
-    def _bind_adapter(self):
-        """(adapter name or None, its version) for one /generate call, held until the call returns."""
-        with self._adapters:
-            name, version = self._adapter, self.version
-            if name is not None:
-                self._bound[name] = self._bound.get(name, 0) + 1
-        try:
-            yield name, version
-        finally:
-            if name is not None:
-                with self._adapters:
-                    self._bound[name] -= 1
-                self._release(name)
-
-    def _release(self, name: str | None) -> None:
-        """Unload an adapter that is neither current nor bound to a request in flight."""
-        with self._adapters:
-            if name is None or name == self._adapter or self._bound.get(name, 0) > 0:
-                return
-            self._bound.pop(name, None)
-        self._post("/unload_lora_adapter", {"lora_name": name})
-        shutil.rmtree(os.path.join(self._lora_dir, name), ignore_errors=True)
+    def _unload(self, versions: list[int]) -> None:
+        for v in versions:
+            self._post("/unload_lora_adapter", {"lora_name": f"v{v}"})
+            self._slots.remove(v)
 
     def _buckets(self, named: dict):
         bucket, size = [], 0
@@ -330,8 +271,7 @@ class SGLangEngine(contract.LibraryWeights):
             self._post("/update_weights_from_distributed", {
                 "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": True, "weight_version": str(version)})
-            self.version = int(version)
-        self._synced.set()
+            self._landed(version)
 
     @contextmanager
     def _exclusive(self):
@@ -355,69 +295,40 @@ class SGLangEngine(contract.LibraryWeights):
         """Abort every request in flight now; they return with status aborted."""
         self._post("/abort_request", {"abort_all": True})
 
-    def pop_stats(self) -> dict:
-        """The contract's figures; the server batches on its own, so decode_steps and the queue wait are 0."""
-        with self._stats_lock:
-            st, self.stats = self.stats, contract.fresh_stats()
-        return contract.summarize_stats(st)
-
     # ---- generation ----------------------------------------------------------------
     def generate(self, requests: list[dict]) -> list[dict]:
-        """Each request: prompt_ids, max_new_tokens, temperature, top_p, [prefix_ids,
-        prefix_logprobs, prefix_versions] (resume), [hold] (one version for the whole call).
-        Returns per request: response_ids, logprobs, versions, status; a row refused before
-        decoding (malformed, or over the context) has status failed, `error` and `code`."""
-        if not requests:
-            return []
-        contract.wait_synced(self._synced, self.engine_id)
+        """The contract's generate (engine_contract.py). SGLang refuses a whole batch if one row's input +
+        max_new_tokens reaches its context: rows are checked and clipped here (reserve=1) instead."""
+        out, todo = self._plan(requests, reserve=1)
         t0 = time.time()
-        hold = any(isinstance(r, dict) and r.get("hold") for r in requests)
-        out, todo = plan_rows(requests, self.context, self.vocab, self.eos_id, self.version)
         if todo:
             payload = {"input_ids": [list(r["prompt_ids"]) + list(r.get("prefix_ids", [])) for _, r, _ in todo],
                        "sampling_params": [self._sampling(r, b) for _, r, b in todo],
                        "return_logprob": True, "logprob_start_len": -1}
-            with self._gate.holding(hold), self._bind_adapter() as (adapter, version):
-                if adapter is not None:
-                    payload["lora_path"] = [adapter] * len(todo)
-                results = self._post("/generate", payload)
+            adapter = self._slots.bind() if self._slots is not None else None
+            version = self.version if adapter is None else adapter      # a LoRA request: its adapter's version
+            try:
+                with self._gate.holding(any(r.get("hold") for _, r, _ in todo)):
+                    if adapter is not None:
+                        payload["lora_path"] = [f"v{adapter}"] * len(todo)
+                    results = self._post("/generate", payload)
+            finally:
+                if self._slots is not None:
+                    self._unload(self._slots.unbind(adapter))
             results = results if isinstance(results, list) else [results]
             for (i, r, _), res in zip(todo, results):
                 out[i] = parse_output(res, r, version if self.lora is not None else None)
-        with self._stats_lock:
-            self.stats["requests"] += len(requests)
-            self.stats["tokens"] += sum(len(o["response_ids"]) for o in out)
-            self.stats["busy_s"] += time.time() - t0
-        return out
+        self._count(busy_s=time.time() - t0)
+        return self._served(out)
 
     @staticmethod
     def _sampling(r: dict, budget: int) -> dict:
-        s = contract.sampling_of(r)
+        s = sampling_of(r)
         params = {"max_new_tokens": budget, "temperature": s.temperature, "top_p": s.top_p,
                   "skip_special_tokens": False, "no_stop_trim": True}
         if s.seed is not None:     # the sample's own stream, advanced past a resumed prefix
             params["sampling_seed"] = s.seed
         return params
-
-
-def plan_rows(requests: list, context: int, vocab: int, eos_id: int, version: int) -> tuple[list[dict], list]:
-    """Split a generate call: rows answered here (refused, or with nothing left to generate) and
-    (index, row, budget) for the server, each budget clipped so input + budget < context."""
-    out: list[dict] = [{}] * len(requests)
-    todo = []
-    for i, r in enumerate(requests):
-        refused = row_error(r, context, vocab, reserve=1)
-        if refused:
-            out[i] = failed_row(*refused)
-            continue
-        budget = room(r, context, reserve=1)
-        done = bool(r.get("prefix_ids")) and r["prefix_ids"][-1] == eos_id
-        if budget <= 0 or done:     # nothing left to generate: return the prefix as it is
-            out[i] = parse_output({"meta_info": {"finish_reason": {"type": "stop" if done else "length"},
-                                                 "weight_version": version}}, r)
-        else:
-            todo.append((i, r, budget))
-    return out, todo
 
 
 class DistributedWeightSender:
