@@ -54,7 +54,7 @@ from pathlib import Path
 
 from stages.agentflow.sandbox import jail
 from stages.agentflow.tools import Tool
-from stages.keys import NONNEG, POSITIVE, key, one_of
+from stages.keys import NONNEG, POSITIVE, between, check_fields, key, one_of
 
 log = logging.getLogger(__name__)
 WORKER = Path(__file__).with_name("worker.py")
@@ -83,7 +83,8 @@ class SandboxConfig:
     file_mb: int = key(16, "largest file a snippet may write, MiB", POSITIVE)
     tmp_mb: int = key(32, "size of each private tmpfs, MiB", POSITIVE)
     calls_per_worker: int = key(1000, "a worker is replaced after this many calls (its lifetime CPU budget)", POSITIVE)
-    max_sandboxes: int = key(64, "live sandboxes per pool (trajectories at once); more wait for one to end", POSITIVE)
+    max_sandboxes: int = key(64, "live sandboxes per pool (trajectories at once); more wait for one to end",
+                             between(1, UID_SLOTS))
     isolation: str = key("auto", "auto: bubblewrap, else unshare, else limits only (a warning names what is missing) "
                                  "| strict: refuse to start without every isolation | none: limits only",
                          one_of("auto", "strict", "none"))
@@ -93,19 +94,8 @@ class SandboxConfig:
                               'process per rollout worker when its url is ""), with its latency')
 
     def __post_init__(self):
-        for k in ("workers", "memory_mb", "output_bytes", "file_mb", "tmp_mb", "calls_per_worker", "max_sandboxes"):
-            if getattr(self, k) <= 0:
-                raise ValueError(f"sandbox.{k} must be > 0, got {getattr(self, k)}")
-        for k in ("cpu_s", "timeout_s"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"sandbox.{k} must be > 0, got {getattr(self, k)}")
-        if self.nproc < 0:
-            raise ValueError(f"sandbox.nproc must be >= 0 (0 = no limit), got {self.nproc}")
-        if self.max_sandboxes > UID_SLOTS:
-            raise ValueError(f"sandbox.max_sandboxes must be <= {UID_SLOTS}, got {self.max_sandboxes}")
+        check_fields(self, "sandbox")
         object.__setattr__(self, "preload", (self.preload,) if isinstance(self.preload, str) else tuple(self.preload))
-        if self.isolation not in ("auto", "strict", "none"):
-            raise ValueError(f"sandbox.isolation must be auto, strict or none, got {self.isolation!r}")
 
 
 KINDS = ("network", "pid", "private_tmp", "uid", "unix_sockets", "seccomp", "no_new_privs")

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 
 from stages.agentflow.tools import Tool, ToolFatalError
-from stages.keys import NONNEG, POSITIVE, UNIT, key, one_of
+from stages.keys import NONNEG, POSITIVE, UNIT, check_fields, key, one_of
 
 Z99 = 2.3263478740408408   # the standard normal's 99th percentile
 KEY_ENV = "LOONGSAGE_TOOL_SERVICE_KEY"
@@ -74,16 +74,9 @@ class ToolServiceConfig:
                                    one_of("observe", "fail"))
 
     def __post_init__(self):
-        if not self.p50_s > 0:
-            raise ValueError(f"tool_service.p50_s must be > 0, got {self.p50_s}")
+        check_fields(self, "tool_service")
         if not self.p99_s >= self.p50_s:
             raise ValueError(f"tool_service.p99_s must be >= p50_s ({self.p50_s}), got {self.p99_s}")
-        if not 0 <= self.error_rate <= 1:
-            raise ValueError(f"tool_service.error_rate must be in [0, 1], got {self.error_rate}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"tool_service.timeout_s must be > 0, got {self.timeout_s}")
-        if self.on_error not in ("observe", "fail"):
-            raise ValueError(f"tool_service.on_error must be observe or fail, got {self.on_error!r}")
 
 
 class Lognormal:
