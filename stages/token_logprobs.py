@@ -46,21 +46,30 @@ def _stats(h, head, targets, temperature, entropy, gather_ids, top_k):
     return lp, ent, got, None if top is None else top.values, None if top is None else top.indices
 
 
-def token_stats(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 0,
-                entropy: bool = False, gather_ids: torch.Tensor | None = None, top_k: int = 0) -> TokenStats:
-    """hidden [N, H] (the states that predict `targets` [N]), head: H -> V. chunk: positions per
-    chunk (0 = all at once). Differentiable through `hidden` and the head's parameters."""
-    n = hidden.shape[0]
+def chunked(fn, n: int, chunk: int, *tensors) -> list:
+    """fn over `chunk` rows of `tensors` at a time (0 = all at once), its outputs (tensors or None)
+    concatenated. With gradients each chunk runs under activation checkpointing, recomputed in the
+    backward, so one chunk's intermediates ([chunk, V] logits) exist at a time."""
     step = chunk if 0 < chunk < n else max(n, 1)
     grad = torch.is_grad_enabled() and step < n      # one chunk: nothing to save by recomputing it
     parts = []
     for a in range(0, max(n, 1), step):
-        args = (hidden[a:a + step], head, targets[a:a + step], temperature, entropy,
-                None if gather_ids is None else gather_ids[a:a + step], top_k)
-        parts.append(checkpoint(_stats, *args, use_reentrant=False) if grad else _stats(*args))
-    cols = [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i]
-            for i in range(5)]
-    return TokenStats(*cols)
+        args = [t[a:a + step] for t in tensors]
+        parts.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
+    if len(parts) == 1:
+        return list(parts[0])
+    return [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
+
+
+def token_stats(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 0,
+                entropy: bool = False, gather_ids: torch.Tensor | None = None, top_k: int = 0) -> TokenStats:
+    """hidden [N, H] (the states that predict `targets` [N]), head: H -> V. chunk: positions per
+    chunk (0 = all at once). Differentiable through `hidden` and the head's parameters."""
+    def one(h, t, g=None):
+        return _stats(h, head, t, temperature, entropy, g, top_k)
+
+    tensors = (hidden, targets) if gather_ids is None else (hidden, targets, gather_ids)
+    return TokenStats(*chunked(one, hidden.shape[0], chunk, *tensors))
 
 
 def split_model(model):

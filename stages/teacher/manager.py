@@ -38,24 +38,17 @@ class TeacherSpec:
 
 @dataclass
 class Swap:
-    """What one acquire() cost: teachers moved in/out, bytes moved in, seconds spent."""
+    """What acquires cost: one call's (TeacherManager.acquire) or, summed, a manager's (its stats)."""
     swaps_in: int = 0
     swaps_out: int = 0
     bytes_in: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class SwapStats:
-    hits: int = 0
-    swaps_in: int = 0
-    swaps_out: int = 0
-    bytes_in: int = 0
+    seconds: float = 0.0        # in and out
     seconds_in: float = 0.0
     seconds_out: float = 0.0
+    hits: int = 0
     peak_resident_bytes: int = 0
     peak_resident: int = 0
-    history: list[str] = field(default_factory=list)   # "+id" / "-id", in order (tests read it)
+    history: list[str] = field(default_factory=list)   # "+id" / "-id": swaps in and out, in order
 
 
 # ---- start-up checks: no weights are loaded here, only headers, configs and tokenizers --------
@@ -160,7 +153,7 @@ class TeacherManager:
         self.specs = check_teachers(cfg, student_dir, sources)
         self.teachers = {tid: _Teacher(s, cfg.dtype, self.device) for tid, s in self.specs.items()}
         self.resident: OrderedDict[str, None] = OrderedDict()   # least recently used first
-        self.stats = SwapStats()
+        self.stats = Swap()
 
     def route(self, data_source: str) -> str:
         return self.cfg.route(data_source)
@@ -186,36 +179,25 @@ class TeacherManager:
         """The teacher's model, resident on the device; (model, Swap) with what it cost."""
         if tid not in self.teachers:
             raise TeacherError(f"unknown teacher {tid!r} (known: {', '.join(self.teachers)})")
-        swap = Swap()
+        s, swap = self.stats, Swap()
         if tid in self.resident:
             self.resident.move_to_end(tid)
-            self.stats.hits += 1
+            s.hits += 1
             return self.teachers[tid].model, swap
         t0 = time.perf_counter()
         while self.resident and not self._fits(tid):
             old, _ = self.resident.popitem(last=False)
             self.teachers[old].drop()
             swap.swaps_out += 1
-            self.stats.history.append(f"-{old}")
+            s.history.append(f"-{old}")
         t1 = time.perf_counter()
         self.teachers[tid].load()
         self.resident[tid] = None
         t2 = time.perf_counter()
         swap.swaps_in, swap.bytes_in, swap.seconds = 1, self.specs[tid].nbytes, t2 - t0
-        s = self.stats
-        s.swaps_in += 1
-        s.swaps_out += swap.swaps_out
-        s.bytes_in += swap.bytes_in
-        s.seconds_out += t1 - t0
-        s.seconds_in += t2 - t1
+        s.swaps_in, s.swaps_out, s.bytes_in = s.swaps_in + 1, s.swaps_out + swap.swaps_out, s.bytes_in + swap.bytes_in
+        s.seconds_out, s.seconds_in = s.seconds_out + t1 - t0, s.seconds_in + t2 - t1
         s.history.append(f"+{tid}")
         s.peak_resident_bytes = max(s.peak_resident_bytes, self.resident_bytes)
         s.peak_resident = max(s.peak_resident, len(self.resident))
         return self.teachers[tid].model, swap
-
-    def evict_all(self) -> None:
-        while self.resident:
-            old, _ = self.resident.popitem(last=False)
-            self.teachers[old].drop()
-            self.stats.swaps_out += 1
-            self.stats.history.append(f"-{old}")

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from stages.update.losses import masked
+
 
 @dataclass
 class TeacherBatch:
@@ -64,14 +66,9 @@ def teacher_batch(table: pa.Table, T: int) -> TeacherBatch:
     return TeacherBatch(lp, has, ids, top, [s or "" for s in sources])
 
 
-def _where(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # `where`, not a product: padding may hold -inf and 0 * inf is nan
-    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype))
-
-
 def reverse_kl_signal(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token log pi_T - log pi_S on trained tokens, 0 elsewhere. [B,T]"""
-    return _where(mask, teacher_lp - student_lp)
+    return masked(teacher_lp - student_lp, mask)
 
 
 def opd_advantages(task_adv: torch.Tensor, teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor,
@@ -90,11 +87,11 @@ def topk_kl(student_topk_lp: torch.Tensor, teacher_topk_lp: torch.Tensor, mask: 
     (sum_k T~_k log(T~_k / S_k) >= -log sum_k S_k >= 0, and = 0 only when S = T~ on the
     support). Renormalising the student as well would let it drift off the support freely."""
     t = torch.log_softmax(teacher_topk_lp, -1)
-    return _where(mask, (t.exp() * (t - student_topk_lp)).sum(-1))
+    return masked((t.exp() * (t - student_topk_lp)).sum(-1), mask)
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(_where(mask, x).sum() / mask.sum().clamp(min=1))
+    return float(masked(x, mask).sum() / mask.sum().clamp(min=1))
 
 
 def distill_metrics(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor, sources: list[str],

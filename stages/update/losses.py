@@ -21,7 +21,7 @@ from stages.update.config import PRESETS, AlgorithmConfig  # noqa: F401  (PRESET
 
 # ---- per-token surrogates: (cfg, logprobs, old, adv, mask) -> (loss [B,T], clipped [B,T] bool)
 
-def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # `where`, not a product: padding may hold inf/nan and 0 * inf would poison the sum and grads.
     return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -39,7 +39,7 @@ def _clipped_objective(ratio, adv, low, high, dual_c=0.0):
 
 def ppo_clip(cfg, logprobs, old, adv, mask):
     """PPO-clip (Schulman et al. 2017) with asymmetric band (DAPO clip-higher) and dual-clip."""
-    ratio = torch.exp(_masked(logprobs - old, mask))
+    ratio = torch.exp(masked(logprobs - old, mask))
     return _clipped_objective(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
 
 
@@ -47,9 +47,9 @@ def gspo(cfg, logprobs, old, adv, mask):
     """GSPO (Zheng et al. 2025, 2507.18071), in its GSPO-token form: every token carries the
     sequence ratio s_i = exp(mean_t log(pi/pi_old)) as its value and s_i * grad log pi_t as its
     gradient. With one advantage per sequence this equals sequence-level GSPO exactly."""
-    logprobs = _masked(logprobs, mask)
+    logprobs = masked(logprobs, mask)
     n = mask.sum(1, keepdim=True).clamp(min=1)
-    seq_log_ratio = (_masked(logprobs - old, mask).sum(1, keepdim=True) / n).detach()
+    seq_log_ratio = (masked(logprobs - old, mask).sum(1, keepdim=True) / n).detach()
     # clamp keeps exp finite for a badly stale sequence; its loss is clipped anyway
     ratio = torch.exp(logprobs - logprobs.detach() + seq_log_ratio.clamp(max=10.0))
     return _clipped_objective(ratio, adv, cfg.clip_low, cfg.clip_high)
@@ -58,9 +58,9 @@ def gspo(cfg, logprobs, old, adv, mask):
 def cispo(cfg, logprobs, old, adv, mask):
     """CISPO (MiniMax-M1, 2506.13585): REINFORCE with a clipped, stop-gradient IS weight.
     Unlike PPO no token loses its gradient: clipping bounds the weight, not the update."""
-    ratio = torch.exp(_masked(logprobs - old, mask)).detach()
+    ratio = torch.exp(masked(logprobs - old, mask)).detach()
     weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-    return -weight * adv * _masked(logprobs, mask), weight != ratio
+    return -weight * adv * masked(logprobs, mask), weight != ratio
 
 
 SURROGATES: dict[str, Callable] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
@@ -69,7 +69,7 @@ SURROGATES: dict[str, Callable] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": 
 # ---- aggregation over tokens: (x [B,T], mask, norm_length) -> scalar
 
 def _token_mean(x, mask, norm_length):
-    return _masked(x, mask).sum() / mask.sum().clamp(min=1)
+    return masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
 def _n_seqs(mask):
@@ -78,14 +78,14 @@ def _n_seqs(mask):
 
 
 def _seq_mean_token_mean(x, mask, norm_length):
-    per_seq = _masked(x, mask).sum(1) / mask.sum(1).clamp(min=1)
+    per_seq = masked(x, mask).sum(1) / mask.sum(1).clamp(min=1)
     return per_seq.sum() / _n_seqs(mask)
 
 
 def _seq_mean_token_sum_norm(x, mask, norm_length):
     # Dr.GRPO: one constant length for every sequence, so long answers are not down-weighted
     # (and long wrong answers not favoured) as with a per-sequence 1/|o_i|.
-    return _masked(x, mask).sum() / (_n_seqs(mask) * (norm_length or mask.shape[1]))
+    return masked(x, mask).sum() / (_n_seqs(mask) * (norm_length or mask.shape[1]))
 
 
 def _denominator(loss_agg, mask):
@@ -137,14 +137,14 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
 
     loss = pg_loss = agg(per_token)
     with torch.no_grad():
-        log_ratio = _masked(logprobs - old, mask)
+        log_ratio = masked(logprobs - old, mask)
         metrics = {"pg_loss": pg_loss.item(),
                    "clipfrac": _token_mean(clipped.to(mask.dtype), mask, 0).item(),
                    # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old, with r = pi / pi_old:
                    # E_old[r - 1 - log r] (unbiased: E_old[r] = 1). How far this update moved the policy.
                    "approx_kl": _token_mean(torch.expm1(log_ratio) - log_ratio, mask, 0).item()}
     if ref_logprobs is not None:
-        kl = agg(KL_ESTIMATORS[cfg.kl_estimator](_masked(logprobs, mask), _masked(ref_logprobs.detach(), mask)))
+        kl = agg(KL_ESTIMATORS[cfg.kl_estimator](masked(logprobs, mask), masked(ref_logprobs.detach(), mask)))
         loss = loss + cfg.kl_coef * kl
         metrics["kl_ref"] = kl.item()
     if entropy is not None:

@@ -80,79 +80,43 @@ class Arch:
                              f"({self.heads}) and the MLP width ({self.ffn})")
 
 
-# ---- one layout per kind of parameter: shard(hf tensors, arch, rank, tp) and merge(shards, arch)
+# ---- one layout per kind of parameter: shard(hf tensors, arch, rank, tp) -> this rank's tensor, and
+# merge(every rank's tensor, arch) -> the HF tensors
 
-class Replicated:
-    @staticmethod
-    def shard(hf, arch, rank, tp):
-        return hf[0].clone()
-
-    @staticmethod
-    def merge(shards, arch):
-        return [shards[0].clone()]
+@dataclass(frozen=True)
+class Layout:
+    shard: Callable
+    merge: Callable
 
 
-class RowParallel:
-    """Split along the input dimension (dim 1): linear_proj, linear_fc2."""
-
-    @staticmethod
-    def shard(hf, arch, rank, tp):
-        return hf[0].chunk(tp, dim=1)[rank].clone()
-
-    @staticmethod
-    def merge(shards, arch):
-        return [torch.cat(shards, dim=1)]
+def _pad_vocab(w: torch.Tensor, arch: Arch, tp: int) -> torch.Tensor:
+    pad = arch.padded_vocab(tp) - w.shape[0]
+    return torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
 
 
-class VocabParallel:
-    """Rows split over ranks, after padding the vocab with zero rows to a multiple of tp."""
-
-    @staticmethod
-    def shard(hf, arch, rank, tp):
-        w = hf[0]
-        pad = arch.padded_vocab(tp) - w.shape[0]
-        if pad:
-            w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])])
-        return w.chunk(tp, dim=0)[rank].clone()
-
-    @staticmethod
-    def merge(shards, arch):
-        return [torch.cat(shards, dim=0)[: arch.vocab].clone()]
-
-
-class GatedFc1:
-    """[gate; up] per rank: each rank's slice of gate, then its slice of up."""
-
-    @staticmethod
-    def shard(hf, arch, rank, tp):
-        gate, up = hf
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
-
-    @staticmethod
-    def merge(shards, arch):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
-
-
-class FusedQKV:
+def _qkv_groups(q, k, v, arch: Arch) -> torch.Tensor:
     """Per KV group: its query heads, its key head, its value head (weights or biases)."""
+    g, d, tail = arch.heads // arch.kv_heads, arch.head_dim, q.shape[1:]    # tail: (hidden,) or ()
+    return torch.cat([q.reshape(arch.kv_heads, g * d, *tail), k.reshape(arch.kv_heads, d, *tail),
+                      v.reshape(arch.kv_heads, d, *tail)], dim=1)
 
-    @staticmethod
-    def shard(hf, arch, rank, tp):
-        q, k, v = hf
-        g, d = arch.heads // arch.kv_heads, arch.head_dim
-        tail = q.shape[1:]                       # (hidden,) for weights, () for biases
-        groups = torch.cat([q.reshape(arch.kv_heads, g * d, *tail), k.reshape(arch.kv_heads, d, *tail),
-                            v.reshape(arch.kv_heads, d, *tail)], dim=1)
-        return groups.chunk(tp, dim=0)[rank].reshape(-1, *tail).clone()
 
-    @staticmethod
-    def merge(shards, arch):
-        g, d = arch.heads // arch.kv_heads, arch.head_dim
-        tail = shards[0].shape[1:]
-        groups = torch.cat([s.reshape(-1, (g + 2) * d, *tail) for s in shards], dim=0)
-        q, k, v = groups.split([g * d, d, d], dim=1)
-        return [q.reshape(-1, *tail).clone(), k.reshape(-1, *tail).clone(), v.reshape(-1, *tail).clone()]
+def _qkv_merge(shards, arch: Arch) -> list[torch.Tensor]:
+    g, d, tail = arch.heads // arch.kv_heads, arch.head_dim, shards[0].shape[1:]
+    groups = torch.cat([s.reshape(-1, (g + 2) * d, *tail) for s in shards], dim=0)
+    return [x.reshape(-1, *tail).clone() for x in groups.split([g * d, d, d], dim=1)]
+
+
+Replicated = Layout(lambda hf, arch, rank, tp: hf[0].clone(), lambda shards, arch: [shards[0].clone()])
+RowParallel = Layout(lambda hf, arch, rank, tp: hf[0].chunk(tp, dim=1)[rank].clone(),    # split along the input
+                     lambda shards, arch: [torch.cat(shards, dim=1)])
+VocabParallel = Layout(lambda hf, arch, rank, tp: _pad_vocab(hf[0], arch, tp).chunk(tp, dim=0)[rank].clone(),
+                       lambda shards, arch: [torch.cat(shards, dim=0)[: arch.vocab].clone()])
+GatedFc1 = Layout(   # [gate; up] per rank: each rank's slice of gate, then its slice of up
+    lambda hf, arch, rank, tp: torch.cat([hf[0].chunk(tp, dim=0)[rank], hf[1].chunk(tp, dim=0)[rank]], dim=0),
+    lambda shards, arch: [torch.cat([s.chunk(2, dim=0)[h] for s in shards]) for h in (0, 1)])
+FusedQKV = Layout(lambda hf, arch, rank, tp: _qkv_groups(*hf, arch).chunk(tp, dim=0)[rank].reshape(
+    -1, *hf[0].shape[1:]).clone(), _qkv_merge)
 
 
 # megatron name (per layer, after "decoder.layers.{i}.") -> (HF names after "model.layers.{i}.", layout)

@@ -82,18 +82,9 @@ def defer_head(gpt):
 def chunked_token_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, vocab: int, temperature: float,
                            chunk: int, with_entropy: bool = False):
     """token_logprobs of `targets` [N] from hidden states [N, H], the head applied `chunk` positions
-    at a time (0 = all); with gradients each chunk is recomputed in the backward, so one chunk's
-    [chunk, V/tp] logits exist at a time. Every TP rank runs the same chunks (same rows), so the
+    at a time (stages/token_logprobs.chunked). Every TP rank runs the same chunks (same rows), so the
     collectives inside match up, in the forward and in the recomputation."""
-    from torch.utils.checkpoint import checkpoint
+    from stages.token_logprobs import chunked
 
-    def one(h, t):
-        return token_logprobs(head(h), t, vocab, temperature, with_entropy)
-
-    n = hidden.shape[0]
-    step = chunk if 0 < chunk < n else max(n, 1)
-    grad = torch.is_grad_enabled() and step < n
-    parts = [checkpoint(one, hidden[a:a + step], targets[a:a + step], use_reentrant=False) if grad
-             else one(hidden[a:a + step], targets[a:a + step]) for a in range(0, max(n, 1), step)]
-    lp = torch.cat([p[0] for p in parts])
-    return lp, torch.cat([p[1] for p in parts]) if with_entropy else None
+    return chunked(lambda h, t: token_logprobs(head(h), t, vocab, temperature, with_entropy),
+                   hidden.shape[0], chunk, hidden, targets)
