@@ -305,10 +305,12 @@ def check_names(cfg: Config) -> None:
                 get_task(path.split(":", 1)[1], digits=c.builtin_digits)
             elif path and not Path(path).exists():
                 raise ValueError(f"{name} {path!r}: no such file or directory")
-        if cfg.rollout.agent.startswith("cmd:"):
-            from stages.agentflow.sandbox.jail import require
+        from stages.agentflow.sandbox import jail
 
-            require(cfg.rollout)
+        if cfg.rollout.agent.startswith("cmd:"):
+            jail.require(cfg.rollout)
+        if cfg.rollout.agent == "sandbox" and cfg.rollout.sandbox.isolation != "none":
+            jail.require_bwrap("rollout.sandbox.isolation")
     except ValueError as e:
         raise ConfigError(_cut(" ".join(str(e).split()), 400)) from e     # one line, whatever the user's module said
 

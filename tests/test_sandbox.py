@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -435,12 +437,14 @@ def test_bad_config_names_the_key():
             SandboxConfig(**kw)
 
 
-def test_strict_isolation_refuses_what_the_machine_lacks():
-    if ISO.complete:
-        run(SandboxPool(SandboxConfig(isolation="strict")).close())     # holds here: starts
-    else:
-        with pytest.raises(RuntimeError, match="isolation=strict"):
-            SandboxPool(SandboxConfig(isolation="strict"))
+def test_without_a_working_jail_a_sandbox_run_is_refused_at_start(tmp_path):
+    """No bwrap on PATH: `loongsage run` of the sandbox recipe refuses in one line naming the key, before Ray."""
+    env = os.environ | {"PATH": str(tmp_path)}       # an empty directory: no bwrap
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "configs/agent_sandbox.yaml", "--run-dir",
+                        str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(lines) == 1 and "rollout.sandbox.isolation" in lines[0] and "apt-get install bubblewrap" in lines[0]
 
 
 class BreachThenAnswer(SandboxAgent):

@@ -191,15 +191,19 @@ def code_argv(worker: str, python: str, tmp_bytes: int, seccomp: int | None, kee
     return [*args, "--", real, "-I", "/sandbox/worker.py"]
 
 
+def require_bwrap(key: str) -> None:
+    """A ValueError naming `key` and what to do where bwrap cannot make a jail here."""
+    why = probe()
+    if why:
+        raise ValueError(f"{key}=bwrap: cannot jail here: {why}. Install bubblewrap (Debian/Ubuntu: apt-get install "
+                         f"bubblewrap; docs/sandbox.md), or set {key}=none to run unjailed")
+
+
 def require(cfg) -> None:
     """A ValueError naming what to do where black-box agents cannot be jailed as rollout `cfg` asks."""
     if cfg.agent_sandbox == "none":
         return
-    why = probe()
-    if why:
-        raise ValueError(f"rollout.agent_sandbox=bwrap: black-box agents cannot be jailed here: {why}. Install "
-                         "bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; docs/sandbox.md), or set "
-                         "rollout.agent_sandbox=none to run them unjailed, as this user")
+    require_bwrap("rollout.agent_sandbox")
     missing = [b for b in cfg.agent_binds if not os.path.exists(b)]
     if missing:
         raise ValueError(f"rollout.agent_binds: {missing[0]} does not exist")

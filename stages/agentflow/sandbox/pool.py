@@ -1,39 +1,18 @@
 """Code sandbox tool: model-written Python snippets, each trajectory's in a sandbox of its own.
 
-Why: an agent that computes by writing code needs somewhere to run it that a bad snippet cannot
-take down -- not the rollout worker, not the machine -- and, in RL, that another trajectory's
-code cannot reach: a snippet that poisons a builtin or plants a file for the next caller would
-change other samples' rewards (reward hacking across a group). So:
+An agent that computes by writing code needs somewhere to run it that a bad snippet cannot take
+down, and, in RL, that another trajectory's code cannot reach: a snippet that poisons a builtin or
+plants a file for the next caller would change other samples' rewards. So `pool.session()` is one
+trajectory's sandbox: an interpreter process of its own (taken from `sandbox.workers` spares started
+ahead, which have run nothing) in a bubblewrap jail of its own (jail.py `code_argv`: an empty root,
+its own namespaces and size-capped /tmp, seccomp, no capabilities), killed when the trajectory ends.
+`pool.run(code)` and `pool.tool()` are one-call sessions. With `sandbox.isolation: none` snippets run
+with the limits alone (the SandboxConfig keys: CPU, memory, wall time, output, processes, file size).
 
-    one trajectory, one sandbox   `pool.session()` is a sandbox for one trajectory: its own
-        interpreter process in its own namespaces with its own private /tmp (its cwd), started
-        for it (or taken from `sandbox.workers` spares started ahead, which have run nothing)
-        and killed when the trajectory ends. Nothing it can write is shared with another
-        sandbox. `pool.run(code)` and `pool.tool()` are one-call sessions.
-
-The jail (stages/agentflow/sandbox/jail.py) is bubblewrap where it runs: an empty root with read-only
-binds of /usr and the interpreter, fresh /proc, /dev and size-capped tmpfs /tmp, new network,
-PID, IPC, UTS, mount and cgroup namespaces (no host Unix socket is reachable: no socket file of
-the host is in its file system, and abstract sockets belong to the network namespace), a seccomp
-filter, no_new_privs, capabilities dropped. Where bwrap is missing or fails, the old `unshare`
-sandbox is the fallback (network, PID and mount namespaces, tmpfs over /tmp) and a warning names
-what it lacks: seccomp, no_new_privs, the host's file system (and Unix sockets in it) readable.
-Limits, in either:
-
-    cpu_s        CPU seconds per snippet (RLIMIT_CPU soft limit, moved up per call)
-    memory_mb    address space of the worker (RLIMIT_AS): a 10 GB allocation is a MemoryError
-    timeout_s    wall clock per snippet, enforced here: the worker is killed
-    output_bytes stdout+stderr per snippet, counted here as it arrives: past it the worker is killed
-    nproc        processes+threads of the worker's own uid (RLIMIT_NPROC): a fork bomb stops there
-    file_mb      largest file it may write (RLIMIT_FSIZE); tmp_mb: size of its private /tmp
-    uid          running as root: the worker drops to a uid of its own after its imports
-
-`SandboxPool.isolation` says which hold; the kernel itself and CPU time other processes could use
-are not isolated. A breach (timeout, cpu, memory, output, fork, filesystem, or the worker dying)
-ends the call with an "error: <kind>: ..." result and the session's worker is killed; the
-session's next call gets a fresh one. An ordinary exception in the snippet ("error:
-ZeroDivisionError...") leaves it in service. Every call starts in fresh globals in an emptied
-directory. `session.tool()` is the registry entry (stages/agentflow/tools.py): `python(code=...)`.
+A breach (timeout, cpu, memory, output, fork, filesystem, or the worker dying) ends the call with an
+"error: <kind>: ..." result and the session's worker is killed; its next call gets a fresh one. An
+ordinary exception in the snippet leaves it in service. Every call starts in fresh globals in an
+emptied directory. `session.tool()` is the registry entry (stages/agentflow/tools.py): `python(code=...)`.
 """
 from __future__ import annotations
 
@@ -85,9 +64,8 @@ class SandboxConfig:
     calls_per_worker: int = key(1000, "a worker is replaced after this many calls (its lifetime CPU budget)", POSITIVE)
     max_sandboxes: int = key(64, "live sandboxes per pool (trajectories at once); more wait for one to end",
                              between(1, UID_SLOTS))
-    isolation: str = key("auto", "auto: bubblewrap, else unshare, else limits only (a warning names what is missing) "
-                                 "| strict: refuse to start without every isolation | none: limits only",
-                         one_of("auto", "strict", "none"))
+    isolation: str = key("bwrap", "bwrap: each sandbox in a bubblewrap jail (a run is refused where bwrap cannot "
+                                  "jail) | none: limits only", one_of("bwrap", "none"))
     python: str = key("", 'interpreter for the workers; "" = this one')
     preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox/worker.py setup)")
     remote: bool = key(False, "True: snippets run in a remote sandbox service (rollout.tool_service: a local service "
@@ -110,76 +88,24 @@ class Isolation:
     unix_sockets: bool = False    # no Unix socket of the host reachable (no host socket file in its file system)
     seccomp: bool = False         # the jail's seccomp filter
     no_new_privs: bool = False
-    tool: str = "none"            # bwrap | unshare | none
+    tool: str = "none"            # bwrap | none
     notes: tuple = ()
 
-    @property
-    def complete(self) -> bool:
-        return all(getattr(self, k) for k in KINDS)
-
-    def missing(self) -> list[str]:
-        return [k for k in KINDS if not getattr(self, k)]
-
     def describe(self) -> str:
-        held = [k for k in KINDS if getattr(self, k)]
-        return f"isolated ({self.tool}): {', '.join(held) or 'nothing but rlimits'}" + (
-            f"; {'; '.join(self.notes)}" if self.notes else "")
-
-
-UNSHARE = ("unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc")
+        held = ", ".join(k for k in KINDS if getattr(self, k)) or "nothing but rlimits"
+        return f"isolated ({self.tool}): {held}" + (f"; {'; '.join(self.notes)}" if self.notes else "")
 
 
 @lru_cache(maxsize=1)
 def probe_isolation() -> Isolation:
-    """What this machine lets a sandbox have: bubblewrap if it runs here, else the unshare command."""
-    root = os.geteuid() == 0
-    why = jail.probe()
-    if not why:
-        notes = () if jail.seccomp_bpf() else ("no seccomp filter: no libseccomp binding (pip install pyseccomp, "
-                                               "or Debian's python3-seccomp)",)
-        return Isolation(network=True, pid=True, private_tmp=True, uid=root, unix_sockets=True,
-                         seccomp=bool(jail.seccomp_bpf()), no_new_privs=True, tool="bwrap",
-                         notes=notes + (() if root else ("not root: the worker keeps this user's uid",)))
-    notes = [f"bubblewrap: {why}"]
-    if not root:
-        notes.append("not root: the workers run as this user (RLIMIT_NPROC counts all of its processes; "
-                     "files it can write, a snippet can write)")
-    ok = _unshare_works(notes)
-    if not ok:
-        notes.append("no network, PID or mount namespace: snippets reach the network and the host's /tmp")
-    # tmpfs mounts in the new mount namespace need CAP_SYS_ADMIN there: root, as unshare runs without -U
-    return Isolation(network=ok, pid=ok, private_tmp=ok and root, uid=root, tool="unshare" if ok else "none",
-                     notes=tuple(notes))
-
-
-def _unshare_works(notes: list) -> bool:
-    if not shutil.which("unshare"):
-        notes.append("no unshare command")
-        return False
-    try:
-        r = subprocess.run([*UNSHARE, sys.executable, "-I", "-c",
-                            "import socket,os; s=socket.socket(); s.settimeout(0.5)\n"
-                            "try: s.connect(('1.1.1.1', 53)); print('net')\n"
-                            "except OSError: print(os.getpid())"],
-                           capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        notes.append(f"unshare fails here ({e})")
-        return False
-    if r.returncode == 0 and r.stdout.strip() == "1":
-        return True
-    notes.append(f"unshare fails here ({(r.stderr or r.stdout).strip()[-200:]})")
-    return False
-
-
-_warned = False
-
-
-def _warn_once(iso: Isolation) -> None:
-    global _warned
-    if not _warned and iso.missing():
-        _warned = True
-        log.warning("code sandbox: not isolated here: %s (%s). Install bubblewrap (apt-get install bubblewrap) "
-                    "and pyseccomp for the full jail.", ", ".join(iso.missing()), iso.describe())
+    """What a sandbox has here: the bubblewrap jail where it runs (nothing where it does not)."""
+    root, why = os.geteuid() == 0, jail.probe()
+    if why:
+        return Isolation(notes=(f"bubblewrap: {why}",))
+    notes = () if jail.seccomp_bpf() else ("no seccomp filter: no libseccomp binding (pip install pyseccomp)",)
+    return Isolation(network=True, pid=True, private_tmp=True, uid=root, unix_sockets=True,
+                     seccomp=bool(jail.seccomp_bpf()), no_new_privs=True, tool="bwrap",
+                     notes=notes + (() if root else ("not root: the worker keeps this user's uid",)))
 
 
 @dataclass
@@ -277,13 +203,11 @@ class SandboxPool:
 
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
-        self.isolation = Isolation(notes=("sandbox.isolation=none",)) if self.cfg.isolation == "none" \
-            else probe_isolation()
-        if self.cfg.isolation == "strict" and not self.isolation.complete:
-            raise RuntimeError(f"sandbox.isolation=strict, but this machine lacks {', '.join(self.isolation.missing())}"
-                               f" ({self.isolation.describe()})")
-        if self.cfg.isolation == "auto":
-            _warn_once(self.isolation)
+        if self.cfg.isolation == "none":
+            self.isolation = Isolation(notes=("sandbox.isolation=none",))
+        else:
+            jail.require_bwrap("rollout.sandbox.isolation")
+            self.isolation = probe_isolation()
         self._spares: list[_Worker] = []
         self._all: dict[int, _Worker] = {}
         self._spawning: set[asyncio.Task] = set()     # background work: spares starting, workers being killed
@@ -308,8 +232,7 @@ class SandboxPool:
             fd = jail.seccomp_fd()
             argv = jail.code_argv(str(WORKER), python, self.cfg.tmp_mb << 20, fd, keep_setuid=setup["uid"] is not None)
             return [*argv, json.dumps(setup)], (() if fd is None else (fd,))
-        cmd = [python, "-I", str(WORKER), json.dumps(setup)]
-        return ([*UNSHARE, *cmd] if self.isolation.pid else cmd), ()
+        return [python, "-I", str(WORKER), json.dumps(setup)], ()
 
     async def _spawn(self) -> _Worker:
         iso, slot = self.isolation, self._next_slot()
@@ -320,8 +243,7 @@ class SandboxPool:
         # RLIMIT_NPROC binds a worker with a uid of its own, or any non-root user; root it does not
         nproc = self.cfg.nproc if (uid is not None or os.geteuid() != 0) else 0
         jailed = iso.tool == "bwrap"    # bwrap mounts the private /tmp itself and starts the worker in it
-        setup = {"preload": list(self.cfg.preload), "private_tmp": iso.private_tmp and not jailed,
-                 "tmp_mb": self.cfg.tmp_mb, "workdir": "/tmp" if jailed else workdir, "uid": uid,
+        setup = {"preload": list(self.cfg.preload), "workdir": "/tmp" if jailed else workdir, "uid": uid,
                  "memory_mb": self.cfg.memory_mb, "file_mb": self.cfg.file_mb,
                  "nproc": nproc, "cpu_lifetime_s": self.cfg.cpu_s * self.cfg.calls_per_worker + 10}
         cmd, fds = self._command(setup)
@@ -369,8 +291,7 @@ class SandboxPool:
             w.buf += chunk
 
     async def _kill(self, w: _Worker) -> None:
-        """SIGKILL the worker, then its process group. The worker first: bwrap/unshare reaps it and exits
-        (had they died first, the worker would be reaped later by whoever adopts it); with a PID
+        """SIGKILL the worker, then its process group. The worker first: bwrap reaps it and exits; with a PID
         namespace, everything the snippet started dies with the namespace's PID 1."""
         self._all.pop(w.slot, None)
         for target, kill in ((w.pid, os.kill), (w.pgid, os.killpg)):
@@ -560,7 +481,7 @@ def _result_line(rest: bytes) -> dict:
 
 
 def _child_of(pid: int) -> int:
-    """The one child of `pid` (bwrap's or unshare --fork's), or 0."""
+    """The one child of `pid` (bwrap's), or 0."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             kids = f.read().split()

@@ -2,13 +2,12 @@
 
 Started by stages/agentflow/sandbox/pool.py (`python -I worker.py SETUP_JSON`), one per trajectory,
 inside a bubblewrap jail (stages/agentflow/sandbox/jail.py: it is then PID 1 of its own PID namespace, its
-/tmp already private) or, where bwrap is missing, `unshare --net --mount --pid --fork`. This file
+/tmp already private), or with sandbox.isolation: none in a directory the pool made. This file
 imports only the standard library: it must start fast and owe nothing to the project.
 
 Setup, once, in this order (each step only where the pool's probe found it works):
   0. import the modules in `preload` (sandbox.preload);
-  1. under unshare: private tmpfs over /tmp, /var/tmp, /dev/shm, /run/lock (world-writable places),
-     cwd = /tmp; under bwrap: cwd = its private /tmp; with neither: the private directory the pool made;
+  1. cwd = its private /tmp (in the jail) or the private directory the pool made;
   2. drop to the worker's own uid/gid (root only): RLIMIT_NPROC then counts this worker alone;
   3. rlimits: address space, processes, file size, open files, no core files.
 Per snippet: RLIMIT_CPU's soft limit is set to the CPU used so far + cpu_s (SIGXCPU -> an
@@ -21,7 +20,6 @@ ok | error (an exception in the snippet) | memory | cpu | fork | filesystem. The
 of a snippet, if it is an expression, is printed (as a REPL shows it).
 """
 import ast
-import ctypes
 import errno
 import json
 import math
@@ -33,17 +31,10 @@ import sys
 import traceback
 
 MARKER = b"\x00\x1esandbox-end:"
-PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
 
 class CPUTimeExceeded(BaseException):   # BaseException: a snippet's `except Exception` does not swallow it
     pass
-
-
-def _mount_tmpfs(path: str, size_mb: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0, f"size={size_mb}m,mode=1777".encode()) != 0:
-        raise OSError(ctypes.get_errno(), f"mount tmpfs on {path}: {os.strerror(ctypes.get_errno())}")
 
 
 def setup(cfg: dict) -> None:
@@ -54,13 +45,7 @@ def setup(cfg: dict) -> None:
             __import__(name)
         except ImportError:
             pass
-    if cfg["private_tmp"]:
-        for d in PRIVATE_DIRS:
-            if os.path.isdir(d):
-                _mount_tmpfs(d, cfg["tmp_mb"])
-        os.chdir("/tmp")
-    else:
-        os.chdir(cfg["workdir"])
+    os.chdir(cfg["workdir"])
     if cfg["uid"] is not None:
         os.setgroups([])
         os.setgid(cfg["uid"])
