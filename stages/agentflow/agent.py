@@ -1,6 +1,4 @@
-"""The Agent protocol and the context every agent runs in.
-
-An agent is any object with `async def run(ctx, sample) -> None`; `sample` is the row (prompt, answer, ...).
+"""The Agent protocol and the context every agent runs in: `async def run(ctx, sample) -> None`.
 
 * white-box: Python code that drives the token stream itself --
       gen = await ctx.generate(stop=[...])       model turn (loss_mask=1)
@@ -9,12 +7,11 @@ An agent is any object with `async def run(ctx, sample) -> None`; `sample` is th
       ctx.add_text(...) / ctx.add_messages([...]) any other context (loss_mask=0)
 * black-box: a program that speaks an OpenAI or Anthropic API --
       async with ctx.openai_endpoint() as ep:     ep.base_url, ep.api_key for this trajectory
-  the proxy records every call (stages/agentflow/session.py) and its segments become the rows.
+  the proxy records every call (session.py) and its segments become the trajectory's rows.
 
-The trajectory is built in token space: model tokens are never re-tokenised. A turn past `max_turns` raises
-TurnLimitReached (the rollout keeps what was made, as `truncated`); a context over the model's or
-rollout.max_prompt_tokens raises ContextLengthExceeded (limits.py), which fails the trajectory. A turn gets the
-completion budget the context leaves, unless the agent asked for `max_new_tokens` itself, which must fit.
+Model tokens are never re-tokenised. A turn past `max_turns` raises TurnLimitReached (the rollout keeps what was
+made, `truncated`); a context over the limits raises ContextLengthExceeded (limits.py), which fails the
+trajectory. A turn gets the budget the context leaves, unless it asks `max_new_tokens` itself, which must fit.
 """
 from __future__ import annotations
 
@@ -80,17 +77,6 @@ class AgentContext:
         self.detail = ""                    # diagnostics (a subprocess's stderr tail) for a failure message
         self.turn_limited = False           # the turn limit stopped this trajectory
 
-    # the stream's records, under the names the trajectory schema uses
-    prompt_ids = property(lambda self: self.stream.prompt_ids)
-    response_ids = property(lambda self: self.stream.response_ids)
-    logprobs = property(lambda self: self.stream.logprobs)
-    versions = property(lambda self: self.stream.versions)
-    loss_mask = property(lambda self: self.stream.loss_mask)
-
-    @property
-    def turns_left(self) -> int | None:
-        return None if not self.max_turns else self.max_turns - self.turns
-
     @property
     def segments(self) -> int:
         return len(self.tree)
@@ -124,11 +110,6 @@ class AgentContext:
         return Generation(ids, lps, vers, self.status, text, stop_hit is not None)
 
     # ---- context the model did not write (loss_mask=0) ----------------------------------
-    def add_tokens(self, token_ids: list[int], role: str = "context") -> None:
-        text = decode_continuation(self.tokenizer, self.stream.ids, list(token_ids))
-        self.stream.add_context(list(token_ids), text)
-        self.transcript.append({"role": role, "content": text})
-
     def add_text(self, text: str, role: str = "context") -> None:
         self.limit.check_text(text, known=len(self.stream.ids))    # a hopeless text is not tokenized
         self.stream.add_context(encode(self.tokenizer, text), text)
@@ -206,10 +187,6 @@ class AgentContext:
             self.transcript, self.status = session.transcript, session.status
 
     # ---- rows ------------------------------------------------------------------------
-    def result(self) -> dict:
-        """The trajectory's last stream as one row (its latest segment)."""
-        return self.stream.columns() | {"status": self.status}
-
     def results(self, kinds: tuple[str, ...] = KINDS) -> list[dict]:
         """One row per segment of the given kinds, in the order they started, each with its place in the tree."""
         return [(s.stream or self.stream).columns() | {"status": self.status, "segment": {

@@ -1,4 +1,4 @@
-"""Anthropic Messages for the proxy (POST /v1/messages): parse a body into a `Request`, render the reply, its
+"""Anthropic Messages (POST /v1/messages): a body read into a `Request`, the choice rendered as the reply, its
 events and errors; no I/O.
 
     block (role)                      chat message for the template
@@ -8,13 +8,11 @@ events and errors; no I/O.
     tool_result {tool_use_id, ...}    a tool message before the user turn's text (`is_error: true` prefixes
                                       "Error: "); its tool_use_id must name a tool_use of the previous message
 
-`system` (a string or text blocks) and `role: "system"` messages inside `messages` (Claude Code sends them
-mid-conversation) are the template's system turns, where they stand. `tool_choice` any / tool ends the prompt
-with the template's tool-call opening; the matched `stop_sequences` entry is `stop_sequence`; `max_tokens` is
-required and clamped, never refused. A final assistant message (prefill) is refused. Errors use Anthropic's body,
-the message prefixed with the field at fault; an over-long prompt reads "prompt is too long: N tokens > M
-maximum", and one leaving no room "input length and `max_tokens` exceed context limit: ...", the wordings Claude
-Code reacts to (it compacts, or asks less). What is accepted without being honoured: docs/harnesses.md.
+`system` and `role: "system"` messages (Claude Code sends them mid-conversation) are system turns where they
+stand; a final assistant message (prefill) is refused. Errors are Anthropic's body, the message prefixed with the
+field at fault; a prompt over the limit reads "prompt is too long: N tokens > M maximum", one leaving no room
+"input length and `max_tokens` exceed context limit: ...", the wordings Claude Code reacts to (it compacts, or asks
+less). What is honoured, and what only noted: docs/harnesses.md.
 """
 from __future__ import annotations
 
@@ -22,20 +20,15 @@ import hashlib
 import json
 
 from stages.agentflow.protocol import (
-    MAX_TOKENS,
     APIError,
+    Fields,
     Protocol,
     Request,
     bad,
-    body_object,
-    flag,
     new_id,
-    number,
-    sampling,
     span_pieces,
     sse_events,
     token_pieces,
-    unknown_fields,
     with_reasoning,
 )
 
@@ -65,30 +58,29 @@ def error_response(e: APIError) -> tuple[int, dict]:
 
 
 def parse_messages(body, session=None, count_only: bool = False) -> Request:
-    body = body_object(body)
-    notes = unknown_fields(body, COUNT_PARAMS if count_only else PARAMS)
-    requested = 1 if count_only else number(body, "max_tokens", None, 1, MAX_TOKENS, integer=True)
+    f = Fields(body, COUNT_PARAMS if count_only else PARAMS)
+    requested = 1 if count_only else f.tokens("max_tokens")
     if requested is None:
         raise bad("Field required", "max_tokens")
-    stops = body.get("stop_sequences") or []
+    stops = f.body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad("must be a list of non-empty strings", "stop_sequences")
-    stream = flag(body, "stream", message="must be a boolean")
+    stream = f.flag("stream", message="must be a boolean")
     for key in OBJECTS:
-        if body.get(key) is not None and not isinstance(body[key], dict):
+        if f.body.get(key) is not None and not isinstance(f.body[key], dict):
             raise bad("must be an object", key)
-    if body.get("top_k") is not None:
-        notes.append(f"'top_k'={body['top_k']!r} not honoured: the engine samples with temperature and top_p")
+    if f.body.get("top_k") is not None:
+        f.notes.append(f"'top_k'={f.body['top_k']!r} not honoured: the engine samples with temperature and top_p")
     for key, what in NOT_APPLIED.items():
-        if body.get(key):
-            brief = json.dumps(body[key], separators=(",", ":"))
-            notes.append(f"{what} {brief if len(brief) <= 120 else brief[:117] + '...'} accepted, not applied")
-    tools = _tools(body.get("tools"), notes)
-    forced = _tool_choice(body.get("tool_choice"), tools, notes)
-    return Request(messages=to_messages(_system(body.get("system")), body.get("messages"), notes), stop=stops,
-                   tools=None if forced == "none" else [_chat_tool(t) for t in tools] or None, stream=stream,
-                   forced=None if forced == "none" else forced, requested=requested, notes=notes, reasoning=True,
-                   call_prefix="toolu_", **sampling(body, top_temperature=1))
+        if f.body.get(key):
+            brief = json.dumps(f.body[key], separators=(",", ":"))
+            f.notes.append(f"{what} {brief if len(brief) <= 120 else brief[:117] + '...'} accepted, not applied")
+    tools = _tools(f.body.get("tools"), f.notes)
+    forced = _tool_choice(f.body.get("tool_choice"), tools, f.notes)
+    return f.request(messages=to_messages(_system(f.body.get("system")), f.body.get("messages"), f.notes),
+                     tools=None if forced == "none" else tools or None, stop=stops,
+                     forced=None if forced == "none" else forced, requested=requested, stream=stream, reasoning=True,
+                     call_prefix="toolu_", top_temperature=1)
 
 
 def _system(system) -> str | None:
@@ -100,7 +92,7 @@ def _system(system) -> str | None:
 
 
 def _tools(tools, notes: list[str]) -> list[dict]:
-    """The custom tools (the only ones a text model can be told about); others are dropped, noted."""
+    """The custom tools (the only ones a text model can be told about) as chat tools; others are dropped, noted."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -117,19 +109,15 @@ def _tools(tools, notes: list[str]) -> list[dict]:
             raise bad("must be a non-empty string", f"tools[{i}].name")
         if not isinstance(t.get("input_schema"), dict):
             raise bad("Field required (a JSON schema object)", f"tools[{i}].input_schema")
-        kept.append(t)
+        kept.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                                       "parameters": t["input_schema"]}})
     return kept
-
-
-def _chat_tool(t: dict) -> dict:
-    return {"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                             "parameters": t["input_schema"]}}
 
 
 def _tool_choice(choice, tools: list[dict], notes: list[str]) -> str | None:
     """None (auto), "none", "" (any tool) or the forced tool's name."""
     kind = choice.get("type") if isinstance(choice, dict) else None
-    names = [t["name"] for t in tools]
+    names = [t["function"]["name"] for t in tools]
     if choice is None or kind == "auto":
         return None
     if kind == "tool" and choice.get("name") not in names:
@@ -137,7 +125,7 @@ def _tool_choice(choice, tools: list[dict], notes: list[str]) -> str | None:
         return None
     if kind == "none":
         return "none"
-    if kind in ("any", "tool") and not tools:
+    if kind == "any" and not tools:
         raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
     if kind in ("any", "tool"):
         return "" if kind == "any" else choice["name"]

@@ -1,13 +1,9 @@
-"""OpenAI Chat Completions and Completions for the proxy: parse a body into a `Request`, render the reply; no I/O.
+"""OpenAI Chat Completions and Completions: a body read into a `Request`, the choices rendered as the reply; no I/O.
 
-Honoured: chat `messages` (text parts; an assistant turn's `reasoning_content`, as reasoning parsers and
-litellm send it back) or a completions `prompt` (text or token ids), `n`, `temperature`, `top_p`, `seed`,
-`max_tokens` / `max_completion_tokens` (clamped, never refused), `stop`, `logprobs` (the sampled token's:
-chat `logprobs: true`, completions `logprobs: 0`), `tools` with `tool_choice` auto | none | required |
-{"type": "function", "function": {"name"}}, `stream` with `stream_options.include_usage`. Accepted and noted,
-not honoured: unknown fields, penalties, `logit_bias`, `top_logprobs`, `response_format` other than text,
-non-text content parts (dropped), `echo`, `suffix`. A stream is written once the engine has returned the
-whole completion: one chunk per token, then `data: [DONE]`.
+Chat `messages` may carry an assistant turn's `reasoning_content` (as reasoning parsers and litellm send it back);
+a completions `prompt` is text or token ids. `logprobs` is the sampled token's (chat `logprobs: true`,
+completions `logprobs: 0`). A stream is written once the engine has returned the whole completion: a chunk per
+token, then `data: [DONE]`. What is honoured, and what only noted: docs/harnesses.md.
 """
 from __future__ import annotations
 
@@ -15,22 +11,7 @@ import time
 from itertools import accumulate
 
 from stages.agentflow.chat import MessageError, normalise_messages
-from stages.agentflow.protocol import (
-    MAX_TOKENS,
-    Protocol,
-    Request,
-    bad,
-    body_object,
-    flag,
-    logprob_entry,
-    new_id,
-    not_honoured,
-    number,
-    sampling,
-    sse,
-    token_pieces,
-    unknown_fields,
-)
+from stages.agentflow.protocol import Fields, Protocol, Request, bad, logprob_entry, new_id, sse, token_pieces
 
 COMMON = {"model", "user", "metadata", "store", "service_tier", "n", "seed", "temperature", "top_p", "max_tokens",
           "stop", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs"}
@@ -41,44 +22,40 @@ COMPLETION_PARAMS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_N = 16
 
 
-def _common(body, allowed: set, param: str) -> Request:
-    body = body_object(body)
-    notes = unknown_fields(body, allowed) + not_honoured(body, {
-        "frequency_penalty": (0, None), "presence_penalty": (0, None), "logit_bias": (None, {})})
-    stop = body.get("stop")
+def _common(body, known: set, param: str) -> tuple[Fields, Request]:
+    f = Fields(body, known)
+    f.not_honoured(frequency_penalty=(0, None), presence_penalty=(0, None), logit_bias=(None, {}))
+    stop = f.body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
-    opts = body.get("stream_options")
+    opts = f.body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
-    key = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
-    requested = None if key is None else number(body, key, None, 1, MAX_TOKENS, integer=True)
-    return Request(n=number(body, "n", 1, 1, MAX_N, integer=True), seed=number(body, "seed", None, 0, 1 << 62, True),
-                   stop=stop, stream=flag(body, "stream"), include_usage=bool((opts or {}).get("include_usage")),
-                   requested=requested, notes=notes, param=param, **sampling(body))
+    return f, f.request(n=f.number("n", 1, 1, MAX_N, integer=True), seed=f.number("seed", None, 0, 1 << 62, True),
+                        stop=stop, stream=f.flag("stream"), include_usage=bool((opts or {}).get("include_usage")),
+                        requested=f.tokens("max_completion_tokens", "max_tokens"), param=param)
 
 
 def parse_chat(body, session=None) -> Request:
-    req = _common(body, CHAT_PARAMS, "messages")
+    f, req = _common(body, CHAT_PARAMS, "messages")
     try:
-        req.messages = normalise_messages(body.get("messages"), req.notes)
+        req.messages = normalise_messages(f.body.get("messages"), req.notes)
     except MessageError as e:
         raise bad(str(e), e.param) from None
-    req.logprobs = flag(body, "logprobs")
-    req.notes += not_honoured(body, {"top_logprobs": (0, None)})
-    if body.get("response_format") not in (None, {"type": "text"}):
+    req.logprobs = f.flag("logprobs")
+    f.not_honoured(top_logprobs=(0, None))
+    if f.body.get("response_format") not in (None, {"type": "text"}):
         req.notes.append("'response_format' other than text accepted; the output is not constrained")
-    if body.get("functions") is not None or body.get("function_call") is not None:
+    if f.body.get("functions") is not None or f.body.get("function_call") is not None:
         req.notes.append("legacy 'functions' / 'function_call' ignored: send 'tools'")
-    tools = body.get("tools")
+    tools, choice = f.body.get("tools"), f.body.get("tool_choice")
     if tools is not None and (not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) for t in tools)):
         raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools")
-    req.tools = tools or None
-    choice = body.get("tool_choice")
-    names = [t["function"]["name"] for t in req.tools or []]
+    req.tools = None if choice == "none" else tools or None
+    names = [t["function"]["name"] for t in tools or []]
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if choice == "required" and names:
         req.forced = ""
@@ -89,25 +66,23 @@ def parse_chat(body, session=None) -> Request:
             raise bad("'tool_choice' must be auto, none, required or {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}}", "tool_choice")
         req.notes.append(f"'tool_choice'={choice!r} names no tool of the request: served as auto")
-    if choice == "none":
-        req.tools = None
     return req
 
 
 def parse_completion(body, session=None) -> Request:
-    req = _common(body, COMPLETION_PARAMS, "prompt")
-    prompt = body.get("prompt")
+    f, req = _common(body, COMPLETION_PARAMS, "prompt")
+    prompt = f.body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]   # a batch of one
     ids_ok = isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not ids_ok:
         raise bad("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt per request)",
                   "prompt")
-    logprobs = body.get("logprobs")
+    logprobs = f.body.get("logprobs")
     if logprobs not in (None, 0) or isinstance(logprobs, bool):
         raise bad("'logprobs' must be null or 0: the engine returns only the sampled token's logprob", "logprobs")
-    req.notes += not_honoured(body, {"echo": (False, None), "suffix": (None, "")})
-    if body.get("best_of") not in (None, req.n):
+    f.not_honoured(echo=(False, None), suffix=(None, ""))
+    if f.body.get("best_of") not in (None, req.n):
         raise bad("'best_of' must equal 'n'", "best_of")
     req.prompt, req.logprobs = prompt, logprobs == 0
     return req
@@ -123,8 +98,10 @@ def _usage(choices) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-def _pieces(req: Request, choices, session) -> list[list[str]]:
-    return [token_pieces(session.tok, c) if req.stream or req.logprobs else [] for c in choices]
+def _reply(req: Request, choices, session, prefix: str, kind: str):
+    """(the reply's common head, each choice's per-token text: needed only for streams and logprobs)."""
+    head = {"id": new_id(prefix, "-"), "object": kind, "created": int(time.time()), "model": req.model}
+    return head, [token_pieces(session.tok, c) if req.stream or req.logprobs else [] for c in choices]
 
 
 def _sse(req: Request, head: dict, chunks: list[dict], choices) -> bytes:
@@ -134,8 +111,7 @@ def _sse(req: Request, head: dict, chunks: list[dict], choices) -> bytes:
 
 
 def chat_reply(req: Request, choices, session) -> dict | bytes:
-    pieces = _pieces(req, choices, session)
-    head = {"id": new_id("chatcmpl", "-"), "object": "chat.completion", "created": int(time.time()), "model": req.model}
+    head, pieces = _reply(req, choices, session, "chatcmpl", "chat.completion")
     if not req.stream:
         return head | {"choices": [
             {"index": i, "message": c.message, "logprobs": {"content": [
@@ -154,31 +130,28 @@ def chat_reply(req: Request, choices, session) -> dict | bytes:
             if c.message["content"]:
                 chunk(i, {"content": c.message["content"]})
             chunk(i, {"tool_calls": [{"index": j} | tc for j, tc in enumerate(calls)]})
-        else:
-            for p, lp in zip(pieces[i], c.logprobs):
-                chunk(i, {"content": p}, lp={"content": [logprob_entry(p, lp)]} if req.logprobs else None)
+        for p, lp in [] if calls else zip(pieces[i], c.logprobs):
+            chunk(i, {"content": p}, lp={"content": [logprob_entry(p, lp)]} if req.logprobs else None)
         chunk(i, {}, finish_reason(c))
     return _sse(req, head, chunks, choices)
 
 
 def _completion_lp(pieces: list[str], lps: list[float]) -> dict:
-    offsets = [0, *accumulate(map(len, pieces))][:len(pieces)]
-    return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None,
+            "text_offset": [0, *accumulate(map(len, pieces))][:len(pieces)]}
 
 
 def completion_reply(req: Request, choices, session) -> dict | bytes:
-    pieces = _pieces(req, choices, session)
-    head = {"id": new_id("cmpl", "-"), "object": "text_completion", "created": int(time.time()), "model": req.model}
+    head, pieces = _reply(req, choices, session, "cmpl", "text_completion")
     if not req.stream:
-        return head | {"choices": [
-            {"index": i, "text": c.text, "finish_reason": c.finish_reason,
-             "logprobs": _completion_lp(pieces[i], c.logprobs) if req.logprobs else None}
-            for i, c in enumerate(choices)], "usage": _usage(choices)}
+        return head | {"choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs":
+                                    _completion_lp(pieces[i], c.logprobs) if req.logprobs else None}
+                                   for i, c in enumerate(choices)], "usage": _usage(choices)}
     chunks = []
     for i, c in enumerate(choices):
-        chunks += [head | {"choices": [{"index": i, "text": p, "finish_reason": None,
-                                        "logprobs": _completion_lp([p], [lp]) if req.logprobs else None}]}
-                   for p, lp in zip(pieces[i], c.logprobs)]
+        for p, lp in zip(pieces[i], c.logprobs):
+            chunks.append(head | {"choices": [{"index": i, "text": p, "finish_reason": None,
+                                               "logprobs": _completion_lp([p], [lp]) if req.logprobs else None}]})
         chunks.append(head | {"choices": [{"index": i, "text": "", "finish_reason": c.finish_reason,
                                            "logprobs": None}]})
     return _sse(req, head, chunks, choices)

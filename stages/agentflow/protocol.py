@@ -1,10 +1,9 @@
 """What the protocol adapters share, and nothing of any one protocol's format.
 
 An adapter (openai_api.py: Chat and Completions; responses_api.py; anthropic_api.py) is a `Protocol`: `parse`
-turns its body into ONE internal call, a `Request`, which `Session.call` serves (stages/agentflow/session.py);
-`respond` turns the choices back into its reply, or its stream of events. What a request asked that the proxy
-accepts without honouring becomes a note (docs/harnesses.md); a malformed value of a known field is an
-`APIError` naming it, which the proxy renders in the path's own error format.
+reads its body (`Fields`) into ONE internal call, a `Request`, which `Session.call` serves; `respond` turns the
+choices back into its reply or its stream of events. What a request asked that the proxy accepts without
+honouring is a note (docs/harnesses.md); a malformed value of a known field is an `APIError` naming it.
 """
 from __future__ import annotations
 
@@ -61,12 +60,11 @@ class Request:
 
 @dataclass(frozen=True)
 class Protocol:
-    parse: Callable       # (body, session) -> Request
+    parse: Callable       # (body, session=None) -> Request
     respond: Callable     # (request, choices, session) -> a reply body (dict), or a whole SSE stream (bytes)
     strict: bool = False  # the body must come as `Content-Type: application/json`
 
 
-# ---- reading requests ---------------------------------------------------------------------------------------
 def read_json(raw: bytes):
     """The body as JSON, or a 400: malformed, or nested deeper than MAX_JSON_DEPTH (Python's parser recurses
     per level: a body nested 100,000 deep would end in a RecursionError)."""
@@ -77,56 +75,53 @@ def read_json(raw: bytes):
         raise deep from None
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    stack = [(obj, 1)]
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
     while stack:        # iterative: no recursion to exhaust
         v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            if d > MAX_JSON_DEPTH:
-                raise deep
-            items = v.values() if isinstance(v, dict) else v
-            stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
+        if d > MAX_JSON_DEPTH:
+            raise deep
+        stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
     return obj
 
 
-def body_object(body) -> dict:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    return body
+class Fields:
+    """A request body, read field by field: a malformed value of a known field is a 400 naming it; a field the
+    proxy does not know, or cannot honour, is a note (accepted and recorded)."""
 
+    def __init__(self, body, known: set):
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        self.body, self.notes = body, [f"ignored unknown field '{k}'" for k in sorted(set(body) - known)]
 
-def number(body: dict, key: str, default, lo, hi, integer: bool = False):
-    v = body.get(key)
-    if v is None:
-        return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not lo <= v <= hi:
-        raise bad(f"'{key}' must be {'an integer' if integer else 'a number'} in [{lo}, {hi}], got {v!r}", key)
-    return v
+    def number(self, key: str, default, lo, hi, integer: bool = False):
+        v = self.body.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or not lo <= v <= hi:
+            raise bad(f"'{key}' must be {'an integer' if integer else 'a number'} in [{lo}, {hi}], got {v!r}", key)
+        return v
 
+    def flag(self, key: str, default: bool = False, message: str | None = None) -> bool:
+        v = self.body.get(key)
+        if not isinstance(v, (bool, type(None))):
+            raise bad(message or f"'{key}' must be a boolean", key)
+        return default if v is None else v
 
-def flag(body: dict, key: str, default: bool = False, message: str | None = None) -> bool:
-    v = body.get(key, default)
-    if not isinstance(v, (bool, type(None))):
-        raise bad(message or f"'{key}' must be a boolean", key)
-    return default if v is None else v
+    def not_honoured(self, **honoured: tuple) -> None:
+        """Notes for the fields set to other than the only values (`honoured[key]`) the proxy serves."""
+        self.notes += [f"'{k}'={self.body[k]!r} accepted but not honoured" for k, ok in honoured.items()
+                       if k in self.body and self.body[k] not in ok]
 
+    def tokens(self, *keys: str) -> int | None:
+        """The harness's own completion limit: the first of `keys` it set (None: none)."""
+        key = next((k for k in keys if self.body.get(k) is not None), keys[0])
+        return self.number(key, None, 1, MAX_TOKENS, integer=True)
 
-def sampling(body: dict, top_temperature: float = 2) -> dict:
-    """A request's own temperature and top_p (None where it sets none), checked."""
-    t, p = number(body, "temperature", None, 0, top_temperature), number(body, "top_p", None, 1e-6, 1)
-    return {"temperature": None if t is None else float(t), "top_p": None if p is None else float(p),
-            "model": str(body.get("model") or "loongsage")}
-
-
-def unknown_fields(body: dict, known: set) -> list[str]:
-    """Notes for the fields this proxy does not know: accepted and recorded, never a 400."""
-    return [f"ignored unknown field '{k}'" for k in sorted(set(body) - known)]
-
-
-def not_honoured(body: dict, defaults: dict) -> list[str]:
-    """Notes for the fields set to other than the only values (`defaults[key]`) the proxy honours."""
-    return [f"'{k}'={body[k]!r} accepted but not honoured" for k, ok in defaults.items()
-            if k in body and body[k] not in ok]
+    def request(self, cls: type = Request, top_temperature: float = 2, **kw) -> Request:
+        """A `cls` Request with this body's temperature, top_p and model, and its notes."""
+        t, p = self.number("temperature", None, 0, top_temperature), self.number("top_p", None, 1e-6, 1)
+        return cls(temperature=None if t is None else float(t), top_p=None if p is None else float(p),
+                   model=str(self.body.get("model") or "loongsage"), notes=self.notes, **kw)
 
 
 # ---- a generation as the adapters present it ------------------------------------------------------------------
@@ -193,14 +188,13 @@ def custom_input(arguments: str) -> str:
 def token_pieces(tok, choice) -> list[str]:
     """The completion's per-token text, whose concatenation is its text (one piece where a character spans
     tokens): for streams and logprobs only, a decode per token costs."""
-    ids = choice.stream.ids
-    pieces, ctx = [], ids[max(len(ids) - len(choice.ids) - 4, 0):len(ids) - len(choice.ids)]
+    ids, n = choice.stream.ids, len(choice.ids)
+    pieces, ctx = [], ids[max(len(ids) - n - 4, 0):len(ids) - n]
     for t in choice.ids:
-        head = decode(tok, ctx, skip_special=True)
-        full = decode(tok, ctx + [t], skip_special=True)
+        head, full = decode(tok, ctx, skip_special=True), decode(tok, ctx + [t], skip_special=True)
         pieces.append(full[len(head):] if full.startswith(head) else "")
         ctx = (ctx + [t])[-4:]
-    return pieces if "".join(pieces) == choice.text else [choice.text] + [""] * (len(choice.ids) - 1)
+    return pieces if "".join(pieces) == choice.text else [choice.text] + [""] * (n - 1)
 
 
 def span_pieces(pieces: list[str], span: tuple[int, int], offset: int = 0) -> list[tuple[str, int]]:
@@ -213,16 +207,6 @@ def span_pieces(pieces: list[str], span: tuple[int, int], offset: int = 0) -> li
             out.append((p[lo - pos:hi - pos], i))
         pos += len(p)
     return out
-
-
-def tokens_before(pieces: list[str], end: int) -> int:
-    """How many tokens it takes to reach character `end` of their text (reasoning token counts)."""
-    pos = 0
-    for i, p in enumerate(pieces):
-        if pos >= end:
-            return i
-        pos += len(p)
-    return len(pieces)
 
 
 def logprob_entry(piece: str, lp: float) -> dict:

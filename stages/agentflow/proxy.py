@@ -1,29 +1,19 @@
 """The black-box agent proxy: OpenAI- and Anthropic-compatible HTTP in front of the engines.
 
-One server (aiohttp) per rollout worker, on the worker's event loop, bound to 127.0.0.1 by default. Each
-trajectory gets its own endpoint and key:
+One aiohttp server per rollout worker, on its event loop, bound to 127.0.0.1 by default; each trajectory gets its
+own endpoint `http://127.0.0.1:PORT/t/<route>/v1` (route: 24 random url-safe chars) and key (`Authorization:
+Bearer <key>` or `x-api-key: <key>`). It serves POST chat/completions, completions (openai_api.py), responses
+(responses_api.py), messages and messages/count_tokens (anthropic_api.py; the anthropic SDK's base_url is the
+endpoint less /v1), GET models, and a keyless HEAD on the base URL (Claude Code's reachability check).
 
-    base_url = http://127.0.0.1:PORT/t/<route>/v1      (route: 24 random url-safe chars)
-    api_key  = sk-loongsage-<random>                    (`Authorization: Bearer <key>` or `x-api-key: <key>`)
-
-    POST {base_url}/chat/completions        OpenAI chat (openai_api.py)
-    POST {base_url}/completions             OpenAI completions (openai_api.py)
-    POST {base_url}/responses               OpenAI Responses (responses_api.py)
-    POST {base_url}/messages                Anthropic Messages (anthropic_api.py; the anthropic SDK's base_url is
-    POST {base_url}/messages/count_tokens   Anthropic token count   the endpoint without /v1)
-    GET  {base_url}/models
-    HEAD {base_url} (with or without /v1)   200, no key needed: the reachability check Claude Code sends
-
-A request walks one way: the guard (key, route), the protocol's `parse` into one `Request`, the trajectory's
-`Session.call` (session.py: prompt in token space, limits, the engine token-in/token-out, the record), the
-protocol's `respond`. Errors are the protocol's own body (OpenAI's {"error": {message, type, param, code}};
-Anthropic's {"type": "error", "error": {type, message}}): 401 a missing or wrong key, 404 an unknown path or
-route (a trajectory that ended), 413 a body over the limit, 400 a malformed body or field (naming it), a prompt
-over the context or rollout.max_prompt_tokens (`context_length_exceeded`), the turn limit or the trajectory's
-token budget; 503 (Anthropic: 529) the engine aborted the call (the run stops) or restarts. Anything else is a
-generic 500 with a request id (also in `x-request-id`), its detail only in the `loongsage.proxy` log. Each error
-status is noted with the trajectory, as is a client that went away mid-stream. Each reply carries
-`x-loongsage-engine-ms`, the time the call waited on the engine (benchmarks/agentflow.py measures the rest).
+A request walks one way: the guard (path, key, route), the protocol's `parse` into one `Request`, the trajectory's
+`Session.call` (session.py), the protocol's `respond`. Errors are in the path's protocol (OpenAI's or Anthropic's
+body): 401 a missing or wrong key, 404 an unknown path or route (an ended trajectory), 413 a body over the limit,
+400 a malformed body or field (named), a prompt over the context or rollout.max_prompt_tokens
+(`context_length_exceeded`), the turn limit or the token budget; 503 (Anthropic: 529) an engine that aborted the
+call or restarts; anything else a generic 500 with a request id (its detail only in the `loongsage.proxy` log).
+Each error status is noted with the trajectory. Each reply carries `x-loongsage-engine-ms`, the time the call
+waited on the engine (benchmarks/agentflow.py measures the rest).
 """
 from __future__ import annotations
 

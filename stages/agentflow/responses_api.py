@@ -1,4 +1,4 @@
-"""OpenAI Responses for the proxy (POST /v1/responses): parse a body into a `Request`, render the reply and its
+"""OpenAI Responses (POST /v1/responses): a body read into a `Request`, the choice rendered as the reply and its
 events; no I/O.
 
     input item                          chat message for the template
@@ -8,15 +8,13 @@ events; no I/O.
     function_call {call_id, name, ...}  a tool call of the assistant turn it follows (or a new one)
     function_call_output {call_id, ...} tool message (its call_id must name an earlier function_call)
 
-`previous_response_id` names a response this trajectory stored (`store`, default true; kept until its endpoint
-closes; an unknown id is 400 previous_response_not_found, as OpenAI answers); `instructions` are not carried over
-by it. Tools: `function` tools as they are; Codex's `namespace` tools flattened (named `namespace.name` where
-another tool has the name; the call carries its namespace back); `custom` tools (free-form, e.g. apply_patch) as a
-function of one string argument `input`, the call given back as a `custom_tool_call`; hosted tools dropped with
-a note, as is an item a text model cannot use. `include`: `reasoning.encrypted_content` (the reasoning text, read
-back when a client resends it alone) and `message.output_text.logprobs`. The output: a `reasoning` item when the
-text opens with `<think>`, a `message`, a call item per `<tool_call>` block; a completion cut by the token limit
-is `status: incomplete` (its stream ends with `response.incomplete`, as OpenAI's does).
+`previous_response_id` names a response stored with this trajectory (`store`, default true; an unknown id is 400
+previous_response_not_found, as OpenAI answers); `instructions` are not carried over by it. Codex's `namespace`
+tools are flattened (named `namespace.name` where another tool has the name; the call carries its namespace
+back); `custom` tools (free-form, e.g. apply_patch) are functions of one string `input`, their calls given back as
+`custom_tool_call`s. The output: a `reasoning` item when the text opens with `<think>`, a `message`, a call item
+per `<tool_call>` block; a completion cut by the token limit is `status: incomplete`. What is honoured, and what
+only noted: docs/harnesses.md.
 """
 from __future__ import annotations
 
@@ -24,25 +22,19 @@ import base64
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from stages.agentflow.protocol import (
-    MAX_TOKENS,
+    Fields,
     Protocol,
     Request,
     bad,
-    body_object,
     custom_input,
-    flag,
     logprob_entry,
     new_id,
-    not_honoured,
-    number,
-    sampling,
     span_pieces,
     sse_events,
     token_pieces,
-    tokens_before,
-    unknown_fields,
     with_reasoning,
 )
 
@@ -107,42 +99,37 @@ class ResponsesRequest(Request):
 
 
 def parse_responses(body, session=None) -> ResponsesRequest:
-    body = body_object(body)
-    text = body.get("text")
-    fmt = text.get("format") if isinstance(text, dict) else text
-    notes = unknown_fields(body, PARAMS) + ([] if fmt in (None, {"type": "text"}) else [
-        "'text.format' other than text accepted; the output is not constrained"]) + not_honoured(body, {
-            "truncation": ("disabled", None), "background": (False, None), "top_logprobs": (0, None)})
-    limit = number(body, "max_output_tokens", None, 1, MAX_TOKENS, integer=True)
-    stream, store = flag(body, "stream"), flag(body, "store", True)
-    include = body.get("include") or []
+    f = Fields(body, PARAMS)
+    text = f.body.get("text")
+    if (text.get("format") if isinstance(text, dict) else text) not in (None, {"type": "text"}):
+        f.notes.append("'text.format' other than text accepted; the output is not constrained")
+    f.not_honoured(truncation=("disabled", None), background=(False, None), top_logprobs=(0, None))
+    include, prev = f.body.get("include") or [], f.body.get("previous_response_id")
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise bad("'include' must be a list of strings", "include")
-    prev = body.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not prev):
         raise bad("'previous_response_id' must be a non-empty string", "previous_response_id")
-    instructions = body.get("instructions")
+    instructions, metadata = f.body.get("instructions"), f.body.get("metadata") or {}
     if instructions is not None and not isinstance(instructions, str):
         raise bad("'instructions' must be a string", "instructions")
-    metadata = body.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise bad("'metadata' must be an object", "metadata")
+    requested, stream, store = f.tokens("max_output_tokens"), f.flag("stream"), f.flag("store", True)
     toolset = Toolset()
-    if body.get("tools") is not None:
-        toolset.add(body["tools"], "tools", notes)
-    items = _items(body.get("input"), toolset, notes)     # additional_tools items add to the toolset
-    choice, forced = _tool_choice(body.get("tool_choice"), toolset, notes)
+    if f.body.get("tools") is not None:
+        toolset.add(f.body["tools"], "tools", f.notes)
+    items = _items(f.body.get("input"), toolset, f.notes)     # additional_tools items add to the toolset
+    choice, forced = _tool_choice(f.body.get("tool_choice"), toolset, f.notes)
     prior = [] if prev is None else (session.responses if session is not None else {}).get(prev)
     if prior is None:
         raise bad(f"Previous response with id '{prev}' not found.", "previous_response_id",
                   "previous_response_not_found")
-    return ResponsesRequest(
-        messages=to_messages(instructions, prior + items, first_new=len(prior)), forced=forced, requested=limit,
-        tools=None if choice == "none" else toolset.chat or None, stream=stream, notes=notes, param="input",
-        logprobs="message.output_text.logprobs" in include, reasoning=True, **sampling(body), items=prior + items,
-        instructions=instructions or None, wire_tools=body.get("tools") or [], tool_choice=choice,
-        previous_response_id=prev, store=store, encrypted="reasoning.encrypted_content" in include,
-        metadata=metadata, toolset=toolset)
+    return f.request(ResponsesRequest, messages=to_messages(instructions, prior + items, first_new=len(prior)),
+                     tools=None if choice == "none" else toolset.chat or None, forced=forced, requested=requested,
+                     stream=stream, logprobs="message.output_text.logprobs" in include, param="input", reasoning=True,
+                     items=prior + items, instructions=instructions or None, wire_tools=f.body.get("tools") or [],
+                     tool_choice=choice, previous_response_id=prev, store=store, metadata=metadata, toolset=toolset,
+                     encrypted="reasoning.encrypted_content" in include)
 
 
 def _tool_choice(choice, toolset: Toolset, notes: list[str]) -> tuple[str | dict, str | None]:
@@ -290,7 +277,8 @@ def respond(req: ResponsesRequest, choices, session) -> dict | bytes:
     pieces = token_pieces(session.tok, c) if req.stream or req.logprobs or gen.reasoning is not None else []
     status = "incomplete" if c.finish_reason == "length" else "completed"
     wire, items, deltas = _output(gen, pieces, c.logprobs, req, status)
-    think = tokens_before(pieces, gen.think_end - gen.offset) if gen.think_end else 0
+    ends = [0, *accumulate(map(len, pieces))]   # reasoning tokens: those it takes to reach the text
+    think = next(i for i, e in enumerate(ends) if e >= gen.think_end - gen.offset) if gen.think_end else 0
     n, m = c.prompt_tokens, len(c.ids)
     body = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": status,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

@@ -1,28 +1,22 @@
 """A black-box trajectory as the proxy records it: model calls in, a tree of token segments out.
 
-`Session.call(request, headers)` serves one call of any protocol, in one pass: restore the history the harness
-re-serialised, render it, check it against the limits, admit it as a turn, generate, remember what the reply
-gives the harness and keep the transcript. It returns each choice with its matched stop string and its
-reasoning, text and tool calls (protocol.Generation), for the protocol to render.
+`Session.call(request, headers)` serves one call of any protocol: restore the history the harness re-serialised,
+render it, check the limits, admit the call, generate, remember what the reply gives the harness, keep the
+transcript; it returns each choice with its matched stop string and its reasoning, text and tool calls.
 
-A prompt reuses recorded tokens. It is matched against the streams recorded so far (the "tips": one per choice
-of every recent call): if its text extends a tip, it is that tip's ids plus the new text's tokens, so the model's
-tokens are never re-tokenised. If it extends none (an edited history, a template that drops earlier reasoning),
-the longest run of a tip's tokens whose text starts it is kept as recorded and only the rest is tokenized.
-
-Segments form a tree (`tree`). A call's kind (main | compaction | subagent | side) and agent come from its
-headers or its harness's own signals (harness.py). A call continues the segment whose tip it extends if it is of
-the same kind and agent; else it starts one: a compaction hangs off the segment it extends, a main call after a
-compaction follows it, a subagent's first call hangs off the latest main segment, a side call (a title) is its
-own, and a branch (history not an extension) is a child of the segment it branched from. A segment's row is its
-last call's stream from the segment's first prompt, so no token is trained twice; the rollout makes a row of
-every segment of a trained kind (rollout.train_segments).
+A prompt reuses recorded tokens: if its text extends a recorded stream (a "tip": one per choice of every recent
+call), it is that tip's ids plus the new text's tokens, so model tokens are never re-tokenised; if it extends none
+(an edited history, a template that drops earlier reasoning), the longest run of a tip's tokens whose text starts
+it is kept as recorded and only the rest is tokenized. Calls form a tree of segments: a call continues the segment
+whose tip it extends if of the same kind and agent (harness.py), else starts one -- a compaction hangs off the
+segment it extends, a main call after a compaction follows it, a subagent's first call hangs off the latest main
+segment, a branch (history not an extension) off the one it left. A segment's row is its last call's stream from
+its first prompt, so no token is trained twice; the rollout makes a row of each segment of a trained kind.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -108,7 +102,6 @@ class Session:
         self.client, self.tok, self.sampling, self.limit = client, tok, sampling, limit
         self.max_turns, self.max_tokens = max_turns, max_tokens     # max_tokens: completion tokens in all (0: any)
         self.force_sampling = force_sampling    # the rollout's temperature, top_p and seeds override the agent's
-        self.generated = 0                  # completion tokens generated so far (every choice)
         self.notes: list[str] = []          # what its requests asked that was accepted, not honoured
         self.said_args: dict[str, str] = {}                 # tool-call id -> its arguments as the model wrote them
         self.said: dict[tuple[str | None, str], str] = {}   # (reasoning, text) of a reply -> its content as sent
@@ -118,11 +111,9 @@ class Session:
         self.tree: list[Segment] = []
         self.final: Choice | None = None
         self.transcript: list[dict] = []
-        self.calls = 0
+        self.calls = self.generated = self.reused_tokens = self.fresh_tokens = self.resent_bytes = 0
         self.gen_s = 0.0
-        self.reused_tokens = self.fresh_tokens = self.resent_bytes = 0
-        self.truncated = False      # the turn limit or the token budget cut the agent off
-        self.closed = False
+        self.truncated = self.closed = False    # truncated: the turn limit or the token budget cut the agent off
 
     separator = cached_property(lambda self: call_separator(self.tok))
     opening = cached_property(lambda self: tool_call_opening(self.tok) or "")
@@ -142,19 +133,20 @@ class Session:
         self.note(*req.notes)
         choices = await self._complete(base, req)
         for c in choices:
-            c.gen = read_generation(prefill + c.text, req.tools is not None, req.reasoning and not prefill,
-                                    req.call_prefix)
-            c.gen.offset, c.message = len(prefill), assistant_message(c.gen, self.separator if c.gen.calls else "")
+            c.gen = gen = read_generation(prefill + c.text, req.tools is not None, req.reasoning and not prefill,
+                                          req.call_prefix)
+            gen.offset, c.message = len(prefill), assistant_message(gen, self.separator if gen.calls else "")
             if req.messages is not None:
-                self.remember(c.message["content"], c.gen.calls)
-        if not self.closed and req.messages is None:
+                self.remember(c.message["content"], gen.calls)
+        c, gen = choices[0], choices[0].gen
+        if self.closed:
+            return choices
+        if req.messages is None:
             prompt = req.prompt if isinstance(req.prompt, str) else base.text
-            self.transcript = [{"role": "prompt", "content": prompt}, {"role": "assistant", "content": choices[0].text}]
-        elif not self.closed:
-            turn, gen = choices[0].message, choices[0].gen
-            if req.reasoning:
-                turn = {"role": "assistant", "content": with_reasoning(gen.reasoning, gen.text)} | (
-                    {"tool_calls": gen.calls} if gen.calls else {})
+            self.transcript = [{"role": "prompt", "content": prompt}, {"role": "assistant", "content": c.text}]
+        else:       # a reply with reasoning apart: as the history would send it back
+            turn = {"role": "assistant", "content": with_reasoning(gen.reasoning, gen.text)} | (
+                {"tool_calls": gen.calls} if gen.calls else {}) if req.reasoning else c.message
             self.transcript = req.messages + [turn]
         return choices
 
@@ -181,48 +173,40 @@ class Session:
 
     async def _prompt(self, req: Request) -> Prompt:
         """The call's prompt stream, checked against the limits before anything long is tokenized."""
-        ids, text, param, count = req.prompt, req.prompt, req.param, 0
+        prompt, param = req.prompt, req.param
         try:
-            if isinstance(ids, list):
+            if isinstance(prompt, list):
                 vocab = len(self.tok)
-                if max(ids) >= vocab:
-                    i = next(i for i, t in enumerate(ids) if t >= vocab)
-                    raise bad(f"prompt[{i}] = {ids[i]} is not a token id: the vocabulary has {vocab} tokens "
+                if max(prompt) >= vocab:
+                    i = next(i for i, t in enumerate(prompt) if t >= vocab)
+                    raise bad(f"prompt[{i}] = {prompt[i]} is not a token id: the vocabulary has {vocab} tokens "
                               f"(ids 0..{vocab - 1})", param)
-                count = len(ids)
-                self.limit.budget(count, 0, param=param)    # the length alone, before the ids are decoded
-                base = self.base_for_ids(ids)
+                self.limit.budget(len(prompt), 0, param=param)    # the length alone, before the ids are decoded
+                base = self.base_for_ids(prompt)
+            elif not prompt:
+                raise bad("the prompt is empty: nothing in this request is text the model can read", param)
             else:
-                if not text:
-                    raise bad("the prompt is empty: nothing in this request is text the model can read", param)
-                count = math.ceil(len(text) / self.limit.longest) if self.limit.longest else 0
-                self.limit.check_text(text, param=param)    # cheap: no tokenizing of a hopeless text
-                base = await asyncio.to_thread(self.base_for_text, text) if len(text) > THREAD_CHARS else \
-                    self.base_for_text(text)
-            count = len(base.ids)
-            self.limit.budget(count, 0, param=param)
+                self.limit.check_text(prompt, param=param)    # cheap: no tokenizing of a hopeless text
+                base = await asyncio.to_thread(self.base_for_text, prompt) if len(prompt) > THREAD_CHARS else \
+                    self.base_for_text(prompt)
+            self.limit.budget(len(base.ids), 0, param=param)
         except RequestRejected as e:
             raise APIError(400, str(e), e.param, e.code,
-                           tokens=(count, req.requested or 0, self.limit.prompt_cap, self.limit.context)) from None
+                           tokens=(e.tokens, req.requested or 0, self.limit.prompt_cap, self.limit.context)) from None
         return base
 
     async def _complete(self, base: Prompt, req: Request) -> list[Choice]:
         """Generate the call's choices and record them as tips."""
-        if req.temperature is None:
-            req.temperature = self.sampling.get("temperature", 1.0)
-        if req.top_p is None:
-            req.top_p = self.sampling.get("top_p", 1.0)
+        own = {"temperature": self.sampling.get("temperature", 1.0), "top_p": self.sampling.get("top_p", 1.0)}
+        req.temperature = own["temperature"] if req.temperature is None else req.temperature
+        req.top_p = own["top_p"] if req.top_p is None else req.top_p
+        # forced: the rollout's sampling and per-sample seeds (an agent's fixed seed gives a group one answer)
+        seed = None if self.force_sampling else req.seed
         row = {**self.sampling, "prompt_ids": base.ids, "max_new_tokens": req.max_tokens,
-               "temperature": req.temperature, "top_p": req.top_p}
-        if self.force_sampling:   # the rollout's sampling and per-sample seeds: an agent's fixed seed would give
-            row |= {"temperature": self.sampling.get("temperature", 1.0),     # a group's samples one answer
-                    "top_p": self.sampling.get("top_p", 1.0)}
-        if req.seed is not None and not self.force_sampling:
-            rows = [row | {"seed": req.seed + i} for i in range(req.n)]
-        elif "seed" in self.sampling:
-            rows = [row | {"seed": turn_seed(self.sampling["seed"], self.calls - 1, i)} for i in range(req.n)]
-        else:
-            rows = [row] * req.n
+               **(own if self.force_sampling else {"temperature": req.temperature, "top_p": req.top_p})}
+        rows = [row | {"seed": seed + i} if seed is not None else row | {
+            "seed": turn_seed(self.sampling["seed"], self.calls - 1, i)} if "seed" in self.sampling else row
+            for i in range(req.n)]
         t0 = time.perf_counter()
         outs = await self.client.generate(rows)
         for out in outs:        # a row the engine refused (the checks above should have caught it)
@@ -331,17 +315,10 @@ class Session:
         return base
 
     def _tokens_within(self, tip: TokenStream, text: str) -> tuple[int, str]:
-        """The most leading tokens of `tip` whose decoded text starts `text` (binary search on the count;
-        a cut inside a multi-byte character decodes to U+FFFD and does not match)."""
-        lo, hi, head = 0, len(tip.ids), ""
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            piece = decode(self.tok, tip.ids[:mid])
-            if text.startswith(piece):
-                lo, head = mid, piece
-            else:
-                hi = mid - 1
-        return lo, head
+        """The most leading tokens of `tip` whose decoded text starts `text`, and that text (a cut inside a
+        multi-byte character decodes to U+FFFD and does not match)."""
+        k = _most(lambda k: text.startswith(decode(self.tok, tip.ids[:k])), len(tip.ids))
+        return k, decode(self.tok, tip.ids[:k])
 
     # ---- turns and the tree ----------------------------------------------------------------
     def admit(self, base: Prompt, kind: str, agent: str) -> None:
@@ -423,12 +400,14 @@ def _json(v):
 
 
 def _common(a, b) -> int:
-    """Length of the longest common prefix of two strings or id lists (a binary search on C-level compares)."""
-    lo, hi = 0, min(len(a), len(b))
+    """Length of the longest common prefix of two strings or id lists."""
+    return _most(lambda k: a[:k] == b[:k], min(len(a), len(b)))
+
+
+def _most(holds, hi: int) -> int:
+    """The largest k in [0, hi] for which `holds(k)`, true up to some k and false after (a binary search)."""
+    lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
+        lo, hi = (mid, hi) if holds(mid) else (lo, mid - 1)
     return lo

@@ -29,11 +29,6 @@ class Tool:
     parameters: dict          # JSON schema of the keyword arguments
     fn: Callable[..., object]
 
-    def spec(self) -> dict:
-        """The OpenAI `tools=[...]` entry (what a chat template shows the model)."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
-
 
 class ToolRegistry:
     def __init__(self, tools: tuple[Tool, ...] | list[Tool] = (), timeout_s: float = 10.0):
@@ -42,9 +37,6 @@ class ToolRegistry:
 
     def register(self, tool: Tool) -> None:
         self.tools[tool.name] = tool
-
-    def specs(self) -> list[dict]:
-        return [t.spec() for t in self.tools.values()]
 
     async def call(self, name: str, args: dict | str | None = None) -> str:
         tool = self.tools.get(name)

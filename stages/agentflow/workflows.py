@@ -67,6 +67,7 @@ class SandboxAgent:
 
         self.sandbox_cfg, self.pool = SandboxConfig(), None
         self.service_cfg, self.service, self.client = ToolServiceConfig(), None, None
+        self._starting = asyncio.Lock()     # the concurrent trajectories of a batch wait for one service start
 
     def configure(self, rollout_cfg) -> None:
         self.sandbox_cfg = rollout_cfg.sandbox
@@ -129,13 +130,9 @@ class SandboxAgent:
 
     async def start_remote(self) -> None:
         """The remote sandbox's client; with no rollout.tool_service.url, a service process of this
-        worker's, started once (the concurrent trajectories of a batch wait for the same start)."""
+        worker's, started once."""
         from stages.agentflow.sandbox.tool_service import ToolService, ToolServiceClient
 
-        if self.client is not None:
-            return
-        if getattr(self, "_starting", None) is None:
-            self._starting = asyncio.Lock()
         async with self._starting:
             if self.client is not None:
                 return
