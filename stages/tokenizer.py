@@ -1,23 +1,18 @@
 """Load a model directory's tokenizer, holding only what serves calls.
 
-Every process of a run that encodes or decodes (engines, trainer, rollout and reward workers, the
-driver) loads the tokenizer through `load_tokenizer`, so they agree on it. Two things make that
-cheaper than a plain `AutoTokenizer.from_pretrained`, measured on Qwen's 151,669-token vocabulary:
+Every process of a run that encodes or decodes loads the tokenizer through `load_tokenizer`, so
+they agree on it. What makes it cheaper than a plain `AutoTokenizer.from_pretrained`:
 
-* transformers 5's BPE tokenizers (Qwen2Tokenizer and kin) keep the vocabulary and merges they
-  were built from as Python objects (`_vocab`, `_merges`: ~72 MB) next to the Rust tokenizer that
-  serves every call, and parsing tokenizer.json leaves ~100 MB of freed heap that glibc keeps.
-  Both are let go: ~195 MB -> ~45 MB a process.
+* transformers 5's BPE tokenizers keep the vocabulary and merges they were built from as Python
+  objects (`_vocab`, `_merges`) next to the Rust tokenizer that serves every call; they are let go
+  (BUILD_COPIES), and the parse's freed heap is handed back: a process holding Qwen's 151k-token
+  tokenizer holds ~105 MB (26%) less (benchmarks/tokenizer_memory.py).
 * `AutoTokenizer` reads the model's config to pick the class, and that import pulls in torch
-  (~170 MB and ~3 s a process on 2 cores). A worker that needs only the tokenizer gets the class
-  AutoTokenizer picked elsewhere (`tokenizer_class_of`) and loads it directly: the same tokenizer
-  (tests/test_tokenizer.py), no torch.
-
-And one more for the run as a whole: parsing a large tokenizer.json (Qwen's is 18.6 MB) peaks
-~200 MB above what the loaded tokenizer holds, for a second or two. The processes of a run start
-together (rollout and reward workers, the driver's evaluation), and their peaks stacked up into the
-run's; a large tokenizer is therefore parsed by one process of a host at a time (a file lock), so
-the run pays that peak once. A small one (the built-in tasks' character tokenizers) never waits.
+  (~170 MB and ~3 s a process). A worker that needs only the tokenizer gets the class AutoTokenizer
+  picked elsewhere (`tokenizer_class_of`) and loads it directly: the same tokenizer, no torch.
+* parsing a large tokenizer.json peaks ~200 MB above what the loaded tokenizer holds; the processes
+  of a run start together, so a large tokenizer is parsed by one process of a host at a time (a file
+  lock) and the run pays that peak once.
 
 This module imports neither torch nor transformers at import time.
 """
@@ -33,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 # attributes transformers' tokenizer classes fill at construction and never read again: the Rust
-# tokenizer (`_tokenizer`) was built from them and holds its own copy
-_BUILD_COPIES = ("_vocab", "_merges")
+# tokenizer (`_tokenizer`) was built from them and holds its own copy; () keeps them
+BUILD_COPIES = ("_vocab", "_merges")
 # tokenizer files larger than this are parsed one process at a time on a host (a 151k-token BPE: 18.6 MB)
 LARGE_TOKENIZER_BYTES = 4 * 2 ** 20
 LOAD_LOCK = Path(tempfile.gettempdir()) / "loongsage-tokenizer-load.lock"
@@ -129,7 +124,7 @@ def release_build_copies(tok) -> None:
     """Drop the Python copies a tokenizer was built from (the Rust tokenizer serves every call) and
     hand the freed heap back to the system."""
     if getattr(tok, "_tokenizer", None) is not None:
-        for name in _BUILD_COPIES:
+        for name in BUILD_COPIES:
             if isinstance(getattr(tok, name, None), (dict, list)):
                 setattr(tok, name, None)
     gc.collect()
