@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from pipeline import seeds
-from pipeline.placement_config import PlacementConfig
+from pipeline.placement import PlacementConfig
 from pipeline.replay_config import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.config import RolloutConfig

@@ -6,34 +6,49 @@
     ...
     placement.remove()
 
-A pool's workers are cut into groups of `group` consecutive workers (a tensor-parallel
-group: megatron numbers TP ranks fastest); each group is one STRICT_PACK placement group,
-so its ranks share a node and talk over NVLink, while groups (DP replicas, pipeline
-stages) may land on different nodes. An engine that spans several GPUs is one worker
-with `gpus=k` in one bundle: SGLang starts its TP processes inside the actor's GPUs.
+A pool's workers are cut into groups of `group` consecutive workers (a tensor-parallel group:
+megatron numbers TP ranks fastest); each group is one STRICT_PACK placement group, so its ranks
+share a node, while groups may land on different nodes. An engine spanning several GPUs is one
+worker with `gpus=k` in one bundle. Colocated (`colocate_with="trainer"`): worker i shares bundle i
+of the host pool, the same GPU, so weight sync can use CUDA IPC. Custom Ray resources pin a pool to
+the nodes that carry them (`placement.trainer_resources: {trainer_node: 0.01}`).
 
-Colocated mode (`colocate_with="trainer"`): worker i of the pool shares bundle i of the
-host pool, i.e. the same GPU (trainer and engine take a fraction each), which is what
-lets weight sync use CUDA IPC instead of the network.
-
-Custom Ray resources pin a pool to the nodes that carry them: a node started with
-`ray start --resources='{"trainer_node": 1}'` and `placement.trainer_resources:
-{trainer_node: 0.01}` puts every trainer rank there (each bundle asks for that much).
-
-The placement is all-or-nothing and bounded in time: if the cluster cannot hold a group,
-`Placement(...)` raises naming the pool, the bundles and what the cluster has, instead
-of leaving actors pending forever.
+All-or-nothing and bounded in time: a cluster that cannot hold a group makes `Placement(...)`
+raise naming the pool, the bundles and what the cluster has, never actors pending forever. Ray is
+imported when a placement is made: the `placement:` recipe section (PlacementConfig) is checked without it.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from stages.keys import NONNEG, POSITIVE, key, one_of
 
-from pipeline.placement_config import PlacementConfig
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """The `placement:` recipe section. mode none: actors as today (local Ray, no groups)."""
+    mode: str = key("none", "none | disaggregated (own GPUs per role) | colocated (engines on trainer GPUs)",
+                            one_of("none", "disaggregated", "colocated"))
+    trainer_gpus: float = key(1.0, "GPUs per trainer rank (colocated: its share of the GPU)", NONNEG)
+    engine_gpus: float = key(1.0, "GPUs per engine: GPUs it spans (colocated: its share of the trainer rank's GPU)",
+                                  NONNEG)
+    cpus: float = key(1.0, "CPUs per worker (fractions allowed)", NONNEG)
+    timeout_s: float = key(300.0, "how long to wait for the cluster to hold every group", POSITIVE)
+    trainer_resources: dict[str, float] = key({}, "custom Ray resources per trainer rank, e.g. {trainer_node: 0.01}: "
+                                                  "only nodes that carry them host the role")
+    engine_resources: dict[str, float] = key({}, "custom Ray resources per engine: only nodes that carry them host the"
+                                                 " role")
+
+    def __post_init__(self):
+        if self.mode not in ("none", "disaggregated", "colocated"):
+            raise ValueError(f"placement.mode must be none, disaggregated or colocated, got {self.mode!r}")
+        if self.mode == "colocated" and self.trainer_gpus + self.engine_gpus > 1:
+            raise ValueError("placement.mode=colocated shares one GPU: trainer_gpus + engine_gpus must be <= 1")
+        for role, res in (("trainer", self.trainer_resources), ("engine", self.engine_resources)):
+            if any(k in ("CPU", "GPU") or not isinstance(v, (int, float)) or v <= 0 for k, v in res.items()):
+                raise ValueError(f"placement.{role}_resources: custom resource names with amounts > 0 "
+                                 f"(CPU and GPU are set by cpus and {role}_gpus), got {res}")
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,8 @@ class Placement:
             raise
 
     def _group(self, host: Pool, g: int, guest: Pool | None):
+        from ray.util.placement_group import placement_group
+
         bundles = []
         for i in range(g * host.group, (g + 1) * host.group):
             res = {"CPU": host.cpus, "GPU": host.gpus, **host.resources}
@@ -95,6 +112,8 @@ class Placement:
         return placement_group(bundles, strategy="STRICT_PACK", name=f"{host.name}-{g}")
 
     def _wait(self, name: str, left_s: float, timeout_s: float) -> None:
+        import ray
+
         pgs = self.groups[name]
         ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=left_s)
         if pending:
@@ -106,6 +125,8 @@ class Placement:
 
     def options(self, pool: str) -> list[dict]:
         """Ray actor options (resources + bundle) for each worker of `pool`, in order."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         p = self.pools[pool]
         host = self.pools[p.colocate_with] if p.colocate_with else p
         out = []
@@ -119,6 +140,8 @@ class Placement:
         return out
 
     def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for pgs in self.groups.values():
             for pg in pgs:
                 remove_placement_group(pg)
