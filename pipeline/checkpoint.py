@@ -1,16 +1,12 @@
 """Checkpoints you can trust: written atomically with a manifest, verified before a resume.
 
-A checkpoint RUN/checkpoints/step_N is written into a hidden temporary directory next to it,
-created new (owner-only, a random name: a planted directory or symlink is never written into);
-every file is fsynced, `manifest.json` records each file's size and checksum, then the
-directory is renamed into place (and its parent fsynced). A crash or a full disk mid-write
-leaves at most a `.step_N.tmp-XXXXXXXX-PID` directory, never a half-written step_N, and the
-previous checkpoint is untouched.
+RUN/checkpoints/step_N is written into a new hidden directory beside it (owner-only, a random name:
+nothing planted is written into); every file is fsynced, `manifest.json` records each file's size
+and xxh3-128 checksum, then the directory is renamed into place. A crash or a full disk mid-write
+leaves at most a `.step_N.tmp-XXXXXXXX-PID` directory, never a half-written step_N.
 
-Before a resume, `verify` checks the manifest (every file present, same size, same checksum)
-and that every weight in the checkpoint's safetensors files is finite; `newest_intact` is
-what `run.resume_from=latest` resumes. Checksums are xxh3-128 (the `xxhash` package, several
-GB/s) when it is installed, else SHA-256 (hashlib); the manifest names the algorithm.
+`verify` checks the manifest (every file present, same size, same checksum) and that every weight
+is finite; `resolve` finds what `run.resume_from` names (`latest`: the newest that verifies).
 """
 from __future__ import annotations
 
@@ -34,24 +30,11 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be written or trusted; the message is one line for the user."""
 
 
-def _hasher(algorithm: str):
-    if algorithm == "xxh3_128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    return hashlib.sha256()
-
-
-def default_algorithm() -> str:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "sha256"
-    return "xxh3_128"
-
-
 def file_digest(path: Path, algorithm: str) -> str:
-    h = _hasher(algorithm)
+    """`algorithm`: xxh3_128 (what checkpoints are written with) or sha256 (older manifests)."""
+    import xxhash
+
+    h = xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -70,13 +53,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(root: Path, algorithm: str | None = None) -> dict:
-    algorithm = algorithm or default_algorithm()
-    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, algorithm: file_digest(p, algorithm)}
+def write_manifest(root: Path) -> None:
+    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "xxh3_128": file_digest(p, "xxh3_128")}
              for p in _files(root)}
-    manifest = {"format": 1, "algorithm": algorithm, "files": files}
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
+    (root / MANIFEST).write_text(json.dumps({"format": 1, "algorithm": "xxh3_128", "files": files}, indent=1))
 
 
 def is_no_space(e: BaseException) -> bool:
@@ -91,10 +71,8 @@ def is_no_space(e: BaseException) -> bool:
 
 
 def write(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Write a checkpoint at `final`: `fill(tmp)` writes the files into a new empty directory,
-    which gets a manifest, is fsynced and renamed into place. On a full disk the temporary
-    directory is removed and CheckpointError says so in one line; earlier checkpoints stay as
-    they were."""
+    """Write a checkpoint at `final`: `fill(tmp)` writes the files into a new empty directory, which gets
+    a manifest, is fsynced and renamed into place. A full disk is a one-line CheckpointError."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(final.parent)
@@ -127,14 +105,12 @@ def _replace(tmp: Path, final: Path) -> None:
 
 
 def _remove_stale_temps(root: Path) -> None:
-    """Left by a writer that died mid-checkpoint (the run directory's lock makes them not ours to race)."""
+    """Left by a writer that died mid-checkpoint (the run directory's lock means no live one races us)."""
     for p in root.glob(".step_*.*-*"):
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid():
             shutil.rmtree(p, ignore_errors=True)
 
-
-# ---- verification -------------------------------------------------------------------------
 
 def verify(path: Path, verify_weights: bool = True) -> str | None:
     """Why the checkpoint at `path` cannot be trusted (one phrase naming the file), or None."""
@@ -142,10 +118,7 @@ def verify(path: Path, verify_weights: bool = True) -> str | None:
     if not path.is_dir():
         return "no such checkpoint directory"
     mf = path / MANIFEST
-    if mf.is_file():
-        problem = _check_manifest(path, mf)
-    else:
-        problem = _check_legacy(path)
+    problem = _check_manifest(path, mf) if mf.is_file() else _check_legacy(path)
     if problem is None and verify_weights:
         problem = nonfinite_weights(path)
     return problem
@@ -213,17 +186,9 @@ def newest_intact(root: Path, below: int | None = None, verify_weights: bool = T
     return None
 
 
-def refuse(path: Path, problem: str) -> CheckpointError:
-    """The one line a refused checkpoint gets: the file at fault and the newest intact step before it."""
-    m = STEP_DIR.fullmatch(Path(path).name)
-    before = newest_intact(Path(path).parent, below=int(m.group(1))) if m else None
-    hint = (f"; the newest intact checkpoint before it is {before} (run.resume_from={before})" if before
-            else "; no intact checkpoint before it")
-    return CheckpointError(f"run.resume_from={path}: {problem}{hint}")
-
-
 def resolve(resume_from: str, run_dir: Path, log: Callable[[str], None] = print) -> Path:
-    """The checkpoint a run resumes from, verified: a path, or `latest` (the run directory's newest intact)."""
+    """The checkpoint a run resumes from, verified: a path, or `latest` (the run directory's newest intact).
+    A path that fails is refused in one line naming the file at fault and the newest intact step before it."""
     if resume_from == "latest":
         root = Path(run_dir) / "checkpoints"
         for _, p in steps(root):
@@ -234,6 +199,10 @@ def resolve(resume_from: str, run_dir: Path, log: Callable[[str], None] = print)
         raise CheckpointError(f"run.resume_from=latest: no intact checkpoint in {root}")
     path = Path(resume_from)
     problem = verify(path)
-    if problem is not None:
-        raise refuse(path, problem)
-    return path
+    if problem is None:
+        return path
+    m = STEP_DIR.fullmatch(path.name)
+    before = newest_intact(path.parent, below=int(m.group(1))) if m else None
+    hint = (f"; the newest intact checkpoint before it is {before} (run.resume_from={before})" if before
+            else "; no intact checkpoint before it")
+    raise CheckpointError(f"run.resume_from={path}: {problem}{hint}")

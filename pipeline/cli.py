@@ -1,14 +1,6 @@
-"""`loongsage` command line.
+"""`loongsage` command line: `run` here, every other subcommand in the module SUBCOMMANDS names.
 
     loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--resume | --overwrite] [--verbose]
-    loongsage replay RUN/rollouts [CONFIG] [replay.steps=[1,2] ...] [--run-dir DIR]
-    loongsage profile RUN [--out DIR]
-    loongsage make-teacher --task addition --out DIR
-    loongsage make-model --vocab qwen OUT_DIR
-    loongsage export [--merge] CHECKPOINT OUT
-    loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--sweep KEY=V1,V2 ...]
-    loongsage serve MODEL_OR_CHECKPOINT [key=value ...] [--port P] [--key-file F] [--record DIR]
-    loongsage config [SECTION] | --check RECIPE [key=value ...] | --markdown
 
 Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
 an option of several values (plan --sweep) takes every word up to the next option.

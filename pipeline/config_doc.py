@@ -37,52 +37,45 @@ def _shown(v) -> str:
     return json.dumps(list(v) if isinstance(v, tuple) else v)
 
 
-def rows(cls=None, prefix: str = "") -> list[Row]:
-    """One row per leaf key, in declaration order; nested sections are walked."""
+def sections(cls=None, prefix: str = "") -> list[tuple[str, str, list[Row]]]:
+    """(name, doc, the keys directly in it) for every section and nested section, in declaration order."""
     from pipeline.config import Config
 
-    cls = cls or Config
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls or Config)
     out = []
-    for f in dataclasses.fields(cls):
-        name, typ = prefix + f.name, hints[f.name]
-        if dataclasses.is_dataclass(typ):
-            out += rows(typ, name + ".")
-        else:
-            check = check_of(f)
-            optional = typing.get_origin(typ) in (typing.Union, types.UnionType)
-            finite = "finite" if typ is float or (optional and float in typing.get_args(typ)) else ""
-            accepts = " ".join(x for x in (finite, str(check) if check else "") if x) or "any"
-            out.append(Row(name, _type_name(typ), _shown(default_of(f)), accepts, doc_of(f)))
+    for f in dataclasses.fields(cls or Config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            name = prefix + f.name
+            out += [(name, doc_of(f), _keys(hints[f.name], name + ".")), *sections(hints[f.name], name + ".")]
     return out
 
 
-def sections() -> list[tuple[str, str]]:
-    """(section name, its doc) for every top-level and nested section, in order."""
-    from pipeline.config import Config
+def _keys(cls, prefix: str) -> list[Row]:
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        typ, check = hints[f.name], check_of(f)
+        if dataclasses.is_dataclass(typ):
+            continue
+        optional = typing.get_origin(typ) in (typing.Union, types.UnionType)
+        finite = "finite" if typ is float or (optional and float in typing.get_args(typ)) else ""
+        accepts = " ".join(x for x in (finite, str(check) if check else "") if x) or "any"
+        out.append(Row(prefix + f.name, _type_name(typ), _shown(default_of(f)), accepts, doc_of(f)))
+    return out
 
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                yield prefix + f.name, doc_of(f)
-                yield from walk(hints[f.name], prefix + f.name + ".")
-    return list(walk(Config, ""))
 
-
-def _own_rows(section: str) -> list[Row]:
-    """Keys directly in `section` (not in its nested sections)."""
-    nested = {name for name, _ in sections()}
-    return [r for r in rows() if r.key.rsplit(".", 1)[0] == section and r.key not in nested]
+def rows() -> list[Row]:
+    """One row per key of the config."""
+    return [r for _, _, keys in sections() for r in keys]
 
 
 def text(section: str | None = None) -> str:
     """The reference as the terminal shows it; one section (and its nested ones) or all."""
-    chosen = [(n, d) for n, d in sections() if section is None or n == section or n.startswith(section + ".")]
     lines = []
-    for name, doc in chosen:
+    for name, doc, keys in sections():
+        if section is not None and name != section and not name.startswith(section + "."):
+            continue
         lines.append(f"{name}: {doc}")
-        for r in _own_rows(name):
+        for r in keys:
             lines.append(f"  {r.key}  ({r.type}, default {r.default}, accepts {r.accepts})")
             lines += textwrap.wrap(r.doc, width=100, initial_indent="      ", subsequent_indent="      ")
         lines.append("")
@@ -104,8 +97,7 @@ def markdown() -> str:
            "imports, the paths it names exist) and prints the resolved config. A recipe file over 1 MiB,",
            "not UTF-8, nested over 64 levels or over 10,000 values with its aliases expanded is refused in",
            "one line.", ""]
-    for name, doc in sections():
-        own = _own_rows(name)
+    for name, doc, own in sections():
         if not own:
             continue
         out += [f"## `{name}`", "", doc[:1].upper() + doc[1:] + ".", "",
@@ -136,7 +128,7 @@ def cmd_config(args) -> int:
         print("config: give one SECTION, or --check RECIPE [key=value ...]", file=sys.stderr)
         return 2
     section = args.args[0] if args.args else None
-    known = [n for n, _ in sections()]
+    known = [n for n, _, _ in sections()]
     if section is not None and section not in known:
         print(f"config: unknown section {section!r}; sections: {', '.join(known)}", file=sys.stderr)
         return 2

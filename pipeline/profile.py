@@ -98,8 +98,7 @@ class _Clock:
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle_since = end
-        self.emit(t, stage=self.stage, start=start, end=end, wait_s=wait, batch_id=_batch_id(batch),
-                  rows_in=_rows(batch), rows_out=_rows(out), tokens=_tokens(out))
+        self.emit(t, stage=self.stage, start=start, end=end, wait_s=wait, **_counts(batch, out))
 
     def emit(self, t_begin: float, **span) -> None:
         """Send one span; what recording it cost is measured here and carried by the next span."""
@@ -108,20 +107,14 @@ class _Clock:
         self.overhead = time.perf_counter() - t_begin
 
 
-def _rows(t) -> int:
-    return 0 if t is None else int(getattr(t, "num_rows", 0))
-
-
-def _batch_id(t) -> int:
-    if t is None or "group_id" not in getattr(t, "column_names", ()) or t.num_rows == 0:
-        return -1
-    return int(pc.min(t.column("group_id")).as_py())
-
-
-def _tokens(t) -> int:
-    if t is None or "response_ids" not in getattr(t, "column_names", ()):
-        return 0
-    return int(pc.sum(pc.list_value_length(t.column("response_ids"))).as_py() or 0)
+def _counts(batch, out) -> dict:
+    """The batch's first group seq (-1: none), rows in and out, response tokens out (either may be None)."""
+    cols_in, cols_out = getattr(batch, "column_names", ()), getattr(out, "column_names", ())
+    first = "group_id" in cols_in and batch.num_rows > 0
+    return {"batch_id": int(pc.min(batch.column("group_id")).as_py()) if first else -1,
+            "rows_in": int(getattr(batch, "num_rows", 0)), "rows_out": int(getattr(out, "num_rows", 0)),
+            "tokens": int(pc.sum(pc.list_value_length(out.column("response_ids"))).as_py() or 0)
+            if "response_ids" in cols_out else 0}
 
 
 def profiled(cls: type, profiler: "Profiler | None") -> type:

@@ -131,7 +131,6 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
     pipeline.profiler = profiler = Profiler(run_dir)
     metrics = open_metrics(run_dir, trackers or TrackerConfig())
     recorder = Recorder(run_dir, cfg.rollout.n_samples)
-    batches = ReplayBatches(pipeline, source, cfg, steps)
 
     skipped = 0
 
@@ -146,12 +145,12 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
         if on_step:
             on_step(line)
 
-    parts = StepParts(batches=batches.batches(), submit=pipeline.update.submit, record=record,
-                      put=ray.put, span=profiler.add)
+    parts = StepParts(batches=replay_batches(pipeline, source, cfg, steps), submit=pipeline.update.submit,
+                      record=record, put=ray.put, span=profiler.add)
     loop = StepLoop(parts, steps)
     try:
         loop.run()
-        st = batches.batcher.stats
+        st = pipeline.batcher.stats
         left = source.num_groups - loop.step * B - st.dropped_filter
         if left or st.dropped_filter:
             log(f"replay: trained {loop.step} steps of {B} groups; {left} kept group(s) left over, "
@@ -225,39 +224,31 @@ def replay_batcher(cfg):
     return WindowedBatcher(cfg.batcher, cfg.rollout.n_samples, stale_steps=sys.maxsize)
 
 
-class ReplayBatches:
-    """The recording as a stream of step tables: feed the batcher, take B groups per step."""
+def replay_batches(pipeline, source: RecordedSource, cfg, steps: int):
+    """The recording as a stream of (step table, seconds waited): feed the batcher, take B groups per step."""
+    from stages.batcher import mask_old_versions
+    from stages.schema import conform
 
-    def __init__(self, pipeline, source: RecordedSource, cfg, steps: int):
-        self.pipeline, self.source, self.steps = pipeline, source, steps
-        self.batcher = pipeline.batcher
-        self.gpb = cfg.rollout.groups_per_batch or cfg.batcher.groups_per_step
-        self.chunk = CHUNK_STEPS * cfg.batcher.groups_per_step
-        self.mask_old = cfg.rollout.partial_mask_old
-
-    def batches(self):
-        from stages.batcher import mask_old_versions
-        from stages.schema import conform
-
-        ends, start, t_wait, taken = self.source.step_ends(), 0, time.time(), 0
-        while taken < self.steps and start < self.source.num_groups:
-            stop = next(e for e in ends if e >= min(start + self.chunk, ends[-1]))   # whole recorded steps
-            stream = self.pipeline.stream(start, stop - start, self.gpb)
-            try:
-                for part in stream:
-                    self.batcher.feed(part)
-                    while taken < self.steps:
-                        table, _ = self.batcher.take(taken)      # the version trained next = steps taken
-                        if table is None:
-                            break
-                        if self.mask_old:     # as a run's stream does; idempotent on recorded tables
-                            table = mask_old_versions(table)
-                        yield conform(table), time.time() - t_wait
-                        taken += 1
-                        t_wait = time.time()
-            finally:
-                stream.close()
-            start = stop
+    gpb = cfg.rollout.groups_per_batch or cfg.batcher.groups_per_step
+    ends, start, t_wait, taken = source.step_ends(), 0, time.time(), 0
+    while taken < steps and start < source.num_groups:
+        stop = next(e for e in ends if e >= min(start + CHUNK_STEPS * cfg.batcher.groups_per_step, ends[-1]))
+        stream = pipeline.stream(start, stop - start, gpb)        # whole recorded steps
+        try:
+            for part in stream:
+                pipeline.batcher.feed(part)
+                while taken < steps:
+                    table, _ = pipeline.batcher.take(taken)      # the version trained next = steps taken
+                    if table is None:
+                        break
+                    if cfg.rollout.partial_mask_old:     # as a run's stream does; idempotent on recorded tables
+                        table = mask_old_versions(table)
+                    yield conform(table), time.time() - t_wait
+                    taken += 1
+                    t_wait = time.time()
+        finally:
+            stream.close()
+        start = stop
 
 
 def _rollout_metrics(t: pa.Table) -> dict:

@@ -1,7 +1,5 @@
-"""The `replay:` recipe section: which recorded groups `loongsage replay` trains on (pipeline/recorder.py).
-
-Apart from the recorder, which imports pyarrow, so a recipe is checked in a fraction of a second.
-"""
+"""The `replay:` recipe section, apart from pipeline/replay.py (which imports pyarrow) so that a
+recipe is checked in a fraction of a second."""
 from __future__ import annotations
 
 from dataclasses import dataclass

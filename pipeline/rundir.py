@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from pipeline.checkpoint import steps
+
 LOCK = ".lock"
 # what makes a directory a run's: a new run into it would mix its files with these
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "rollouts", "profile")
@@ -127,8 +129,8 @@ def previous_run(run_dir: Path) -> list[str]:
 def trained(run_dir: Path) -> bool:
     """Whether the run in `run_dir` trained a step: it left a checkpoint, or a train line in its metrics."""
     metrics = Path(run_dir) / "metrics.jsonl"
-    return (any((Path(run_dir) / "checkpoints").glob("step_*"))
-            or (metrics.is_file() and '"train/loss"' in metrics.read_text(errors="replace")))
+    return bool(steps(Path(run_dir) / "checkpoints")) or (
+        metrics.is_file() and '"train/loss"' in metrics.read_text(errors="replace"))
 
 
 @contextlib.contextmanager
@@ -146,7 +148,7 @@ def claim(run_dir: str | Path, resume: bool | str, overwrite: bool, log: Callabl
                                   f"another --run-dir")
             raise RunDirError(f"run directory {run_dir} holds a run that trained nothing ({', '.join(found)}); "
                               f"start over in it with --overwrite, or choose another --run-dir")
-        if resume == "latest" and not any((run_dir / "checkpoints").glob("step_*")):
+        if resume == "latest" and not steps(run_dir / "checkpoints"):
             raise RunDirError(f"run.resume_from=latest: run directory {run_dir} holds no checkpoint to resume from"
                               f"{' (its run trained nothing)' if found else ''}; start over"
                               f"{' in it with --overwrite' if found else ' without --resume'}, or choose another "

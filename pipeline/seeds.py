@@ -3,21 +3,13 @@
     derive(run_seed, "engine", 2)   -> the seed of engine 2's own sampling stream
     resolve(cfg)                     -> cfg with every stage's `seed` field set from cfg.run.seed
 
-A stream is a name in STREAMS (plus integer indices: an engine's number, a row's group and
-sample). Its seed is numpy's SeedSequence of (run_seed; crc32(name), *indices): streams of
-different names or indices are independent, so a new component that registers its own
-name can never silently draw the numbers of another. Seeds are 31-bit (every library here
-takes them: numpy's legacy seed is 32-bit, torch and SGLang take any int).
+A stream is a name in STREAMS plus integer indices (an engine's number, a row's group and sample);
+its seed is numpy's SeedSequence of (run_seed; crc32(name), *indices), so streams of different
+names or indices are independent. Seeds are 31-bit: every library here takes them.
 
-Stage configs keep a `seed` field because a stage receives only its own config; those
-fields (DERIVED) are not recipe keys: load_config rejects them and fills them from
-run.seed, and dump_config leaves them out of RUN/config.yaml (run.seed says it all).
-
-An engine (HF, SGLang, vLLM, ...) is handed two kinds of seed: its constructor's `seed`
-= derive(run.seed, "engine", i), for requests that carry none (none do in training; a
-caller of `loongsage serve` may send none), and each request's own `seed` (the rollout
-stage's per-sample seed, or the evaluation's), which must make that sample a function of
-(seed, prompt, weights) alone. docs/seeds.md lists what is and is not reproducible.
+Stage configs keep a `seed` field because a stage receives only its own config; those fields
+(DERIVED) are not recipe keys: load_config rejects them and fills them from run.seed, and
+dump_config leaves them out of RUN/config.yaml. docs/seeds.md says what is reproducible.
 """
 from __future__ import annotations
 
@@ -60,10 +52,11 @@ def _get(cfg, path: str):
     return cfg
 
 
-def _set(cfg, path: str, **kw):
+def _set(cfg, path: str, seed: int):
     head, _, rest = path.partition(".")
     inner = getattr(cfg, head)
-    return dataclasses.replace(cfg, **{head: _set(inner, rest, **kw) if rest else dataclasses.replace(inner, **kw)})
+    inner = _set(inner, rest, seed) if rest else dataclasses.replace(inner, seed=seed)
+    return dataclasses.replace(cfg, **{head: inner})
 
 
 def resolve(cfg):
@@ -71,17 +64,20 @@ def resolve(cfg):
     for path, stream in DERIVED:
         seed = derive(cfg.run.seed, stream)
         if _get(cfg, path).seed != seed:
-            cfg = _set(cfg, path, seed=seed)
+            cfg = _set(cfg, path, seed)
     return cfg
+
+
+def _section(tree: dict, path: str) -> dict:
+    for k in path.split("."):
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree if isinstance(tree, dict) else {}
 
 
 def reject_set(tree: dict, where: str = "") -> None:
     """A recipe (or override) that sets a derived seed: an error naming the key, not a silent no-op."""
     for path, _ in DERIVED:
-        node = tree
-        for k in path.split("."):
-            node = node.get(k) if isinstance(node, dict) else None
-        if isinstance(node, dict) and "seed" in node:
+        if "seed" in _section(tree, path):
             raise ValueError(f"{where}{path}.seed is not a recipe key: every seed of a run derives from run.seed "
                              f"(pipeline/seeds.py, docs/seeds.md); set run.seed instead")
 
@@ -89,8 +85,5 @@ def reject_set(tree: dict, where: str = "") -> None:
 def strip(tree: dict) -> dict:
     """The config tree without the derived seeds (what RUN/config.yaml holds)."""
     for path, _ in DERIVED:
-        node = tree
-        for k in path.split("."):
-            node = node.get(k, {})
-        node.pop("seed", None)
+        _section(tree, path).pop("seed", None)
     return tree

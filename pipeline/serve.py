@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -102,7 +103,7 @@ class Server:
         self.model_path = resolve_model_path(c.model, log=self.log)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(self.dir / "config.yaml", "w", opener=_owner_only) as f:
-            f.write(dump_yaml(_with_model(c, self.model_path)))
+            f.write(dump_yaml(dataclasses.replace(c, model=dataclasses.replace(c.model, path=self.model_path))))
         self._requests = open(self.dir / "requests.jsonl", "a", buffering=1, opener=_owner_only)
         res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
@@ -207,12 +208,6 @@ def _owner_only(path, flags: int) -> int:
     fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)
     return fd
-
-
-def _with_model(cfg, model_path: str):
-    import dataclasses
-
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
 
 
 def serve_config(model: str, overrides: list[str], host: str | None, port: int | None):

@@ -1,19 +1,9 @@
 """Metrics to the tools people use: TensorBoard, Weights & Biases, MLflow.
 
-metrics.jsonl stays the source of truth: `open_metrics` returns a writer with the same
-`write(step, metrics) -> line` / `close()` as pipeline.metrics.MetricsWriter that writes
-the jsonl line first and then hands its numbers to every enabled sink. A sink that fails
-while the run is going is warned about once and dropped; the run and the jsonl go on.
-`export_metrics` rebuilds the sinks from an existing metrics.jsonl after the fact.
-
-    trackers:
-      tensorboard: true          # RUN_DIR/tensorboard/ event files (needs the `tensorboard` package)
-      wandb: false               # wandb.init(mode=wandb_mode, dir=RUN_DIR); offline needs no account
-      mlflow: false              # file store RUN_DIR/mlruns unless mlflow_uri is set
-
-W&B and MLflow are imported only when enabled; enabling one that is not installed is an
-error at start, before anything trains. TensorBoard is on by default, so when its package
-is missing the run warns once and goes on with metrics.jsonl alone.
+metrics.jsonl stays the source of truth: `open_metrics` writes each line there first, then hands
+its finite numbers to every enabled sink; a sink that fails mid-run is warned about once and
+dropped. A sink's package is imported only when it is enabled; an enabled W&B or MLflow that does
+not import is an error at start, while TensorBoard (on by default) that is missing is said once.
 """
 from __future__ import annotations
 
@@ -41,10 +31,6 @@ class TrackerConfig:
     mlflow: bool = key(False, "log to MLflow")
     mlflow_uri: str = key("", 'MLflow tracking URI; "" = file:RUN_DIR/mlruns')
     mlflow_experiment: str = key("loongsage", "MLflow experiment name")
-
-    def __post_init__(self):
-        if self.wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"trackers.wandb_mode must be offline, online or disabled, got {self.wandb_mode!r}")
 
 
 def _numbers(line: dict) -> dict[str, float]:
@@ -157,17 +143,3 @@ class TrackedMetrics:
 def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> TrackedMetrics:
     """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers."""
     return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config, log))
-
-
-def export_metrics(run_dir: str | Path, cfg: TrackerConfig = TrackerConfig()) -> int:
-    """Replay an existing RUN_DIR/metrics.jsonl into the enabled sinks; returns the number of lines."""
-    from pipeline.metrics import read_metrics
-
-    lines = read_metrics(run_dir)
-    sinks = open_sinks(run_dir, cfg)
-    for line in lines:
-        for s in sinks:
-            s.log(line["step"], _numbers(line))
-    for s in sinks:
-        s.close()
-    return len(lines)

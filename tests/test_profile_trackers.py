@@ -1,11 +1,10 @@
 """Metric trackers: metrics.jsonl first, then TensorBoard (and W&B / MLflow offline when installed)."""
 import importlib.util
-import json
 
 import pytest
 
 from pipeline.metrics import read_metrics
-from pipeline.trackers import TrackerConfig, TrackerError, export_metrics, open_metrics
+from pipeline.trackers import TrackerConfig, TrackerError, open_metrics
 
 LINES = [(0, {"eval/accuracy": 0.25}), (1, {"train/loss": 0.5, "rollout/reward_mean": 0.125, "note": "text"}),
          (2, {"train/loss": -0.25, "rollout/reward_mean": 0.375, "train/grad_norm": float("nan")})]
@@ -31,13 +30,6 @@ def test_jsonl_and_tensorboard_agree(tmp_path):
     assert s["train/loss"] == [(1, 0.5), (2, -0.25)]
     assert s["rollout/reward_mean"] == [(1, 0.125), (2, 0.375)] and s["eval/accuracy"] == [(0, 0.25)]
     assert "train/grad_norm" not in s and "note" not in s and "time_s" not in s    # numbers only, finite only
-
-
-def test_export_rebuilds_tensorboard_from_jsonl(tmp_path):
-    pytest.importorskip("tensorboard", reason="tensorboard not installed")
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "time_s": 1.0} | m) for s, m in LINES[:2]))
-    assert export_metrics(tmp_path) == 2
-    assert tb_scalars(tmp_path)["train/loss"] == [(1, 0.5)]
 
 
 class Broken:

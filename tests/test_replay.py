@@ -11,11 +11,11 @@ from pipeline.config import load_config
 from pipeline.recorder import N_SAMPLES_KEY, TMP, VERSION_KEY, Recorder, Recording, RecordingError, RecordingWarning
 from pipeline.replay import (
     RecordedSource,
-    ReplayBatches,
     ReplayConfig,
     ReplayError,
     read_rollouts,
     replay_batcher,
+    replay_batches,
     select_groups,
 )
 from stages.schema import COLUMNS, SCHEMA_VERSION, conform, table_from_columns
@@ -195,7 +195,7 @@ def test_replay_loop_rebatches_filtered_groups(ray_session, tmp_path):
     source = RecordedSource(rec, select_groups(rec, ReplayConfig(reward_min=1.0)))     # 3 of 4 groups per step
     pipeline = Pipeline([source, replay_batcher(cfg), Update(None)])
     seen = []
-    for table, wait in ReplayBatches(pipeline, source, cfg, steps=6).batches():
+    for table, wait in replay_batches(pipeline, source, cfg, steps=6):
         seen.append(table.column("group_id").to_pylist())
         assert wait >= 0 and table.schema.metadata[VERSION_KEY] == str(SCHEMA_VERSION).encode()
     steps = [[1, 2], [3, 5], [6, 7], [9, 10], [11, 13], [14, 15]]

@@ -32,11 +32,6 @@ class SampleSpec:
     def response_tokens(self) -> int:
         return sum(g for g, _, _ in self.turns)
 
-    @property
-    def context_tokens(self) -> int:
-        """Tool tokens inside the response (loss_mask=0), not generated."""
-        return sum(t for _, t, _ in self.turns[:-1])
-
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:
     """(value, length) runs of a 0/1 mask."""
