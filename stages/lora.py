@@ -1,23 +1,17 @@
-"""LoRA adapters (`trainer.lora`): the config, and what the trainer, the engines and export share.
+"""LoRA adapters (`trainer.lora`): what the trainer, the engines and export share, on peft.
 
-Built on peft: the trainer wraps its HF policy in peft's LoRA layers and trains only the
-adapters (lora_A [r, in], lora_B [out, r] of each targeted linear layer; output = W x +
-(alpha / r) B A x). A weight version is then the adapter alone, published under peft's
-saved-adapter names (`base_model.model.<module path>.lora_A.weight`), so what travels is
-also a valid peft adapter file, and a checkpoint is one (adapter_model.safetensors +
-adapter_config.json naming the HF base it was trained on).
+The trainer wraps its HF policy in peft's LoRA layers and trains only the adapters (output =
+W x + (alpha / r) B A x). A version is the adapter alone, under peft's saved-adapter names
+(`base_model.model.<module path>.lora_A.weight`), so what travels is a valid peft adapter and a
+checkpoint is one (adapter_model.safetensors + adapter_config.json naming the HF base).
 
-Engines take a version in one of two ways (LoraConfig.serve):
-  merge  W = W0 + (alpha / r) B A written into the engine's own weights, from a kept copy of
-         the base weights of the targeted layers (W0), so "unmerging" the previous version is
-         exact (a copy, never a subtraction) and decode runs at the base model's speed;
-  peft   the engine's model is wrapped in peft's layers too and the adapter is copied into
-         them: no merge work per version, two extra small matmuls per layer per token.
-benchmarks/lora.py measures both.
+Engines take a version one of two ways (LoraConfig.serve): merge writes W0 + (alpha / r) B A into
+the engine's own weights from a kept copy of the base (so replacing a version is a copy, never a
+subtraction, and decode runs at the base model's speed); peft wraps the engine's model in peft's
+layers too and copies the adapter into them (no merge work, two small matmuls more per layer).
 
-Target modules are matched by peft's own matcher (names: a module whose path ends in one
-of them; regex: a full match of the path), on the model built on the meta device, so a
-recipe's targets are checked at start, before any actor loads a model.
+Targets are matched by peft's own matcher on the model built on the meta device, so a recipe's
+targets are checked at start, before any actor loads a model.
 """
 from __future__ import annotations
 
@@ -31,6 +25,8 @@ from stages.lora_config import LoraConfig
 
 PREFIX = "base_model.model."         # peft's saved-adapter keys start with this, then the module path
 ADAPTER_DTYPE = torch.float32        # peft keeps adapters in float32 even on a bf16 / fp16 base
+
+
 class LoraTargetError(ValueError):
     """The targets name no linear layer of the model, or one LoRA cannot adapt here."""
 

@@ -10,7 +10,7 @@ The workers are plain `python -m stages.reward_pool` children speaking pickled m
 socket pair, not multiprocessing ones: nothing of the parent (its `__main__`, a Ray worker's state)
 is re-imported, a user's prints go to the inherited stdout, and each worker exits by itself when
 its parent dies (a Ray actor killed with SIGKILL runs no atexit). This module imports only the
-standard library, so a worker starts in ~35 ms plus the user module's own imports.
+standard library, so a worker's start-up is the user module's own imports.
 """
 from __future__ import annotations
 

@@ -98,14 +98,6 @@ class TransferMesh:
         self.routes[name] = plan_route(self.sender_party, self.parties[name], self.cfg.transport)
         return self.routes[name]
 
-    def remove_receiver(self, name: str) -> None:
-        handle = self.receivers.pop(name)
-        for table in (self.parties, self.specs, self.versions, self.served, self.routes):
-            table.pop(name, None)
-        if name not in self.dead:
-            handle.mesh.remote("close_receiver", self.mesh_id)
-        self.dead.discard(name)
-
     # ---- publishing ------------------------------------------------------------------
 
     def publish(self, version: int) -> dict[str, float | str]:

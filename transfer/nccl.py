@@ -94,8 +94,9 @@ class _Wire:
     """One party's side of the communicator: broadcasts from rank 0 on a stream of its own, each
     waited for with a deadline (an NCCL error or a lost peer aborts the communicator)."""
 
-    def __init__(self, comm, nccl, device: torch.device, timeout_s: float):
-        self.comm, self.nccl, self.device, self.timeout_s = comm, nccl, device, timeout_s
+    def __init__(self, nccl, world: int, uid: tuple, rank: int, device: torch.device, timeout_s: float):
+        self.comm = join(nccl, world, uid, rank, device, timeout_s)
+        self.nccl, self.device, self.timeout_s = nccl, device, timeout_s
         self.stream = torch.cuda.Stream(device)
         self.types = {torch.uint8: nccl.NCCL_UINT8, torch.int64: nccl.NCCL_INT64}
 
@@ -141,8 +142,7 @@ class NcclSend:
     def send(self, snapshot) -> None:
         layout = snapshot.layout
         if self.wire is None:   # the receivers join in their receive
-            comm = join(self.nccl, len(self.ranks) + 1, self.unique_id, 0, self.device, self.timeout_s)
-            self.wire = _Wire(comm, self.nccl, self.device, self.timeout_s)
+            self.wire = _Wire(self.nccl, len(self.ranks) + 1, self.unique_id, 0, self.device, self.timeout_s)
         staging = [torch.empty(layout.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         header = torch.empty(3, dtype=torch.int64, device=self.device)
         in_flight, views = [None, None], byte_views(snapshot.state)
@@ -175,8 +175,7 @@ class NcclRecv:
 
     def receive(self, version, layout):
         if self.wire is None:
-            comm = join(self.nccl, self.world, self.unique_id, self.rank, self.device, self.timeout_s)
-            self.wire = _Wire(comm, self.nccl, self.device, self.timeout_s)
+            self.wire = _Wire(self.nccl, self.world, self.unique_id, self.rank, self.device, self.timeout_s)
         self.flat = landing_buffer(self.flat, layout.total_bytes, self.device)
         header = torch.empty(3, dtype=torch.int64, device=self.device)
 
