@@ -108,8 +108,8 @@ def normalise_messages(messages, notes: list[str] | None = None) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise MessageError(f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{at}.role")
-        if m.get("content") is None and role != "assistant":    # only an assistant turn (tool calls alone) may
-            raise MessageError(f"{at}.content must be a string or a list of text parts, got null "  # be empty
+        if m.get("content") is None and role != "assistant":    # an assistant turn may be its tool calls alone
+            raise MessageError(f"{at}.content must be a string or a list of text parts, got null "
                                f"(only an assistant message may omit its content)", f"{at}.content")
         msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), at, notes)}
         if role == "assistant" and m.get("tool_calls"):
