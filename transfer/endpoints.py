@@ -26,7 +26,8 @@ processes), registered in TRANSPORT_CLASSES:
 
 The endpoints own what transports share: packing (staging.py), the checksum of every bucket as
 it lands, copying it into the model, timings, and errors that name the receiver, the transport,
-the version and the bucket. Every wait in a transport is bounded by cfg.timeout_s."""
+the version and the bucket; the streaming transports' receiving loop is layout.stream_buckets.
+Every wait in a transport is bounded by cfg.timeout_s."""
 from __future__ import annotations
 
 import contextlib
@@ -54,26 +55,6 @@ def link_class(transport: str, side: int) -> type:
     """side 1: the sender's class, 2: the receiver's."""
     spec = TRANSPORT_CLASSES[transport]
     return getattr(importlib.import_module(f"{__package__}.{spec[0]}"), spec[side])
-
-
-def landing_buffer(buf: torch.Tensor | None, nbytes: int, device="cpu") -> torch.Tensor:
-    """A receiver's landing buffer, kept across versions of the same size."""
-    if buf is not None and buf.numel() == nbytes and buf.device == torch.device(device):
-        return buf
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def stream_buckets(flat: torch.Tensor, version: int, layout: Layout, recv_header: Callable[[], tuple],
-                   recv_into: Callable[[torch.Tensor], None]):
-    """The receiving loop of the streaming transports (gloo, zmq, nccl): per bucket a header
-    (version, index, checksum), checked against the bucket awaited, then its bytes into `flat`."""
-    for i in range(layout.num_buckets):
-        v, j, crc = (int(x) for x in recv_header())
-        if (v, j) != (version, i):
-            raise RuntimeError(f"expected bucket {i} of version {version}, got bucket {j} of {v}")
-        start, end = layout.span(i)
-        recv_into(flat[start:end])
-        yield i, flat[start:end], crc
 
 
 class WeightTarget(Protocol):

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .endpoints import landing_buffer, stream_buckets
+from .layout import landing_buffer, stream_buckets
 
 _generation = itertools.count()
 

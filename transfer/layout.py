@@ -10,7 +10,7 @@ import bisect
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -145,3 +145,23 @@ def checksum(buf: torch.Tensor) -> int:
     if whole < buf.numel():
         crc = zlib.crc32(buf[whole:].cpu().numpy().tobytes(), crc)
     return crc
+
+
+def landing_buffer(buf: torch.Tensor | None, nbytes: int, device="cpu") -> torch.Tensor:
+    """A receiver's landing buffer, kept across versions of the same size."""
+    if buf is not None and buf.numel() == nbytes and buf.device == torch.device(device):
+        return buf
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def stream_buckets(flat: torch.Tensor, version: int, layout: Layout, recv_header: Callable[[], tuple],
+                   recv_into: Callable[[torch.Tensor], None]):
+    """The receiving loop of the streaming transports (gloo, zmq, nccl): per bucket a header
+    (version, index, checksum), checked against the bucket awaited, then its bytes into `flat`."""
+    for i in range(layout.num_buckets):
+        v, j, crc = (int(x) for x in recv_header())
+        if (v, j) != (version, i):
+            raise RuntimeError(f"expected bucket {i} of version {version}, got bucket {j} of {v}")
+        start, end = layout.span(i)
+        recv_into(flat[start:end])
+        yield i, flat[start:end], crc

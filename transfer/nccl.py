@@ -26,8 +26,7 @@ import time
 
 import torch
 
-from .endpoints import landing_buffer, stream_buckets
-from .layout import byte_views, pack_bucket
+from .layout import byte_views, landing_buffer, pack_bucket, stream_buckets
 
 UNIQUE_ID_BYTES = 128       # NCCL_UNIQUE_ID_BYTES
 POLL_S = 2e-4               # how often a wait looks at its broadcast

@@ -11,8 +11,8 @@ import time
 
 import zmq
 
-from .endpoints import landing_buffer, stream_buckets
 from .errors import TransferError
+from .layout import landing_buffer, stream_buckets
 
 _HEADER = struct.Struct("<qqq")     # version, bucket index, checksum
 
