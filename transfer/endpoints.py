@@ -35,6 +35,7 @@ import importlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
 import torch
@@ -78,16 +79,15 @@ class WeightTarget(Protocol):
 SENDER_KEY = "_sender"     # prepare's answer: facts about the sender, beside the link addresses
 
 
+@dataclass
 class _SenderMesh:
-    """What the Sender keeps per mesh: its links, its staging and the current snapshot."""
-
-    def __init__(self):
-        self.lock = threading.Lock()      # one prepare/send at a time per mesh
-        self.links: dict[str, object] = {}
-        self.members: dict[str, list[str]] = {}
-        self.staging: HostStaging | None = None
-        self.snapshot: Snapshot | None = None
-        self.plan: list[str] = []          # transports of the prepared version
+    """What the Sender keeps per mesh: its links (and their receivers), its staging, the current snapshot."""
+    lock: threading.Lock = field(default_factory=threading.Lock)     # one prepare/send at a time per mesh
+    links: dict = field(default_factory=dict)
+    members: dict = field(default_factory=dict)
+    staging: HostStaging | None = None
+    snapshot: Snapshot | None = None
+    plan: list = field(default_factory=list)       # transports of the prepared version
 
 
 class Sender:

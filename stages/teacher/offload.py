@@ -16,6 +16,7 @@ manager assigns the tensors into the model and later drops them. What "offloaded
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -23,8 +24,7 @@ import torch
 from stages.teacher.config import TeacherError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FILE_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                     "BOOL": 1}
+_FLOATS = ("F", "BF")       # safetensors dtype names of floating tensors (cast to teacher.dtype when resident)
 
 
 def weight_files(tid: str, path: str) -> list[Path]:
@@ -61,14 +61,9 @@ def read_header(tid: str, files: list[Path]) -> dict[str, tuple[list[int], str]]
 
 def resident_nbytes(header: dict[str, tuple[list[int], str]], dtype: str) -> int:
     """Bytes the teacher occupies when resident in `dtype` (floating tensors are cast to it)."""
-    size = torch.empty((), dtype=_DTYPES[dtype]).element_size()
-    total = 0
-    for shape, file_dtype in header.values():
-        n = 1
-        for d in shape:
-            n *= d
-        total += n * (size if file_dtype in ("F64", "F32", "BF16", "F16") else _FILE_DTYPE_BYTES.get(file_dtype, 4))
-    return total
+    size = _DTYPES[dtype].itemsize
+    return sum(math.prod(shape) * (size if kind.startswith(_FLOATS) else 1 if kind == "BOOL" else int(kind[1:]) // 8)
+               for shape, kind in header.values())
 
 
 # A swap-in copies from the file's memory map; pages it has read stay in RSS until the map
