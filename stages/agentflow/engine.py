@@ -171,22 +171,17 @@ class HFEngine(EngineBase):
         return {n: t.clone() for n, t in self.model.state_dict().items()}
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
-        """Apply one complete version between decode steps, after the hold calls in flight."""
-        with self._gate.updating(), self._lock:
-            if self.adapter is None:
-                self.model.load_state_dict(named_tensors, strict=False)
-            elif named_tensors:     # empty: only the clock (a resumed run)
-                with torch.no_grad():
-                    for n, t in self.adapter.buffers.items():
-                        t.copy_(named_tensors[n])
-                self.adapter.apply()
-            self._whole.set()
-            self._landed(version)
+        """Apply one complete version between decode steps (empty: only the clock, a resumed run)."""
+        with self.weights_in_place(version) as live:
+            for n, t in named_tensors.items():
+                if n in live:
+                    live[n].copy_(t)
 
     @contextlib.contextmanager
     def weights_in_place(self, version: int):
-        """The live tensors, for a Receiver to copy a version into bucket by bucket, under the decode
-        lock; if landing fails part-way the engine serves nothing until a complete version arrives."""
+        """The live tensors, for a Receiver to copy a version into bucket by bucket, under the decode lock
+        and after the hold calls in flight; if landing fails part-way the engine serves nothing until a
+        complete version arrives."""
         with self._gate.updating(), self._lock, torch.no_grad():
             self._whole.clear()
             yield self._landing()

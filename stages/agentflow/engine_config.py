@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import POSITIVE, at_least, between, key, one_of
+from stages.keys import POSITIVE, at_least, between, check_fields, key, one_of
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,7 @@ class VLLMConfig:
     engine_args: dict = key({}, "any other vllm.EngineArgs field")
 
     def __post_init__(self):
-        for k in ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"vllm.{k} must be >= 1, got {getattr(self, k)}")
+        check_fields(self, "vllm")
 
 
 @dataclass(frozen=True)
@@ -42,9 +40,4 @@ class SGLangConfig:
     bucket_bytes: int = key(512 << 20, "weights handed to the server per update_weights_from_tensor call", POSITIVE)
 
     def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"sglang.tp must be >= 1, got {self.tp}")
-        if self.pause_mode not in ("retract", "in_place", "abort"):
-            raise ValueError(f"sglang.pause_mode must be retract, in_place or abort, got {self.pause_mode!r}")
-        if not 0 < self.mem_fraction < 1:
-            raise ValueError(f"sglang.mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        check_fields(self, "sglang")

@@ -278,18 +278,11 @@ class SGLangEngine(EngineBase):
         """Keep a version whole: one update at a time, after the `hold` requests in flight
         have finished, with generation paused (queued requests wait for resume)."""
         with self._update_lock, self._gate.updating():
-            self.pause(self.cfg.pause_mode)
+            self._post("/pause_generation", {"mode": self.cfg.pause_mode})
             try:
                 yield
             finally:
-                self.resume()
-
-    # ---- partial rollout controls ----------------------------------------------------
-    def pause(self, mode: str = "retract") -> None:
-        self._post("/pause_generation", {"mode": mode})
-
-    def resume(self) -> None:
-        self._post("/continue_generation", {})
+                self._post("/continue_generation", {})
 
     def abort_all(self) -> None:
         """Abort every request in flight now; they return with status aborted."""
