@@ -8,10 +8,9 @@ batches concurrent requests itself. SGLang's log-probs are those of logits / tem
 
 Weights (the TransferMesh drives them): `load_weights` hands a landed version (CUDA IPC from a
 colocated trainer, NCCL, or host memory) to the server with update_weights_from_tensor, CUDA tensors
-as IPC handles; `init_weight_group` / `load_weights_distributed` is the direct NCCL path: the
-trainer (DistributedWeightSender) broadcasts straight into the server's TP workers. A version lands
-whole: generation is paused (`retract`: running requests continue under the new weights, each token
-tagged with its version: partial rollout), after the `hold` requests in flight.
+as IPC handles. A version lands whole: generation is paused (`retract`: running requests continue
+under the new weights, each token tagged with its version: partial rollout), after the `hold`
+requests in flight.
 
 LoRA (trainer.lora on): the server runs the base with SGLang's LoRA support and a version is the
 adapter alone, written as a peft directory and loaded with /load_lora_adapter as v<version>; a
@@ -32,7 +31,6 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
 
@@ -256,23 +254,6 @@ class SGLangEngine(EngineBase):
         if bucket:
             yield bucket
 
-    def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str = "loongsage", backend: str = "nccl") -> None:
-        """Join the trainer's NCCL group: this server's TP workers take ranks
-        rank_offset .. rank_offset + tp - 1 (the trainer is rank 0)."""
-        self._post("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
-
-    def load_weights_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                 version: int, group_name: str = "loongsage") -> None:
-        """Receive one version broadcast by DistributedWeightSender, in `names` order."""
-        with self._exclusive():
-            self._post("/update_weights_from_distributed", {
-                "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "flush_cache": True, "weight_version": str(version)})
-            self._landed(version)
-
     @contextmanager
     def _exclusive(self):
         """Keep a version whole: one update at a time, after the `hold` requests in flight
@@ -322,38 +303,3 @@ class SGLangEngine(EngineBase):
         if s.seed is not None:     # the sample's own stream, advanced past a resumed prefix
             params["sampling_seed"] = s.seed
         return params
-
-
-class DistributedWeightSender:
-    """The trainer's side of SGLang's update_weights_from_distributed: rank 0 of one NCCL
-    group whose other ranks are every engine's TP workers. Lives where the full HF
-    weights are (the trainer's leader), on its GPU."""
-
-    def __init__(self, engines: list, tp_sizes: list[int], master_address: str, master_port: int,
-                 group_name: str = "loongsage", timeout_s: float = 600.0):
-        import ray
-        from sglang.srt.utils import init_custom_process_group
-
-        self.engines, self.group_name = list(engines), group_name
-        world = 1 + sum(tp_sizes)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(engines))]
-        refs = [e.init_weight_group.remote(master_address, master_port, off, world, group_name)
-                for e, off in zip(engines, offsets)]
-        # SGLang's own helper, the one its workers use: a group apart from any default group
-        self.group = init_custom_process_group(backend="nccl", init_method=f"tcp://{master_address}:{master_port}",
-                                               world_size=world, rank=0, group_name=group_name,
-                                               timeout=timedelta(seconds=timeout_s))
-        ray.get(refs)
-
-    def send(self, state: dict[str, torch.Tensor], version: int) -> None:
-        import ray
-        import torch.distributed as dist
-
-        names = list(state)
-        dtypes = [str(state[n].dtype).removeprefix("torch.") for n in names]
-        shapes = [list(state[n].shape) for n in names]
-        refs = [e.load_weights_distributed.remote(names, dtypes, shapes, version, self.group_name)
-                for e in self.engines]
-        for n in names:         # the engines receive in this same order
-            dist.broadcast(state[n].contiguous(), group=self.group, group_src=0)
-        ray.get(refs)
