@@ -138,6 +138,11 @@ class Generation:
     think_end: int                        # offset just past </think> (0 without reasoning)
     offset: int = 0
 
+    def turn(self) -> dict:
+        """The reply as an assistant turn of the history a client sends back: reasoning inline, text, calls."""
+        return {"role": "assistant", "content": with_reasoning(self.reasoning, self.text)} | (
+            {"tool_calls": self.calls} if self.calls else {})
+
 
 def _strip_span(raw: str, a: int, b: int) -> tuple[int, int]:
     while a < b and raw[a].isspace():

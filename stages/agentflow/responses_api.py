@@ -8,8 +8,9 @@ events; no I/O.
     function_call {call_id, name, ...}  a tool call of the assistant turn it follows (or a new one)
     function_call_output {call_id, ...} tool message (its call_id must name an earlier function_call)
 
-`previous_response_id` names a response stored with this trajectory (`store`, default true; an unknown id is 400
-previous_response_not_found, as OpenAI answers); `instructions` are not carried over by it. Codex's `namespace`
+`previous_response_id` names a response stored with this trajectory as the chat messages it ended with (`store`,
+default true; an unknown id is 400 previous_response_not_found, as OpenAI answers); `instructions` are not carried
+over by it. Codex's `namespace`
 tools are flattened (named `namespace.name` where another tool has the name; the call carries its namespace
 back); `custom` tools (free-form, e.g. apply_patch) are functions of one string `input`, their calls given back as
 `custom_tool_call`s. The output: a `reasoning` item when the text opens with `<think>`, a `message`, a call item
@@ -48,6 +49,8 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 TEXT_PARTS = {"input_text", "output_text", "text"}
 ENCRYPTED = "loongsage:"   # our reasoning.encrypted_content: the reasoning text, base64
 MAX_STORED = 256           # responses kept per trajectory for previous_response_id (the oldest are dropped)
+CALL_EVENTS = {"function_call": ("arguments", "function_call_arguments"),     # a call item's streamed field
+               "custom_tool_call": ("input", "custom_tool_call_input")}
 
 
 @dataclass
@@ -87,14 +90,10 @@ class Toolset:
 
 @dataclass
 class ResponsesRequest(Request):
-    items: list[dict] = field(default_factory=list)    # the stored items and this request's, normalised (_item)
-    instructions: str | None = None
-    wire_tools: list[dict] = field(default_factory=list)   # the tools as sent, echoed in the response
+    body: dict = field(default_factory=dict)        # as sent: its instructions, tools, metadata are echoed
     tool_choice: str | dict = "auto"
-    previous_response_id: str | None = None
     store: bool = True
     encrypted: bool = False                         # include reasoning.encrypted_content
-    metadata: dict = field(default_factory=dict)
     toolset: Toolset = field(default_factory=Toolset)
 
 
@@ -109,27 +108,28 @@ def parse_responses(body, session=None) -> ResponsesRequest:
         raise bad("'include' must be a list of strings", "include")
     if prev is not None and (not isinstance(prev, str) or not prev):
         raise bad("'previous_response_id' must be a non-empty string", "previous_response_id")
-    instructions, metadata = f.body.get("instructions"), f.body.get("metadata") or {}
+    instructions = f.body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("'instructions' must be a string", "instructions")
-    if not isinstance(metadata, dict):
+    if not isinstance(f.body.get("metadata") or {}, dict):
         raise bad("'metadata' must be an object", "metadata")
     requested, stream, store = f.tokens("max_output_tokens"), f.flag("stream"), f.flag("store", True)
     toolset = Toolset()
     if f.body.get("tools") is not None:
         toolset.add(f.body["tools"], "tools", f.notes)
-    items = _items(f.body.get("input"), toolset, f.notes)     # additional_tools items add to the toolset
-    choice, forced = _tool_choice(f.body.get("tool_choice"), toolset, f.notes)
     prior = [] if prev is None else (session.responses if session is not None else {}).get(prev)
     if prior is None:
         raise bad(f"Previous response with id '{prev}' not found.", "previous_response_id",
                   "previous_response_not_found")
-    return f.request(ResponsesRequest, messages=to_messages(instructions, prior + items, first_new=len(prior)),
-                     tools=None if choice == "none" else toolset.chat or None, forced=forced, requested=requested,
-                     stream=stream, logprobs="message.output_text.logprobs" in include, param="input", reasoning=True,
-                     items=prior + items, instructions=instructions or None, wire_tools=f.body.get("tools") or [],
-                     tool_choice=choice, previous_response_id=prev, store=store, metadata=metadata, toolset=toolset,
-                     encrypted="reasoning.encrypted_content" in include)
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    messages = system + _messages(f.body.get("input"), toolset, f.notes, prior)     # additional_tools add tools
+    if not messages:
+        raise bad("'input' must hold at least one item", "input")
+    choice, forced = _tool_choice(f.body.get("tool_choice"), toolset, f.notes)
+    return f.request(ResponsesRequest, messages=messages, tools=None if choice == "none" else toolset.chat or None,
+                     forced=forced, requested=requested, stream=stream, param="input", reasoning=True,
+                     logprobs="message.output_text.logprobs" in include, body=f.body, tool_choice=choice,
+                     store=store, encrypted="reasoning.encrypted_content" in include, toolset=toolset)
 
 
 def _tool_choice(choice, toolset: Toolset, notes: list[str]) -> tuple[str | dict, str | None]:
@@ -153,50 +153,62 @@ def _tool_choice(choice, toolset: Toolset, notes: list[str]) -> tuple[str | dict
               f"got {choice!r}", "tool_choice")
 
 
-# ---- input items -------------------------------------------------------------------------------------
-def _items(value, toolset: Toolset, notes: list[str]) -> list[dict]:
+# ---- input items -> chat messages ---------------------------------------------------------------------
+def _messages(value, toolset: Toolset, notes: list[str], prior: list[dict]) -> list[dict]:
+    """The chat messages of a stored response (`prior`), then of this request's input items: a reasoning item
+    goes inline before the next assistant turn, a function call joins the assistant turn it follows (or opens
+    one), an output must answer an earlier call. Items a text model cannot use are dropped, noted."""
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
+        value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list):
         raise bad("'input' must be a string or a list of input items", "input")
-    items = (_item(it, f"input[{i}]", toolset, notes) for i, it in enumerate(value))
-    return [it for it in items if it is not None]
-
-
-def _item(it, where: str, toolset: Toolset, notes: list[str]) -> dict | None:
-    """One input item, normalised: {type: message, role, content: str} | {type: function_call, call_id,
-    name (the prompt name), arguments} | {type: function_call_output, call_id, output} | {type: reasoning,
-    text}; None for an item that only adds tools or that a text model cannot use (noted)."""
-    if not isinstance(it, dict):
-        raise bad(f"{where} must be an object", where)
-    kind = it.get("type", "message" if "role" in it else None)
-    if kind == "message":
-        role = it.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
-        return {"type": "message", "role": ROLES[role], "content": _text(it.get("content"), f"{where}.content", notes)}
-    if kind in ("function_call", "custom_tool_call"):
-        keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "name", "input")
-        for key in keys:
-            if not isinstance(it.get(key), str):
-                raise bad(f"{where}.{key} must be a string", f"{where}.{key}")
-        args = it["arguments"] if kind == "function_call" else json.dumps({"input": it["input"]})
-        return {"type": "function_call", "call_id": it["call_id"], "arguments": args,
-                "name": toolset.prompt_name(it["name"], it.get("namespace"))}
-    if kind in ("function_call_output", "custom_tool_call_output"):
-        if not isinstance(it.get("call_id"), str):
-            raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
-        return {"type": "function_call_output", "call_id": it["call_id"],
-                "output": _text(it.get("output"), f"{where}.output", notes)}
-    if kind == "reasoning":
-        return {"type": kind, "text": _reasoning_text(it, where)}
-    if kind == "additional_tools":
-        toolset.add(it.get("tools") or [], f"{where}.tools", notes)
-        return None
-    if not isinstance(kind, str):
-        raise bad(f"{where}.type must be a string", f"{where}.type")
-    notes.append(f"{where}: a {kind!r} item dropped from the prompt (not servable by a text model here)")
-    return None
+    msgs, reasoning = list(prior), None
+    calls = {c["id"] for m in prior for c in m.get("tool_calls", [])}
+    for i, it in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise bad(f"{where} must be an object", where)
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            role = ROLES.get(it.get("role"))
+            if role is None:
+                raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {it.get('role')!r}", f"{where}.role")
+            content = _text(it.get("content"), f"{where}.content", notes)
+            if role == "assistant":
+                content, reasoning = with_reasoning(reasoning, content), None
+            msgs.append({"role": role, "content": content})
+        elif kind in ("function_call", "custom_tool_call"):
+            for key in ("call_id", "name", "arguments" if kind == "function_call" else "input"):
+                if not isinstance(it.get(key), str):
+                    raise bad(f"{where}.{key} must be a string", f"{where}.{key}")
+            args = it["arguments"] if kind == "function_call" else json.dumps({"input": it["input"]})
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": toolset.prompt_name(it["name"], it.get("namespace")), "arguments": args}}
+            if msgs and msgs[-1]["role"] == "assistant" and reasoning is None:     # a copy: prior turns are stored
+                msgs[-1] = msgs[-1] | {"tool_calls": msgs[-1].get("tool_calls", []) + [call]}
+            else:
+                msgs.append({"role": "assistant", "content": with_reasoning(reasoning, ""), "tool_calls": [call]})
+                reasoning = None
+            calls.add(it["call_id"])
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            if not isinstance(it.get("call_id"), str):
+                raise bad(f"{where}.call_id must be a string", f"{where}.call_id")
+            if it["call_id"] not in calls:
+                raise bad(f"No tool call found for function call output with call_id {it['call_id']}.",
+                          f"{where}.call_id")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"],
+                         "content": _text(it.get("output"), f"{where}.output", notes)})
+        elif kind == "reasoning":
+            reasoning = (reasoning or "") + _reasoning_text(it, where)
+        elif kind == "additional_tools":
+            toolset.add(it.get("tools") or [], f"{where}.tools", notes)
+        elif isinstance(kind, str):
+            notes.append(f"{where}: a {kind!r} item dropped from the prompt (not servable by a text model here)")
+        else:
+            raise bad(f"{where}.type must be a string", f"{where}.type")
+    if reasoning is not None:
+        msgs.append({"role": "assistant", "content": with_reasoning(reasoning, "")})
+    return msgs
 
 
 def _text(content, where: str, notes: list[str]) -> str:
@@ -234,79 +246,42 @@ def _reasoning_text(it: dict, where: str) -> str:
     return ""
 
 
-def to_messages(instructions: str | None, items: list[dict], first_new: int = 0) -> list[dict]:
-    """Chat messages for normalised items. Items before `first_new` came from previous_response_id; an
-    error in one of the request's own items names it as input[i]."""
-    msgs = [{"role": "system", "content": instructions}] if instructions else []
-    reasoning: str | None = None
-    calls: set[str] = set()
-    for k, it in enumerate(items):
-        kind = it["type"]
-        if kind == "reasoning":
-            reasoning = it["text"] if reasoning is None else reasoning + it["text"]
-        elif kind == "message" and it["role"] != "assistant":
-            msgs.append({"role": it["role"], "content": it["content"]})
-        elif kind == "message":
-            msgs.append({"role": "assistant", "content": with_reasoning(reasoning, it["content"])})
-            reasoning = None
-        elif kind == "function_call":
-            last = msgs[-1] if msgs else None
-            if last is None or last["role"] != "assistant" or reasoning is not None:
-                last = {"role": "assistant", "content": with_reasoning(reasoning, "")}
-                msgs.append(last)
-                reasoning = None
-            fn = {"name": it["name"], "arguments": it["arguments"]}
-            last.setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": fn})
-            calls.add(it["call_id"])
-        elif it["call_id"] not in calls:    # a function_call_output
-            where = f"input[{k - first_new}]" if k >= first_new else "previous_response_id"
-            raise bad(f"No tool call found for function call output with call_id {it['call_id']}.", f"{where}.call_id")
-        else:
-            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
-    if reasoning is not None:
-        msgs.append({"role": "assistant", "content": with_reasoning(reasoning, "")})
-    if not msgs:
-        raise bad("'input' must hold at least one item", "input")
-    return msgs
-
-
 # ---- the reply -----------------------------------------------------------------------------------------------
 def respond(req: ResponsesRequest, choices, session) -> dict | bytes:
     (c,) = choices
     gen = c.gen
     pieces = token_pieces(session.tok, c) if req.stream or req.logprobs or gen.reasoning is not None else []
     status = "incomplete" if c.finish_reason == "length" else "completed"
-    wire, items, deltas = _output(gen, pieces, c.logprobs, req, status)
+    wire, deltas = _output(gen, pieces, c.logprobs, req, status)
     ends = [0, *accumulate(map(len, pieces))]   # reasoning tokens: those it takes to reach the text
     think = next(i for i, e in enumerate(ends) if e >= gen.think_end - gen.offset) if gen.think_end else 0
     n, m = c.prompt_tokens, len(c.ids)
     body = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": status,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.requested, "model": req.model,
-            "output": wire, "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": req.store, "temperature": req.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice, "tools": req.wire_tools,
-            "top_p": req.top_p, "truncation": "disabled", "user": None, "metadata": req.metadata,
+            "instructions": req.body.get("instructions") or None, "max_output_tokens": req.requested,
+            "model": req.model, "output": wire, "parallel_tool_calls": True, "store": req.store,
+            "previous_response_id": req.body.get("previous_response_id"), "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": None, "summary": None}, "temperature": req.temperature, "top_p": req.top_p,
+            "tool_choice": req.tool_choice, "tools": req.body.get("tools") or [], "truncation": "disabled",
+            "user": None, "metadata": req.body.get("metadata") or {},
             "usage": {"input_tokens": n, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": m,
                       "output_tokens_details": {"reasoning_tokens": think}, "total_tokens": n + m}}
-    if req.store and not session.closed:
-        session.responses[body["id"]] = req.items + items
+    if req.store and not session.closed:     # the history as chat messages, less the instructions
+        session.responses[body["id"]] = req.messages[bool(body["instructions"]):] + [gen.turn()]
         while len(session.responses) > MAX_STORED:
             del session.responses[next(iter(session.responses))]
     return sse_events(_events(body, deltas, c.logprobs)) if req.stream else body
 
 
 def _output(gen, pieces: list[str], logprobs: list[float], req: ResponsesRequest, status: str):
-    """(output items, the same as normalised input items to store, each output item's stream deltas as
-    (text, token index))."""
-    wire, items, deltas = [], [], []
+    """(output items, each one's stream deltas as (text, token index))."""
+    wire, deltas = [], []
     if gen.reasoning is not None:
         item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": gen.reasoning}]}
         if req.encrypted:
             item["encrypted_content"] = ENCRYPTED + base64.b64encode(gen.reasoning.encode()).decode()
         wire.append(item)
-        items.append({"type": "reasoning", "text": gen.reasoning})
         deltas.append(span_pieces(pieces, gen.reasoning_span, gen.offset))
     if gen.text or not gen.calls:
         parts = span_pieces(pieces, gen.text_span, gen.offset)
@@ -315,7 +290,6 @@ def _output(gen, pieces: list[str], logprobs: list[float], req: ResponsesRequest
             text["logprobs"] = [logprob_entry(p, logprobs[i]) for p, i in parts if i < len(logprobs)]
         wire.append({"id": new_id("msg"), "type": "message", "role": "assistant", "status": status,
                      "content": [text]})
-        items.append({"type": "message", "role": "assistant", "content": gen.text})
         deltas.append(parts if not gen.calls else [(gen.text, -1)])
     for c in gen.calls:
         call_id, fn = c["id"], c["function"]
@@ -326,9 +300,8 @@ def _output(gen, pieces: list[str], logprobs: list[float], req: ResponsesRequest
         else:
             wire.append({"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call_id,
                          "name": name, "arguments": fn["arguments"]} | ({"namespace": namespace} if namespace else {}))
-        items.append({"type": "function_call", "call_id": call_id, "name": fn["name"], "arguments": fn["arguments"]})
         deltas.append([(wire[-1].get("arguments", wire[-1].get("input")), -1)])
-    return wire, items, deltas
+    return wire, deltas
 
 
 def _events(body: dict, deltas: list, logprobs: list[float]):
@@ -343,17 +316,13 @@ def _events(body: dict, deltas: list, logprobs: list[float]):
     yield ev("response.in_progress", response=start)
     for n, (item, parts) in enumerate(zip(body["output"], deltas)):
         at = {"item_id": item["id"], "output_index": n}
-        if item["type"] == "function_call":
-            shell = item | {"arguments": "", "status": "in_progress"}
-            yield ev("response.output_item.added", output_index=n, item=shell)
+        if item["type"] in CALL_EVENTS:
+            key, name = CALL_EVENTS[item["type"]]
+            yield ev("response.output_item.added", output_index=n, item=item | {key: "", "status": "in_progress"})
             for d, _ in parts:
-                yield ev("response.function_call_arguments.delta", **at, delta=d)
-            yield ev("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
-        elif item["type"] == "custom_tool_call":
-            yield ev("response.output_item.added", output_index=n, item=item | {"input": "", "status": "in_progress"})
-            for d, _ in parts:
-                yield ev("response.custom_tool_call_input.delta", **at, delta=d)
-            yield ev("response.custom_tool_call_input.done", **at, input=item["input"])
+                yield ev(f"response.{name}.delta", **at, delta=d)
+            done = {"name": item["name"]} if key == "arguments" else {}
+            yield ev(f"response.{name}.done", **at, **done, **{key: item[key]})
         else:
             part = item["content"][0]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"

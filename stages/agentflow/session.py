@@ -34,7 +34,7 @@ from stages.agentflow.chat import (
 from stages.agentflow.config import KINDS
 from stages.agentflow.harness import request_kind
 from stages.agentflow.limits import PromptLimit, RequestRejected, raise_if_failed
-from stages.agentflow.protocol import APIError, Generation, Request, bad, custom_input, read_generation, with_reasoning
+from stages.agentflow.protocol import APIError, Generation, Request, bad, custom_input, read_generation
 from stages.agentflow.stream import TokenStream
 
 MAX_TIPS = 64           # recent streams kept as extension candidates; older ones are dropped
@@ -145,9 +145,7 @@ class Session:
             prompt = req.prompt if isinstance(req.prompt, str) else base.text
             self.transcript = [{"role": "prompt", "content": prompt}, {"role": "assistant", "content": c.text}]
         else:       # a reply with reasoning apart: as the history would send it back
-            turn = {"role": "assistant", "content": with_reasoning(gen.reasoning, gen.text)} | (
-                {"tool_calls": gen.calls} if gen.calls else {}) if req.reasoning else c.message
-            self.transcript = req.messages + [turn]
+            self.transcript = req.messages + [gen.turn() if req.reasoning else c.message]
         return choices
 
     async def count(self, req: Request) -> int:
