@@ -136,20 +136,7 @@ class VLLMEngine(EngineBase):
         if self.lora is not None:
             args |= dict(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=c.max_loras)
         args |= dict(c.engine_args)
-        engine = LLMEngine.from_engine_args(EngineArgs(**args))
-        self._warm_up(engine)
-        return engine
-
-    def _warm_up(self, engine) -> None:
-        """A small batch through the engine at start: its first steps build kernels and buffers for new
-        shapes (seconds on CPU), which the first rollout would wait for otherwise."""
-        from vllm import SamplingParams
-
-        for i in range(16):
-            engine.add_request(f"warm-up-{i}", {"prompt_token_ids": [self.eos_id] * (1 + i % 4)},
-                               SamplingParams(max_tokens=4, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
+        return LLMEngine.from_engine_args(EngineArgs(**args))
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:
