@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from stages.agentflow.chat import text_of
 from stages.agentflow.protocol import (
     APIError,
     Fields,
@@ -77,18 +78,12 @@ def parse_messages(body, session=None, count_only: bool = False) -> Request:
             f.notes.append(f"{what} {brief if len(brief) <= 120 else brief[:117] + '...'} accepted, not applied")
     tools = _tools(f.body.get("tools"), f.notes)
     forced = _tool_choice(f.body.get("tool_choice"), tools, f.notes)
-    return f.request(messages=to_messages(_system(f.body.get("system")), f.body.get("messages"), f.notes),
+    system = f.body.get("system")
+    system = text_of(system, "system", noun="block") if system is not None else None
+    return f.request(messages=to_messages(system, f.body.get("messages"), f.notes),
                      tools=None if forced == "none" else tools or None, stop=stops,
                      forced=None if forced == "none" else forced, requested=requested, stream=stream, reasoning=True,
                      call_prefix="toolu_", top_temperature=1)
-
-
-def _system(system) -> str | None:
-    if system is None or isinstance(system, str):
-        return system or None
-    if isinstance(system, list):
-        return _texts(system, "system") or None
-    raise bad("must be a string or a list of text blocks", "system")
 
 
 def _tools(tools, notes: list[str]) -> list[dict]:
@@ -151,7 +146,7 @@ def to_messages(system: str | None, messages, notes: list[str]) -> list[dict]:
             if not isinstance(b, dict):
                 raise bad("a content block must be an object", f"{where}[{j}]")
         if m["role"] == "system":
-            out.append({"role": "system", "content": _texts(blocks, where, notes)})
+            out.append({"role": "system", "content": text_of(blocks, where, notes, noun="block")})
         elif m["role"] == "assistant":
             out.append(_assistant(blocks, where, notes))
             open_calls = {c["id"] for c in out[-1].get("tool_calls", [])}
@@ -173,20 +168,6 @@ def _field(b: dict, key: str, kind, where: str):
     if not isinstance(v, kind):
         raise bad(f"Field required ({kind.__name__})" if v is None else f"must be a {kind.__name__}", f"{where}.{key}")
     return v
-
-
-def _texts(blocks: list, where: str, notes: list[str] | None = None) -> str:
-    """The text of text blocks; with `notes`, other blocks are dropped and noted, else refused."""
-    out = []
-    for j, b in enumerate(blocks):
-        if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
-            out.append(b["text"])
-        elif notes is not None and isinstance(b, dict):
-            _dropped(b, f"{where}[{j}]", notes)
-        else:
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-            raise bad(f"only text blocks are supported here, got {kind!r}", f"{where}[{j}]")
-    return "".join(out)
 
 
 def _assistant(blocks: list[dict], where: str, notes: list[str]) -> dict:
@@ -218,10 +199,7 @@ def _user(blocks: list[dict], where: str, open_calls: set[str], notes: list[str]
                 raise bad(f"tool_result for {call_id!r} has no matching tool_use block in the previous "
                           f"(assistant) message", f"{at}.tool_use_id")
             content = b.get("content")
-            text = content if isinstance(content, str) else "" if content is None else \
-                _texts(content, f"{at}.content", notes) if isinstance(content, list) else None
-            if text is None:
-                raise bad("must be a string or a list of text blocks", f"{at}.content")
+            text = "" if content is None else text_of(content, f"{at}.content", notes, noun="block")
             results.append({"role": "tool", "tool_call_id": call_id,
                             "content": "Error: " + text if b.get("is_error") else text})
         else:

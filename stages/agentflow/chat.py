@@ -87,7 +87,7 @@ def cut_at_stop(tok, context_ids: list[int], ids: list[int], stops: list[str],
 
 
 class MessageError(ValueError):
-    """A malformed chat message; `param` names the field at fault (e.g. messages[0].content)."""
+    """A malformed message or content part, a 400 at the proxy; `param` names the field (messages[0].content)."""
 
     def __init__(self, message: str, param: str = "messages"):
         super().__init__(message)
@@ -111,7 +111,8 @@ def normalise_messages(messages, notes: list[str] | None = None) -> list[dict]:
         if m.get("content") is None and role != "assistant":    # an assistant turn may be its tool calls alone
             raise MessageError(f"{at}.content must be a string or a list of text parts, got null "
                                f"(only an assistant message may omit its content)", f"{at}.content")
-        msg = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), at, notes)}
+        content = "" if m.get("content") is None else m["content"]
+        msg = {"role": "system" if role == "developer" else role, "content": text_of(content, f"{at}.content", notes)}
         if role == "assistant" and m.get("tool_calls"):
             calls = m["tool_calls"]
             if not isinstance(calls, list):
@@ -129,20 +130,22 @@ def normalise_messages(messages, notes: list[str] | None = None) -> list[dict]:
     return out
 
 
-def _content_text(content, at: str, notes: list[str] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+def text_of(content, where: str, notes: list[str] | None = None, kinds=("text",), noun: str = "part") -> str:
+    """The text of a content field (every protocol's): a string, or a list of parts of a type in `kinds`, joined.
+    With `notes`, a part of another type is dropped and noted (a text model reads text); else it is an error."""
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
-        raise MessageError(f"{at}.content must be a string or a list of text parts, got {type(content).__name__}",
-                           f"{at}.content")
+        raise MessageError(f"{where} must be a string or a list of text {noun}s, got {type(content).__name__}", where)
     texts = []
     for j, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in kinds and isinstance(part.get("text"), str):
             texts.append(part["text"])
-        elif notes is not None and isinstance(part, dict) and isinstance(part.get("type"), str):
-            notes.append(f"{at}.content[{j}]: a {part['type']!r} part dropped (a text model reads text)")
+        elif notes is not None and isinstance(kind, str) and kind not in kinds:
+            notes.append(f"{where}[{j}]: a {kind!r} {noun} dropped from the prompt (a text model reads text)")
         else:
-            raise MessageError(f"{at}.content: only text parts are supported", f"{at}.content")
+            raise MessageError(f"{where}[{j}] must be a text {noun}", f"{where}[{j}]")
     return "".join(texts)
 
 

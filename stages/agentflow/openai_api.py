@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from itertools import accumulate
 
-from stages.agentflow.chat import MessageError, normalise_messages
+from stages.agentflow.chat import normalise_messages
 from stages.agentflow.protocol import Fields, Protocol, Request, bad, logprob_entry, new_id, sse, token_pieces
 
 COMMON = {"model", "user", "metadata", "store", "service_tier", "n", "seed", "temperature", "top_p", "max_tokens",
@@ -39,10 +39,7 @@ def _common(body, known: set, param: str) -> tuple[Fields, Request]:
 
 def parse_chat(body, session=None) -> Request:
     f, req = _common(body, CHAT_PARAMS, "messages")
-    try:
-        req.messages = normalise_messages(f.body.get("messages"), req.notes)
-    except MessageError as e:
-        raise bad(str(e), e.param) from None
+    req.messages = normalise_messages(f.body.get("messages"), req.notes)
     req.logprobs = f.flag("logprobs")
     f.not_honoured(top_logprobs=(0, None))
     if f.body.get("response_format") not in (None, {"type": "text"}):

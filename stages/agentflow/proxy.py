@@ -31,7 +31,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 
 from stages.agentflow import anthropic_api
 from stages.agentflow.anthropic_api import MESSAGES, parse_messages
-from stages.agentflow.chat import ensure_chat_template
+from stages.agentflow.chat import MessageError, ensure_chat_template
 from stages.agentflow.client import ENGINE_LOST
 from stages.agentflow.limits import PromptLimit, RequestRejected, longest_token_chars
 from stages.agentflow.openai_api import CHAT, COMPLETIONS
@@ -150,6 +150,8 @@ class Proxy:
             return _error(request, e)
         except RequestRejected as e:    # the engine refused the row: what the proxy's own checks would say
             return _error(request, APIError(400, str(e), e.param, e.code))
+        except MessageError as e:       # a malformed message or content part
+            return _error(request, APIError(400, str(e), e.param))
         except web.HTTPRequestEntityTooLarge:
             return _error(request, APIError(413, f"request body over the {self.max_body} byte limit"))
         except Exception as e:  # noqa: BLE001 - the proxy lives on; the client learns nothing of its insides

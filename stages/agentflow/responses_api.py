@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from stages.agentflow.chat import text_of
 from stages.agentflow.protocol import (
     Fields,
     Protocol,
@@ -173,7 +174,7 @@ def _messages(value, toolset: Toolset, notes: list[str], prior: list[dict]) -> l
             role = ROLES.get(it.get("role"))
             if role is None:
                 raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {it.get('role')!r}", f"{where}.role")
-            content = _text(it.get("content"), f"{where}.content", notes)
+            content = text_of(it.get("content"), f"{where}.content", notes, TEXT_PARTS)
             if role == "assistant":
                 content, reasoning = with_reasoning(reasoning, content), None
             msgs.append({"role": role, "content": content})
@@ -197,7 +198,7 @@ def _messages(value, toolset: Toolset, notes: list[str], prior: list[dict]) -> l
                 raise bad(f"No tool call found for function call output with call_id {it['call_id']}.",
                           f"{where}.call_id")
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
-                         "content": _text(it.get("output"), f"{where}.output", notes)})
+                         "content": text_of(it.get("output"), f"{where}.output", notes, TEXT_PARTS)})
         elif kind == "reasoning":
             reasoning = (reasoning or "") + _reasoning_text(it, where)
         elif kind == "additional_tools":
@@ -209,24 +210,6 @@ def _messages(value, toolset: Toolset, notes: list[str], prior: list[dict]) -> l
     if reasoning is not None:
         msgs.append({"role": "assistant", "content": with_reasoning(reasoning, "")})
     return msgs
-
-
-def _text(content, where: str, notes: list[str]) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{where} must be a string or a list of text parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif isinstance(kind, str) and kind not in TEXT_PARTS:
-            notes.append(f"{where}[{j}]: a {kind!r} part dropped from the prompt (a text model reads text)")
-        else:
-            raise bad(f"{where}[{j}] must be a content part with a 'type' (input_text, output_text, ...)",
-                      f"{where}[{j}].type")
-    return "".join(texts)
 
 
 def _reasoning_text(it: dict, where: str) -> str:
