@@ -10,7 +10,8 @@ once in each tree (`loongsage run RECIPE run.steps=N eval.num_prompts=0`, each i
 process, the order of the two trees swapped every round, so a drift in a shared machine's
 speed hits both alike). Per run it reads metrics.jsonl and prints the median step wall time
 (`step_wall_s`, the first two steps left out: start-up), trained samples/s and the trainer's
-busy fraction, and the whole process's wall time (start-up, Ray, the steps, the final checkpoint);
+busy fraction, when the first step was trained (its `time_s`: start-up, from the run's start to its
+first step) and the whole process's wall time (start-up, Ray, the steps, the final checkpoint);
 then per recipe the median over rounds and the ratios new / old. `--set RECIPE:key=value` adds an
 override to one recipe's runs in both trees (add_tiny needs its benchmark folder).
 """
@@ -37,8 +38,9 @@ def run_once(tree: Path, recipe: str, steps: int, out: Path, extra: list[str]) -
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps_m = [m for m in lines if "train/loss" in m][2:]
-    return {"step_s": statistics.median(m["step_wall_s"] for m in steps_m),
+    trained = [m for m in lines if "train/loss" in m]
+    steps_m = trained[2:]
+    return {"step_s": statistics.median(m["step_wall_s"] for m in steps_m), "first_s": trained[0]["time_s"],
             "samples_per_s": statistics.median(m["samples_per_s"] for m in steps_m),
             "trainer_busy": statistics.median(m["trainer/busy_frac"] for m in steps_m), "wall_s": wall}
 
@@ -73,16 +75,17 @@ def main() -> int:
                     results.setdefault((recipe, name), []).append(m)
                     print(f"round {r + 1} {recipe:18s} {name}: step {m['step_s'] * 1000:6.1f} ms, "
                           f"{m['samples_per_s']:6.1f} samples/s, trainer busy {m['trainer_busy']:.2f}, "
-                          f"whole run {m['wall_s']:.1f} s", flush=True)
+                          f"first step at {m['first_s']:.1f} s, whole run {m['wall_s']:.1f} s", flush=True)
         for recipe in a.recipes.split(","):
             new = statistics.median(m["step_s"] for m in results[(recipe, "new")])
             old_s = statistics.median(m["step_s"] for m in results[(recipe, "old")])
             ratios = [n["step_s"] / o["step_s"] for n, o in zip(results[(recipe, "new")], results[(recipe, "old")])]
             print(f"{recipe}: median step new {new * 1000:.1f} ms vs old {old_s * 1000:.1f} ms; "
                   f"new/old per round {', '.join(f'{x:.3f}' for x in ratios)}, median {statistics.median(ratios):.3f}")
-            walls = [n["wall_s"] / o["wall_s"] for n, o in zip(results[(recipe, "new")], results[(recipe, "old")])]
-            print(f"{recipe}: whole-run wall new/old per round {', '.join(f'{x:.3f}' for x in walls)}, "
-                  f"median {statistics.median(walls):.3f}")
+            for key, name in (("first_s", "first step at"), ("wall_s", "whole-run wall")):
+                r = [n[key] / o[key] for n, o in zip(results[(recipe, "new")], results[(recipe, "old")])]
+                print(f"{recipe}: {name} new/old per round {', '.join(f'{x:.3f}' for x in r)}, "
+                      f"median {statistics.median(r):.3f}")
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
     return 0
