@@ -3,7 +3,7 @@
     python benchmarks/plan_published.py [--cases verl-128,areal-1.5b] [--steps-scale 1.0] [--seed 0]
 
 For each published run below, `loongsage plan`'s simulation (pipeline/planner/: the real Gate, window
-strategies and WindowedBatcher, timed by cost models) runs the synchronous and the asynchronous setting
+strategies and Window, timed by cost models) runs the synchronous and the asynchronous setting
 of that run on a cluster file with the run's GPUs and model, and the predicted ratio (async samples/s over
 sync samples/s) is printed next to the published one. Nothing here is fitted to a published ratio.
 
@@ -93,7 +93,6 @@ if sys.path[0] == str(Path(__file__).resolve().parent):
 from pipeline.planner.plan import PlanInput, setup  # noqa: E402
 from pipeline.planner.report import simulated_summary  # noqa: E402
 from pipeline.planner.sim import Simulation  # noqa: E402
-from stages.batcher import BatcherConfig, WindowedBatcher  # noqa: E402
 
 RECIPE = ROOT / "configs" / "megatron_sglang_qwen2.5_7b.yaml"   # only its rollout/batcher keys are read,
 H20 = ROOT / "configs" / "clusters" / "h20_128.yaml"             # and every case overrides them
@@ -109,15 +108,6 @@ def tail_sigma(mean: float, max_len: int, n: int) -> float:
     ln(max / mean) = z sigma - sigma^2 / 2 with z the 1 - 1/n normal quantile (the smaller root)."""
     z, gap = NormalDist().inv_cdf(1 - 1 / n), math.log(max_len / mean)
     return z - math.sqrt(max(0.0, z * z - 2 * gap))
-
-
-class DispatchBoundBatcher(WindowedBatcher):
-    """The real batcher without its token-age bound: the published systems bound staleness at dispatch
-    (the window) and train every finished sample. Also what a synchronous run does (its tokens are all
-    fresh, checked in run_mode)."""
-
-    def _too_stale(self, g, version) -> bool:
-        return False
 
 
 @dataclass(frozen=True)
@@ -228,8 +218,9 @@ def run_mode(case: Case, mode: Mode, mean: float, steps: int | None = None, seed
                                                  lengths=case.lengths(mean, sigma), steps=steps or mode.steps))
     sim = Simulation(recipe, costs, workload, seed=seed)
     if mode.dispatch_bound_only or recipe.stale_steps == 0:
-        sim.batcher = DispatchBoundBatcher(BatcherConfig(recipe.groups_per_step), recipe.n_samples,
-                                           recipe.stale_steps, sim.gate.strategy)
+        # the real window without its token-age bound: the published systems bound staleness at dispatch
+        # (the window) and train every finished sample; a synchronous run's tokens are all fresh anyway
+        sim.window.max_staleness = sys.maxsize
     s = simulated_summary(sim.run())
     if recipe.stale_steps == 0 and s["staleness_max"] != 0:
         raise AssertionError(f"{case.name} {mode.label}: a synchronous run trained stale tokens")

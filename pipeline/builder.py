@@ -1,29 +1,41 @@
-"""The pipeline builder: source -> map stages (Ray Data) -> batcher -> update.
+"""The pipeline builder, and the actors a run starts for it.
 
-    Pipeline([PromptSource(...), Stage(AgentFlowRollout, cfg.rollout, engines=...),
-              Stage(Reward, cfg.reward), WindowedBatcher(...), Update(trainer)])
+    Pipeline([PromptSource(...), Stage(AgentFlowRollout, cfg.rollout, engines, gate, ...),
+              Stage(Reward, cfg.reward, ...)])
 
-The map stages between the source and the batcher run as Ray Data streaming
-`map_batches` over `pyarrow.Table` batches, each in its own actor pool (a stage's
-heavy state loads once per actor). Columns are checked when the pipeline is built:
-a stage that needs a column no earlier stage produces fails here, before anything runs.
+A pipeline is a source and map stages. The map stages run as Ray Data streaming `map_batches`
+over `pyarrow.Table` batches, each in its own actor pool (a stage's heavy state loads once per
+actor); the window and the trainer take the stream from there (pipeline/window.py, loop.py).
+Columns are checked when the pipeline is built: a stage that needs a column no earlier stage
+produces, or a stream without what the window and the trainer read, fails here, before anything runs.
+
+`start_actors` starts what the pipeline runs against: the rollout engines and the trainer (placed,
+and sized by the one resource plan, pipeline/resources.py), the window gate, and the TransferMesh
+from the trainer to the engines.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
 from pipeline.profile import profiled
 
+# what the window and the trainer read of every row at the end of the stream
+TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prompt_ids", "response_ids",
+           "response_logprobs", "loss_mask")
 
-class PipelineError(ValueError):
-    pass
 
-
-# The Ray releases whose executor internals set_stream_poll was read against and measured on
-# (pyproject.toml pins ray to this range). tests/test_pipeline.py checks the internals on the
-# installed Ray, so an upgrade that changes them fails there, loudly, not by running slower.
+# Ray Data's streaming executor (on the driver) waits for its running tasks with ray.wait(all of
+# them, timeout=0.1 s) each loop: while one stage holds a long call (a rollout waiting at the gate),
+# a block another stage has finished sits there until the timeout, on the path from rollout to
+# trainer. With run.data_wake=event (the default) each wait sleeps until the first task has output
+# (at most 0.1 s) and takes every ready one, so the executor wakes per hand-off. Ray Data has no
+# public setting for it: its executor-state module's `ray` is replaced (benchmarks/vs_commit.py,
+# quickstart_async, against run.data_wake=ray). Read against Ray 2.60, which pyproject.toml pins.
 RAY_DATA_TESTED = ("2.60",)
 
 
@@ -45,52 +57,27 @@ def stream_poll_internals() -> list[str]:
     return missing
 
 
-def set_stream_poll(seconds: float, wake: str = "event") -> bool:
-    """How Ray Data's streaming executor (on the driver) waits for its running tasks.
-
-    Each loop of Ray's executor waits for *all* running tasks with a timeout (0.1 s), so while
-    one stage holds a long call (a rollout waiting at the window for the next version) a block
-    another stage has finished sits there until the timeout: 70-120 ms per hand-off measured
-    here, on the critical path from rollout to trainer. Ray Data has no public setting for
-    it. `wake="poll"`: the timeout becomes `seconds` (every loop costs ~1.5 ms of driver CPU:
-    at 0.01 s that was ~15% of the driver's CPU in an async quickstart run). `wake="event"`:
-    the executor sleeps until the first of its tasks produces output (at most 0.1 s) and
-    then takes all that are ready, so it wakes per hand-off, not per poll; a task that stays
-    ready without its output being taken (Ray's output budget) makes that loop fall back to
-    polling every `seconds`. Both take effect for streams already open. Returns False (and
-    changes nothing) on a Ray Data without these internals (stream_poll_internals), and with
-    `wake="ray"`: Ray's own polling then runs.
-
-    Ray Data has no public route to this: DataContext's options (execution, backpressure,
-    prefetching) and iter_batches' prefetch settings change what runs, not how long the
-    executor sleeps between hand-offs. Measured against `wake="ray"` (Ray as it ships), async
-    quickstart, 40 steps, 2 alternating rounds (session 7): step 399 / 454 ms (event) vs
-    362 / 524 ms (ray), trainer busy 0.95 / 0.95 vs 0.90 / 0.87. The step times are within this
-    machine's noise; the trainer-busy gap repeats, as did the 70-120 ms per hand-off measured when
-    the patch was written. Kept by default; `run.data_wake=ray` turns it off."""
+def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
+    """`wake="event"`: Ray Data's executor waits as above; a task that stays ready without its output
+    being taken (Ray's output budget) makes that wait poll every `seconds` instead, so it never spins.
+    `wake="ray"`: Ray's own wait. Takes effect for streams already open. False (nothing changed) with
+    "ray" or on a Ray Data without these internals."""
     from ray.data._internal.execution import streaming_executor_state as state
 
-    if wake not in ("event", "poll", "ray"):
-        raise ValueError(f"run.data_wake must be event, poll or ray, got {wake!r}")
+    if wake not in ("event", "ray"):
+        raise ValueError(f"run.data_wake must be event or ray, got {wake!r}")
     if stream_poll_internals():
         return False
-    if wake == "ray":
-        state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = _RAY_DEFAULT_POLL_S
-        state.ray = state.ray._ray if isinstance(state.ray, _WakeOnOutput) else state.ray
-        return False
-    state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = float(seconds)
     real = state.ray._ray if isinstance(state.ray, _WakeOnOutput) else state.ray
     state.ray = _WakeOnOutput(real) if wake == "event" else real
-    return True
-
-
-_RAY_DEFAULT_POLL_S = 0.1
+    state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = float(seconds) if wake == "event" else _WakeOnOutput.MAX_SLEEP_S
+    return wake == "event"
 
 
 class _WakeOnOutput:
-    """Stands in for the `ray` module inside Ray Data's executor state module: `wait` for all
-    of a list with a timeout becomes "sleep until the first is ready (at most MAX_SLEEP_S),
-    then take every ready one"; everything else is the real module."""
+    """Stands in for the `ray` module inside Ray Data's executor state module: `wait` for all of a
+    list with a timeout becomes "sleep until the first is ready (at most MAX_SLEEP_S), then take every
+    ready one"; everything else is the real module."""
 
     MAX_SLEEP_S = 0.1       # Ray's own loop period: nothing waits longer than it did
 
@@ -115,6 +102,10 @@ class _WakeOnOutput:
         return ready, rest
 
 
+class PipelineError(ValueError):
+    pass
+
+
 class Stage:
     """A map stage: a callable class `cls(*args, **kwargs)` with `__call__(pa.Table) -> pa.Table`.
 
@@ -129,8 +120,7 @@ class Stage:
                  num_gpus: float = 0, tasks_in_flight: int | None = None, **kwargs):
         self.cls, self.args, self.kwargs = cls, args, kwargs
         self.workers, self.num_cpus = workers, num_cpus
-        self.batch_rows, self.max_concurrency = batch_rows, max_concurrency
-        self.num_gpus = num_gpus   # GPUs per actor (e.g. a GPU teacher pool); 0 = CPU only
+        self.batch_rows, self.max_concurrency, self.num_gpus = batch_rows, max_concurrency, num_gpus
         # calls queued per actor (None = Ray Data's default). A stage that blocks inside a call on
         # something an earlier block must do first (the window gate) sets 1 on its class: Ray Data
         # runs an actor's queued calls on several threads, so their order is not the queue's.
@@ -143,53 +133,186 @@ class Stage:
         return getattr(self.cls, "__name__", str(self.cls))
 
 
-def _name(obj: Any) -> str:
-    return obj.name if isinstance(obj, Stage) else type(obj).__name__
-
-
 class Pipeline:
     def __init__(self, stages: list):
-        if len(stages) < 3:
-            raise PipelineError("a pipeline needs at least a source, a batcher and an update")
-        self.source, *self.maps, self.batcher, self.update = stages
-        if not hasattr(self.source, "dataset"):
-            raise PipelineError(f"first stage {_name(self.source)} is not a source (it has no .dataset())")
+        if not stages or not hasattr(stages[0], "dataset"):
+            name = type(stages[0]).__name__ if stages else "nothing"
+            raise PipelineError(f"a pipeline starts with a source (an object with .dataset()), not {name}")
+        self.source, *self.maps = stages
         for s in self.maps:
             if not isinstance(s, Stage):
-                raise PipelineError(f"{_name(s)}: stages between the source and the batcher must be Stage(...)")
+                raise PipelineError(f"{type(s).__name__}: the stages after the source must be Stage(...)")
         self.columns = self.check_columns()
-        self.profiler = None     # set by the controller: each map stage call then records a span (pipeline/profile.py)
+        self.profiler = None     # set by the run: each map stage call then records a span (pipeline/profile.py)
 
     def check_columns(self) -> list[str]:
         """Walk the chain once; every input must be produced upstream. Returns the final columns."""
         available = list(self.source.outputs)
-        for s in [*self.maps, self.batcher, self.update]:
-            missing = [c for c in getattr(s, "inputs", ()) if c not in available]
+        for s in self.maps:
+            missing = [c for c in s.inputs if c not in available]
             if missing:
-                raise PipelineError(f"stage {_name(s)} needs column {missing[0]!r}, which no earlier stage "
+                raise PipelineError(f"stage {s.name} needs column {missing[0]!r}, which no earlier stage "
                                     f"produces (available: {', '.join(available)})")
-            available += [c for c in getattr(s, "outputs", ()) if c not in available]
+            available += [c for c in s.outputs if c not in available]
+        missing = [c for c in TRAINED if c not in available]
+        if missing:
+            raise PipelineError(f"the window and the trainer need column {missing[0]!r}, which no stage produces "
+                                f"(available: {', '.join(available)})")
         return available
 
-    def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset(),
-                source=None):
-        """The lazy Ray Dataset of stages source -> ... -> last map stage (`source`: the source's
-        dataset for these arguments, already made)."""
+    def stream(self, start: int, num_groups: int, groups_per_block: int,
+               skip: frozenset = frozenset()) -> Iterator[pa.Table]:
+        """Rows of groups [start, start + num_groups) but `skip`, through every map stage, as they finish."""
         from ray.data import ActorPoolStrategy
 
         n = getattr(self.source, "n_samples", 1)
-        ds = source if source is not None else self.source.dataset(start, num_groups, groups_per_block, skip)
+        ds = self.source.dataset(start, num_groups, groups_per_block, skip)
         for s in self.maps:
             remote_args = {"max_concurrency": s.max_concurrency} if s.max_concurrency > 1 else {}
             remote_args |= {"num_gpus": s.num_gpus} if s.num_gpus else {}
-            fn = profiled(s.cls, self.profiler)      # s.cls itself when no profiler is set
             pool = ActorPoolStrategy(size=s.workers, max_tasks_in_flight_per_actor=s.tasks_in_flight)
-            ds = ds.map_batches(fn, fn_constructor_args=s.args, fn_constructor_kwargs=s.kwargs,
-                                batch_size=s.batch_rows or groups_per_block * n, batch_format="pyarrow",
-                                compute=pool, num_cpus=s.num_cpus, **remote_args)
-        return ds
-
-    def stream(self, start: int, num_groups: int, groups_per_block: int,
-               skip: frozenset = frozenset(), source=None) -> Iterator[pa.Table]:
-        ds = self.dataset(start, num_groups, groups_per_block, skip, source)
+            ds = ds.map_batches(profiled(s.cls, self.profiler), fn_constructor_args=s.args,
+                                fn_constructor_kwargs=s.kwargs, batch_size=s.batch_rows or groups_per_block * n,
+                                batch_format="pyarrow", compute=pool, num_cpus=s.num_cpus, **remote_args)
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+
+
+@dataclass
+class Actors:
+    """What a run starts: engines, trainer, window gate, the TransferMesh between them."""
+    engines: list
+    trainer: Any
+    gate: Any
+    mesh: Any
+    placement: Any
+    infos: list[dict]       # each engine's info() at start (its incarnation), then the trainer's
+    res: Any
+    megatron: bool          # the trainer is a leader of Megatron ranks
+
+    def stop(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        if self.mesh is not None:
+            self.mesh.close()
+        if self.megatron and self.trainer is not None:
+            with contextlib.suppress(RayActorError):        # lost with its host: the peer ranks end with this driver
+                ray.get(self.trainer.shutdown.remote())     # the leader stops its peer ranks
+        for h in [*self.engines, self.trainer, self.gate]:
+            if h is not None:
+                ray.kill(h)
+        if self.placement is not None:
+            self.placement.remove()
+
+
+def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int, resume: str = "",
+                 log: Callable[[str], None] = print) -> Actors:
+    """Start Ray, the engines, the trainer, the window gate and the mesh; with `resume` (a checkpoint
+    directory) the trainer loads its state and the engines the clock (with LoRA: the adapter, sent).
+    What started is stopped again when a later part fails."""
+    import ray
+
+    from pipeline.cluster import init_ray, on_driver_node
+    from pipeline.placement import Placement, plan_pools
+    from pipeline.resources import plan_resources
+    from pipeline.window import Gate
+    from transfer import TransferMesh
+
+    res = plan_resources(c)
+    init_ray(c, res.ray_num_cpus)
+    if not set_stream_poll(c.run.data_wake) and c.run.data_wake != "ray":
+        log(f"run.data_wake={c.run.data_wake}: not applied on this Ray Data, which changed what it relies on "
+            f"({'; '.join(stream_poll_internals())}); block hand-offs wait up to Ray's own 0.1 s")
+    lora, megatron = c.trainer.lora.enabled, c.trainer.backend == "megatron"
+    a = Actors([], None, None, None, None, [], res, megatron)
+    try:
+        if c.placement.mode != "none":      # placement groups when the recipe asks for them (a cluster)
+            ranks, group = (c.megatron.world_size, c.megatron.tensor_parallel) if megatron else (1, 1)
+            a.placement = Placement(plan_pools(c.placement, ranks, group, c.rollout.num_engines), c.placement.timeout_s)
+        a.engines = start_engines(c, model_path, res, a.placement, special_ids)
+        a.trainer = start_trainer(c, model_path, res, a.placement)
+        a.gate = ray.remote(Gate).options(num_cpus=0, **on_driver_node()).remote(
+            c.batcher.groups_per_step, c.rollout.stale_steps, c.rollout.window, version, True)   # held
+        if resume:
+            ray.get(a.trainer.load_state.remote(resume))
+            if not lora:        # engines and the trainer started from the checkpoint's weights: the clock
+                ray.get([e.load_weights.remote({}, version) for e in a.engines])
+        a.infos = ray.get([e.info.remote() for e in a.engines] + [a.trainer.info.remote()])
+        a.mesh = TransferMesh(a.trainer, {f"engine{i}": e for i, e in enumerate(a.engines)}, c.transfer)
+        a.mesh.discover()
+        if resume and lora:
+            a.mesh.publish(version)           # the engines hold the base: the resumed adapter reaches them
+    except BaseException:
+        a.stop()
+        raise
+    return a
+
+
+def check_lora(c, model_path: str) -> None:
+    """trainer.lora's targets against the model itself (built on the meta device), and what the
+    engine can serve of them; a ConfigError naming the key."""
+    if not c.trainer.lora.enabled:
+        return
+    from pipeline.config import ConfigError
+    from stages.lora import check_targets
+
+    try:
+        targets = check_targets(c.trainer.lora, model_path)
+        if c.rollout.engine == "vllm":
+            from stages.agentflow.vllm_engine import check_lora as check
+
+            check(c.trainer.lora)
+        elif c.rollout.engine == "sglang":
+            from stages.agentflow.sglang_engine import check_lora_targets
+
+            check_lora_targets(c.trainer.lora, model_path, targets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _engines():
+    """rollout.engine -> (engine class, extra constructor arguments from the config)."""
+    from stages.agentflow.engine import HFEngine
+    from stages.agentflow.sglang_engine import SGLangEngine
+    from stages.agentflow.vllm_engine import VLLMEngine
+
+    return {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.rollout.engine_max_rows,
+                                                  c.rollout.kv_cache_mb, special)),
+            "vllm": (VLLMEngine, lambda c, special: (c.vllm, c.trainer.lora)),
+            "sglang": (SGLangEngine, lambda c, special: (c.sglang, c.trainer.lora))}
+
+
+def start_engines(c, model_path: str, res, placement=None, special_ids: tuple[int, int] | None = None) -> list:
+    """special_ids: (eos, pad) of the model's tokenizer, which an HF engine then does not load."""
+    import ray
+
+    from pipeline import seeds
+
+    cls, extra = _engines()[c.rollout.engine]
+    if placement is not None:
+        opts = placement.options("rollout")
+    else:
+        gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
+        opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
+    return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.rollout.engine_restarts).remote(
+        model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}",
+        *extra(c, special_ids))
+        for i, o in enumerate(opts)]
+
+
+def start_trainer(c, model_path: str, res, placement=None):
+    import ray
+
+    from stages.update.trainer import TorchTrainer
+
+    trainer_cfg = dataclasses.replace(c.trainer, num_threads=res.trainer_threads,
+                                      lr_decay_steps=c.trainer.lr_decay_steps or c.run.steps)   # 0: over the run
+    args = (c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
+    if c.trainer.backend == "megatron":
+        from stages.update.megatron.launch import launch
+
+        opts = placement.options("trainer") if placement is not None else None
+        return launch(model_path, trainer_cfg, c.algorithm, c.megatron, *args[1:], rank_options=opts,
+                      num_cpus=res.trainer_cpus / c.megatron.world_size)
+    opts = placement.options("trainer")[0] if placement is not None else {"num_cpus": res.trainer_cpus}
+    return ray.remote(TorchTrainer).options(**opts).remote(model_path, trainer_cfg, *args)

@@ -206,3 +206,24 @@ def resolve(resume_from: str, run_dir: Path, log: Callable[[str], None] = print)
     hint = (f"; the newest intact checkpoint before it is {before} (run.resume_from={before})" if before
             else "; no intact checkpoint before it")
     raise CheckpointError(f"run.resume_from={path}: {problem}{hint}")
+
+
+def resume_state(path: Path, model_path: str, lora: bool) -> tuple[dict, str]:
+    """A verified checkpoint's resume state: controller.json (the clock and the settled groups), and the
+    weights the run's actors start from: the checkpoint's own, or with LoRA the base its adapter was
+    trained on (which must be this run's model). A ConfigError names what it lacks."""
+    from pipeline.config import ConfigError
+    from stages.lora import base_of, is_adapter_dir
+
+    for f in ("adapter_config.json" if lora else "config.json", "trainer_state.pt", "controller.json"):
+        if not (path / f).is_file():
+            hint = ("; it holds a LoRA adapter: resume it with trainer.lora.enabled=true" if not lora and
+                    is_adapter_dir(path) else "; it holds full weights, not a LoRA adapter (trainer.lora.enabled is "
+                    "true)" if lora and (path / "config.json").is_file() else "")
+            raise ConfigError(f"run.resume_from={path}: not a resumable checkpoint (no {f}){hint}")
+    if not lora:
+        return json.loads((path / "controller.json").read_text()), str(path)
+    if os.path.realpath(base_of(path)) != os.path.realpath(model_path):
+        raise ConfigError(f"run.resume_from={path}: its adapter was trained on {base_of(path)}, this run's model is "
+                          f"{model_path} (model.path, or the built-in model's settings)")
+    return json.loads((path / "controller.json").read_text()), model_path

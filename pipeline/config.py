@@ -11,6 +11,7 @@ included, and no message formats a value whole.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import types
 import typing
@@ -59,21 +60,14 @@ class RunConfig:
     resume_from: str = key("", "a checkpoint dir (RUN/checkpoints/step_N) to continue from, or latest: the run dir's "
                                "newest intact one")
     log_every: int = key(1, "metrics line period in steps (not read yet: every step writes one)", POSITIVE)
-    data_wake: str = key("event", "Ray Data's executor wakes when a task has output (event), every data_poll_s (poll),"
-                                  " or as Ray ships it (ray: every 0.1 s, no patch of its internals)",
-                                  one_of("event", "poll", "ray"))
-    data_poll_s: float = key(0.01, "poll period in seconds (wake=poll, or a task whose output waits); Ray's own: 0.1",
-                                   POSITIVE)
+    data_wake: str = key("event", "Ray Data's executor wakes when a task has output (event), or as Ray ships it "
+                                  "(ray: every 0.1 s, no patch of its internals)", one_of("event", "ray"))
     node_wait_s: float = key(120.0, "a Ray node holding engines died: seconds to wait for them to be restarted "
                                     "elsewhere before the run stops with a resumable checkpoint", NONNEG)
 
     def __post_init__(self):
         if self.seed < 0:
             raise ValueError(f"run.seed must be >= 0, got {self.seed}")
-        if not self.data_poll_s > 0:
-            raise ValueError(f"run.data_poll_s must be > 0, got {self.data_poll_s}")
-        if self.data_wake not in ("event", "poll", "ray"):
-            raise ValueError(f"run.data_wake must be event, poll or ray, got {self.data_wake!r}")
 
 
 @dataclass(frozen=True)
@@ -291,9 +285,20 @@ def check_names(cfg: Config) -> None:
     from stages.model_config import validate_model_dir
     from stages.reward import load_reward_fn
     from stages.tasks import get_task
+    from stages.teacher import check_recipe
 
     c = cfg.data
+    step_samples, mb = cfg.batcher.groups_per_step * cfg.rollout.n_samples, cfg.trainer.mini_batch_size
+    if mb and step_samples % mb:
+        raise ConfigError(f"trainer.mini_batch_size={mb} does not divide batcher.groups_per_step x "
+                          f"rollout.n_samples = {step_samples}")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e '.[vllm]' (docs/vllm.md)")
+    if cfg.algorithm.distill_coef and cfg.trainer.backend != "torch":
+        raise ConfigError("algorithm.distill_coef > 0 needs trainer.backend=torch (the Megatron trainer has no "
+                          "distillation term yet)")
     try:
+        check_recipe(cfg.teacher, cfg.algorithm)
         load_reward_fn(cfg.reward.fn)
         make_strategy(cfg.rollout.window)
         if cfg.model.path and not cfg.model.path.startswith("builtin:"):

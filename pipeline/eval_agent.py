@@ -21,25 +21,19 @@ import ray
 
 
 def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -> dict:
-    """pipeline.evaluate.evaluate_agent on an engine of its own, loaded from `model_path`."""
-    from dataclasses import replace
-
+    """pipeline.evaluate's agent evaluation on an engine of its own, loaded from `model_path`."""
+    from pipeline.evaluate import eval_rollout, load_test
     from pipeline.evaluate import evaluate_agent as run_eval
     from pipeline.seeds import derive
     from stages.agentflow.engine import HFEngine
-    from stages.agentflow.rollout import AgentFlowRollout
-    from stages.prompts import load_prompts
     from stages.reward import Reward
 
-    c = cfg.data
-    path = c.test_path or (c.path if c.path.startswith("builtin:") else "")
-    if not path:
+    prompts = load_test(cfg, num_prompts)
+    if prompts is None:
         raise ValueError("eval_agent needs held-out prompts: set data.test_path (or use a builtin: data.path)")
-    prompts = load_prompts(c, path=path, split="test", size=num_prompts).slice(0, num_prompts)
     engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(
         model_path, cfg.model.dtype, derive(cfg.run.seed, "engine", 0), kv_cache_mb=cfg.rollout.kv_cache_mb)
-    stage = AgentFlowRollout(replace(cfg.rollout, temperature=cfg.eval.temperature,
-                                     seed=derive(cfg.run.seed, "eval")), [engine], None, model_path)
+    stage = eval_rollout(cfg, [engine], model_path)
     try:
         m = run_eval(stage, Reward(cfg.reward, model_path), prompts, n_samples)
     finally:

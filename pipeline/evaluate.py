@@ -1,17 +1,71 @@
-"""Periodic evaluation on held-out prompts, straight on the engines (no training data path).
+"""Held-out evaluation: eval/accuracy (the fraction of samples with reward 1) and friends.
 
-Samples at the configured temperature (the training temperature by default), scores with
-the run's reward function, and reports eval/accuracy (fraction of samples with reward 1)
-and eval/reward_mean.
+Samples at `eval.temperature` (the training temperature by default) and scores with the run's
+reward function. A run whose agent is `single_turn` generates straight on the engines; any other
+agent (multi-turn, tools, black-box programs) runs as in training, through an AgentFlowRollout on
+the live engines, so its accuracy is what training moves. `python -m pipeline.eval_agent` runs the
+latter on any checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pyarrow as pa
 import ray
 
+from pipeline import seeds
+from stages.prompts import load_prompts
 from stages.schema import table_from_columns
+
+
+def load_test(cfg, size: int) -> pa.Table | None:
+    """`size` held-out prompts: data.test_path, or a built-in task's test split; None without either."""
+    c = cfg.data
+    path = c.test_path or (c.path if c.path.startswith("builtin:") else "")
+    if not path or size == 0:
+        return None
+    return load_prompts(c, path=path, split="test", size=size).slice(0, size)
+
+
+class Evaluator:
+    """A run's evaluation of `prompts` on its engines. The reward stage is made on first use (a run
+    without evaluation makes none), with the driver's tokenizer `tok`."""
+
+    def __init__(self, cfg, model_path: str, tok, tok_class: str, prompts: pa.Table):
+        self.cfg, self.model_path, self.tok, self.tok_class, self.prompts = cfg, model_path, tok, tok_class, prompts
+        self._reward = self._rollout = None
+
+    @property
+    def reward(self):
+        if self._reward is None:
+            from stages.reward import Reward
+
+            self._reward = Reward(self.cfg.reward, self.model_path, tokenizer=self.tok)
+        return self._reward
+
+    def __call__(self, engines: list) -> dict:
+        c = self.cfg
+        if c.rollout.agent == "single_turn":
+            return evaluate(engines, self.reward, self.prompts, self.tok, c.eval.temperature,
+                            c.rollout.max_new_tokens, c.eval.n_samples, seed=seeds.derive(c.run.seed, "eval"))
+        if self._rollout is None:
+            self._rollout = eval_rollout(c, engines, self.model_path, self.tok_class)
+        return evaluate_agent(self._rollout, self.reward, self.prompts, c.eval.n_samples)
+
+    def close(self) -> None:
+        for stage in (self._rollout, self._reward):
+            if stage is not None:
+                stage.close()       # its agent and reward worker processes
+
+
+def eval_rollout(cfg, engines: list, model_path: str, tok_class: str = ""):
+    """The recipe's agent on `engines` at the evaluation's temperature and seed, no window gate."""
+    from stages.agentflow.rollout import AgentFlowRollout
+
+    seed = seeds.derive(cfg.run.seed, "eval")
+    return AgentFlowRollout(dataclasses.replace(cfg.rollout, temperature=cfg.eval.temperature, seed=seed), engines,
+                            None, model_path, tok_class)
 
 
 def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,
@@ -20,43 +74,34 @@ def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: f
     run draws the same numbers: accuracy moves with the weights, not with the draws); None: the engines'
     own streams."""
     t0 = time.time()
-    rows = prompts.to_pylist()
+    rows = [r for r in prompts.to_pylist() for _ in range(n_samples)]
     reqs = [{"prompt_ids": tok(r["prompt"], add_special_tokens=False)["input_ids"], "max_new_tokens": max_new_tokens,
-             "temperature": temperature, "hold": True} for r in rows for _ in range(n_samples)]
+             "temperature": temperature, "hold": True} for r in rows]
     if seed is not None:
         reqs = [r | {"seed": seed + k} for k, r in enumerate(reqs)]
-    shards = [reqs[i::len(engines)] for i in range(len(engines))]
-    outs = ray.get([e.generate.remote(s) for e, s in zip(engines, shards)])
+    outs = ray.get([e.generate.remote(reqs[i::len(engines)]) for i, e in enumerate(engines)])
     results = [None] * len(reqs)
     for i, out in enumerate(outs):
         results[i::len(engines)] = out
-    expanded = [r for r in rows for _ in range(n_samples)]
     table = table_from_columns({   # group and sample: a user reward fn's row["seed"] differs per sample
-        "group_id": [i // n_samples for i in range(len(expanded))],
-        "sample_idx": [i % n_samples for i in range(len(expanded))],
-        "prompt": [r["prompt"] for r in expanded], "answer": [r["answer"] for r in expanded],
-        "data_source": [r["data_source"] for r in expanded],
-        "response_ids": [o["response_ids"] for o in results], "status": [o["status"] for o in results],
-        "error": [""] * len(results),
-    })
+        "group_id": [i // n_samples for i in range(len(rows))], "sample_idx": [i % n_samples for i in range(len(rows))],
+        "prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows],
+        "data_source": [r["data_source"] for r in rows], "response_ids": [o["response_ids"] for o in results],
+        "status": [o["status"] for o in results], "error": [""] * len(results)})
     scored = reward_stage(table)
-    rewards = scored.column("reward").to_pylist()
-    out = {"eval/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards),
-           "eval/reward_mean": sum(rewards) / len(rewards),
+    rewards, sources = scored.column("reward").to_pylist(), scored.column("data_source").to_pylist()
+    out = {"eval/accuracy": _accuracy(rewards), "eval/reward_mean": sum(rewards) / len(rewards),
            "eval/response_len": sum(len(o["response_ids"]) for o in results) / len(results),
            "eval/seconds": time.time() - t0, "eval/n": len(rewards)}
-    sources = scored.column("data_source").to_pylist()
     if len(set(sources)) > 1:
         for s in sorted(set(sources)):
-            rs = [r for r, src in zip(rewards, sources) if src == s]
-            out[f"eval/accuracy/{s}"] = sum(r >= 1.0 - 1e-6 for r in rs) / len(rs)
+            out[f"eval/accuracy/{s}"] = _accuracy([r for r, src in zip(rewards, sources) if src == s])
     return out
 
 
 def evaluate_agent(rollout_stage, reward_stage, prompts: pa.Table, n_samples: int = 1, batch: int = 64) -> dict:
-    """Held-out accuracy of the recipe's own agent (multi-turn, tools, black-box programs):
-    each prompt runs through `rollout_stage` (an AgentFlowRollout on the live engines, no
-    window gate) and `reward_stage`, exactly as training trajectories do."""
+    """Each prompt through `rollout_stage` (an AgentFlowRollout) and `reward_stage`, as training
+    trajectories go."""
     t0 = time.time()
     rows = [r for r in prompts.to_pylist() for _ in range(n_samples)]
     rewards, stats, lens = [], [], []
@@ -71,7 +116,11 @@ def evaluate_agent(rollout_stage, reward_stage, prompts: pa.Table, n_samples: in
         stats += [s or {} for s in scored.column("agent_stats").to_pylist()]
         lens += [len(x) for x in scored.column("response_ids").to_pylist()]
     n = len(rewards)
-    return {"eval/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / n, "eval/reward_mean": sum(rewards) / n,
+    return {"eval/accuracy": _accuracy(rewards), "eval/reward_mean": sum(rewards) / n,
             "eval/response_len": sum(lens) / n, "eval/turns": sum(s.get("turns") or 0 for s in stats) / n,
             "eval/tool_calls": sum(s.get("tool_calls") or 0 for s in stats) / n,
             "eval/failed": sum(bool(s.get("fail")) for s in stats), "eval/seconds": time.time() - t0, "eval/n": n}
+
+
+def _accuracy(rewards: list[float]) -> float:
+    return sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards)

@@ -3,8 +3,8 @@
     replay("runs/a/rollouts", cfg, "runs/a-replay", ReplayConfig(steps=(1, 2)))
     loongsage replay runs/a/rollouts [CONFIG] [replay.reward_min=0.5 ...] --run-dir DIR
 
-The recording is the source (`RecordedSource`); the rest is a run's path: WindowedBatcher ->
-Update -> the TorchTrainer actor, with no engines, no weight sync and no evaluation. With the
+The recording is the source (`RecordedSource`); the rest is a run's path: the window (its
+staleness bound off) -> the TorchTrainer actor, with no engines, no weight sync and no evaluation. With the
 recording's config a synchronous replay reproduces the recorded run's per-step loss, grad norm and
 final weights exactly: the trainer's seed, thread count and each step's rows in order are the same.
 
@@ -107,18 +107,17 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
            on_step: Callable[[dict], None] | None = None) -> dict:
     """Train `cfg`'s trainer on a recording; write a run directory like a run's. Returns a summary.
 
-    stages: extra map stages between the recording and the batcher (e.g. Stage(Reward, ...)
+    stages: extra map stages between the recording and the window (e.g. Stage(Reward, ...)
     to re-score with another reward function). trackers: a pipeline.trackers.TrackerConfig.
     """
     import ray
 
     from pipeline.builder import Pipeline
     from pipeline.config import dump_config
-    from pipeline.loop import Batch, StepLoop, StepParts
+    from pipeline.loop import Batch, StepLoop
     from pipeline.profile import Profiler
     from pipeline.trackers import TrackerConfig, open_metrics
     from stages.model import resolve_model_path
-    from stages.update.stage import Update
 
     source, steps = _open_source(rollouts_dir, cfg, filters)
     B = cfg.batcher.groups_per_step
@@ -127,7 +126,8 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-    pipeline = Pipeline([source, *stages, replay_batcher(cfg), Update(trainer)])
+    pipeline = Pipeline([source, *stages])
+    window = replay_window(cfg, pipeline, source)
     pipeline.profiler = profiler = Profiler(run_dir)
     metrics = open_metrics(run_dir, trackers or TrackerConfig())
     recorder = Recorder(run_dir, cfg.rollout.n_samples)
@@ -145,16 +145,14 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
         if on_step:
             on_step(line)
 
-    parts = StepParts(batches=replay_batches(pipeline, source, cfg, steps), submit=pipeline.update.submit,
-                      record=record, put=ray.put, span=profiler.add)
-    loop = StepLoop(parts, steps)
+    loop = StepLoop(window, trainer.train_step.remote, record, steps, span=profiler.add)
     try:
         loop.run()
-        st = pipeline.batcher.stats
-        left = source.num_groups - loop.step * B - st.dropped_filter
-        if left or st.dropped_filter:
+        dropped = window.fairness.groups["dropped_filter"]
+        left = source.num_groups - loop.step * B - dropped
+        if left or dropped:
             log(f"replay: trained {loop.step} steps of {B} groups; {left} kept group(s) left over, "
-                f"{st.dropped_filter} dropped by batcher.filter_equal_rewards")
+                f"{dropped} dropped by batcher.filter_equal_rewards")
         ckpt = str(write_checkpoint(run_dir / "checkpoints" / f"step_{loop.step:06d}",
                                     lambda tmp: ray.get(trainer.save.remote(str(tmp), model_path))))
     finally:
@@ -216,36 +214,25 @@ def start_trainer(cfg, model_path: str):
         cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.model.dtype)
 
 
-def replay_batcher(cfg):
-    """The run's batcher without its staleness bound: recorded token versions count the recorded
-    run's weights, not the replay's, and every recorded group already passed the bound once."""
-    from stages.batcher import WindowedBatcher
+def replay_window(cfg, pipeline, source: RecordedSource):
+    """The run's window over the recording, without its staleness bound: recorded token versions count
+    the recorded run's weights, and every recorded group already passed the bound once."""
+    from pipeline.window import Window
 
-    return WindowedBatcher(cfg.batcher, cfg.rollout.n_samples, stale_steps=sys.maxsize)
+    window = Window(cfg.batcher, cfg.rollout.n_samples, stale_steps=sys.maxsize, mask_old=cfg.rollout.partial_mask_old)
+    window.read(_recorded_parts(pipeline, source, CHUNK_STEPS * cfg.batcher.groups_per_step,
+                                cfg.rollout.groups_per_batch or cfg.batcher.groups_per_step))
+    return window
 
 
-def replay_batches(pipeline, source: RecordedSource, cfg, steps: int):
-    """The recording as a stream of (step table, seconds waited): feed the batcher, take B groups per step."""
-    from stages.batcher import mask_old_versions
-    from stages.schema import conform
-
-    gpb = cfg.rollout.groups_per_batch or cfg.batcher.groups_per_step
-    ends, start, t_wait, taken = source.step_ends(), 0, time.time(), 0
-    while taken < steps and start < source.num_groups:
-        stop = next(e for e in ends if e >= min(start + CHUNK_STEPS * cfg.batcher.groups_per_step, ends[-1]))
-        stream = pipeline.stream(start, stop - start, gpb)        # whole recorded steps
+def _recorded_parts(pipeline, source: RecordedSource, chunk: int, gpb: int):
+    """The recording's rows through the pipeline's map stages, `chunk` groups (whole recorded steps) at a time."""
+    ends, start = source.step_ends(), 0
+    while start < source.num_groups:
+        stop = next(e for e in ends if e >= min(start + chunk, ends[-1]))
+        stream = pipeline.stream(start, stop - start, gpb)
         try:
-            for part in stream:
-                pipeline.batcher.feed(part)
-                while taken < steps:
-                    table, _ = pipeline.batcher.take(taken)      # the version trained next = steps taken
-                    if table is None:
-                        break
-                    if cfg.rollout.partial_mask_old:     # as a run's stream does; idempotent on recorded tables
-                        table = mask_old_versions(table)
-                    yield conform(table), time.time() - t_wait
-                    taken += 1
-                    t_wait = time.time()
+            yield from stream
         finally:
             stream.close()
         start = stop

@@ -90,9 +90,9 @@ class Server:
     def start(self) -> "Server":
         import ray
 
+        from pipeline.builder import start_engines
         from pipeline.cluster import init_ray
         from pipeline.config import dump_yaml
-        from pipeline.controller import _start_engines
         from pipeline.resources import plan_resources
         from stages.agentflow.chat import ensure_chat_template
         from stages.agentflow.client import Affinity
@@ -107,7 +107,7 @@ class Server:
         self._requests = open(self.dir / "requests.jsonl", "a", buffering=1, opener=_owner_only)
         res = plan_resources(c)
         init_ray(c, res.ray_num_cpus)
-        self.engines = _start_engines(c, self.model_path, res, None)
+        self.engines = start_engines(c, self.model_path, res)
         ray.get([e.info.remote() for e in self.engines])      # loaded: a request never waits on a model load
         self.tok = ensure_chat_template(load_tokenizer(self.model_path))
         client = Affinity(self.engines).for_group(0)

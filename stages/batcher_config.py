@@ -1,6 +1,6 @@
-"""The `batcher:` recipe section (stages/batcher.py turns collected groups into training steps).
+"""The `batcher:` recipe section (pipeline/window.py turns collected groups into training steps).
 
-Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
+Apart from the window, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
 """
 from __future__ import annotations
 

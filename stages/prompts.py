@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.prompts_config import DataConfig
-from stages.schema import table_from_columns
+from stages.schema import field
 
 
 def _read_file(path: str) -> pa.Table:
@@ -90,27 +90,18 @@ class PromptSource:
         n = self.table.num_rows
         return np.random.default_rng([self.cfg.seed, epoch]).permutation(n) if self.cfg.shuffle else np.arange(n)
 
-    def groups(self, start: int, count: int) -> pa.Table:
-        """Sample rows of groups [start, start + count): N rows per group, in order."""
-        return self.groups_for(range(start, start + count))
-
-    def groups_for(self, seq_list) -> pa.Table:
+    def groups(self, seqs) -> pa.Table:
         """Sample rows of the given group seqs, N rows per group, in the given order."""
-        n = self.table.num_rows
-        idx, seqs, orders = [], [], {}
-        for g in seq_list:
-            epoch = g // n
-            if epoch not in orders:
-                orders[epoch] = self.order(epoch)
-            idx.append(int(orders[epoch][g % n]))
-            seqs.append(g)
-        base = self.table.take(idx)
-        k = self.n_samples
-        rep = np.repeat(np.arange(len(idx)), k)
-        cols = {c: base.column(c).take(rep).to_pylist() for c in ("prompt_id", "data_source", "prompt", "answer")}
-        cols["group_id"] = np.repeat(seqs, k).tolist()
-        cols["sample_idx"] = np.tile(np.arange(k), len(idx)).tolist()
-        return table_from_columns({c: cols[c] for c in self.outputs})
+        seqs, n, k = np.asarray(list(seqs), dtype=np.int64), self.table.num_rows, self.n_samples
+        idx = np.empty(len(seqs), dtype=np.int64)
+        for epoch in np.unique(seqs // n):
+            at = seqs // n == epoch
+            idx[at] = self.order(int(epoch))[seqs[at] % n]
+        rows = self.table.take(np.repeat(idx, k))
+        return pa.table({"prompt_id": rows["prompt_id"],
+                         "group_id": pa.array(np.repeat(seqs, k), field("group_id").type),
+                         "sample_idx": pa.array(np.tile(np.arange(k), len(seqs)), field("sample_idx").type),
+                         "data_source": rows["data_source"], "prompt": rows["prompt"], "answer": rows["answer"]})
 
     def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
         """A Ray Dataset of `num_groups` groups from `start`, one block per `groups_per_block` groups.
@@ -120,9 +111,7 @@ class PromptSource:
         """
         import ray
 
-        seqs = [g for g in range(start, start + num_groups) if g not in skip]   # skip: consumed before a resume
-        blocks = [self.groups_for(seqs[i:i + groups_per_block]) for i in range(0, len(seqs), groups_per_block)]
-        # from_blocks keeps the blocks as given and reads their metadata here; from_arrow runs a task
-        # per block for it (2,000 blocks: 2.0 s against 5.5 s)
-        from_blocks = getattr(ray.data, "from_blocks", None)
-        return from_blocks(blocks) if from_blocks is not None and blocks else ray.data.from_arrow(blocks)
+        seqs = [g for g in range(start, start + num_groups) if g not in skip]   # skip: settled before a resume
+        # from_blocks keeps the blocks as given and reads their metadata here (from_arrow runs a task per block)
+        return ray.data.from_blocks([self.groups(seqs[i:i + groups_per_block])
+                                     for i in range(0, len(seqs), groups_per_block)])

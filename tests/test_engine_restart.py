@@ -87,7 +87,7 @@ def test_an_engine_killed_while_it_starts_is_sent_the_weights_and_serves_the_tra
         assert killer.killed, "the engine's constructor was never seen running"
         info = ray.get(ctl.engines[0].info.remote())
         assert info["pid"] != killer.killed and not info["needs_sync"]
-        assert ctl.engine_restarts == 1 and "engine0 restarted: re-sent weights version 0" in logs, logs
+        assert ctl.faults.restarts == 1 and "engine0 restarted: re-sent weights version 0" in logs, logs
         # it serves the trainer's version, with the trainer's weights
         assert summary["version"] == 3 and ray.get(ctl.engines[0].weight_version.remote()) == 3
         trained = ray.get(ctl.trainer.state_dict.remote())

@@ -14,12 +14,10 @@ from pipeline.replay import (
     ReplayConfig,
     ReplayError,
     read_rollouts,
-    replay_batcher,
-    replay_batches,
+    replay_window,
     select_groups,
 )
 from stages.schema import COLUMNS, SCHEMA_VERSION, conform, table_from_columns
-from stages.update.stage import Update
 
 
 def step_table(step: int, B: int = 2, n: int = 2, order=None) -> pa.Table:
@@ -188,16 +186,16 @@ def test_source_blocks_keep_recorded_order_and_step_boundaries(tmp_path):
 
 
 def test_replay_loop_rebatches_filtered_groups(ray_session, tmp_path):
-    """The real source -> Ray Data -> batcher path: B groups per step, group order as a run's batcher gives."""
+    """The real source -> Ray Data -> window path: B groups per step, group order as a run's window gives."""
     root = record(tmp_path, steps=4, B=4, n=2)
     rec = Recording.open(root)
     cfg = load_config("configs/quickstart.yaml", ["batcher.groups_per_step=2", "rollout.n_samples=2"])
     source = RecordedSource(rec, select_groups(rec, ReplayConfig(reward_min=1.0)))     # 3 of 4 groups per step
-    pipeline = Pipeline([source, replay_batcher(cfg), Update(None)])
+    window = replay_window(cfg, Pipeline([source]), source)
     seen = []
-    for table, wait in replay_batches(pipeline, source, cfg, steps=6):
+    while (table := window.next_step(len(seen))) is not None:
         seen.append(table.column("group_id").to_pylist())
-        assert wait >= 0 and table.schema.metadata[VERSION_KEY] == str(SCHEMA_VERSION).encode()
+        assert table.schema.metadata[VERSION_KEY] == str(SCHEMA_VERSION).encode()
     steps = [[1, 2], [3, 5], [6, 7], [9, 10], [11, 13], [14, 15]]
     assert seen == [[g for g in s for _ in range(2)] for s in steps]
 

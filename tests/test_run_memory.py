@@ -74,11 +74,11 @@ def test_the_driver_loads_the_tokenizer_once_and_keeps_it_only_for_evaluation(tm
     data.write_text(json.dumps({"prompt": "the of and", "answer": "42"}) + "\n")
     base = [f"model.path={qwen_dir}", f"data.path={data}", "reward.fn=exact_match"]
     ctl = Controller(load_config(None, base), tmp_path / "run", log=lambda *_: None)
-    assert ctl.tok is None and ctl._reward_local is None
+    assert ctl.tok is None and ctl.evaluator is None
     assert ctl.special_ids == (151645, 151643)        # <|im_end|>, <|endoftext|>
     ctl = Controller(load_config(None, [*base, f"data.test_path={data}", "eval.num_prompts=1"]), tmp_path / "run",
                      log=lambda *_: None)
-    assert ctl.tok is not None and ctl.reward_local.tok is ctl.tok
+    assert ctl.tok is not None and ctl.evaluator.reward.tok is ctl.tok
     assert len(loads) == 2          # once per driver: model.path's check and the reward stage load none
 
 

@@ -62,7 +62,6 @@ def test_unknown_key_lists_valid_keys():
     ("rollout.n_samples=-1", "rollout.n_samples"),
     ("trainer.mini_batch_size=-4", "trainer.mini_batch_size"),
     ("rollout.stale_steps=-1", "rollout.stale_steps"),
-    ("run.data_poll_s=0", "run.data_poll_s"),
     ("run.data_wake=sometimes", "run.data_wake"),
     ("rollout.nice=20", "rollout.nice"),
 ])

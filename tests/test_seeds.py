@@ -47,7 +47,7 @@ def test_prompt_order_follows_the_seed():
 
     def order(run_seed):
         cfg = load_config("configs/quickstart.yaml", [f"run.seed={run_seed}"])
-        return PromptSource(cfg.data, 1, rows=rows).groups(0, 100).column("prompt").to_pylist()
+        return PromptSource(cfg.data, 1, rows=rows).groups(range(100)).column("prompt").to_pylist()
 
     assert order(0) == order(0) and order(0) != order(1)
     assert sorted(order(1)[:50]) == sorted(r["prompt"] for r in rows)     # an epoch is a permutation

@@ -208,13 +208,14 @@ def test_the_trajectory_token_budget_ends_a_trajectory_cleanly(ray_session, engi
 
 
 def test_a_sample_of_several_rows_counts_once_in_its_group():
-    from stages.batcher import BatcherConfig, WindowedBatcher
+    from pipeline.window import Window
+    from stages.batcher_config import BatcherConfig
     from stages.update.advantages import compute_advantages
     from stages.update.step import sample_weights
 
     t = pa.table({"group_id": [0, 0, 0, 0], "sample_idx": [0, 0, 0, 1], "status": ["completed"] * 4,
                   "reward": [1.0, 1.0, 1.0, 0.0], "token_versions": [[0]] * 4})
-    b = WindowedBatcher(BatcherConfig(groups_per_step=1), n_samples=2)
+    b = Window(BatcherConfig(groups_per_step=1), n_samples=2)
     assert b.feed(t.slice(0, 3)) == [] and b.feed(t.slice(3)) == [0]    # complete when sample 1 arrives
     w = sample_weights(t)
     assert w.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])

@@ -1,4 +1,4 @@
-"""Each stage on fake Arrow batches (no Ray), plus the builder's column check."""
+"""Each stage on fake Arrow batches (no Ray), the window's grouping, and the builder's column check."""
 import json
 
 import pyarrow as pa
@@ -6,11 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.builder import Pipeline, PipelineError, Stage
-from stages.batcher import BatcherConfig, WindowedBatcher
+from pipeline.window import Window
+from stages.batcher_config import BatcherConfig
 from stages.prompts import DataConfig, PromptSource, load_prompts
 from stages.reward import Reward, RewardConfig, load_reward_fn
 from stages.schema import table_from_columns
-from stages.update.stage import Update
 
 # ---- prompt source -------------------------------------------------------------------
 
@@ -24,19 +24,19 @@ def test_parquet_jsonl_and_memory_sources(tmp_path):
         assert t.column("prompt").to_pylist() == [r["question"] for r in rows]
         assert t.column("data_source").to_pylist() == ["p"] * 5
     src = PromptSource(DataConfig(path="ignored"), n_samples=3, rows=[{"prompt": "a", "answer": "b"}])
-    assert src.groups(0, 2).num_rows == 6
+    assert src.groups(range(2)).num_rows == 6
 
 
 def test_group_order_is_seeded_and_resumable():
     src = PromptSource(DataConfig(path="builtin:addition", train_size=10, seed=3), n_samples=2)
-    all_ = src.groups(0, 25)
+    all_ = src.groups(range(25))
     assert all_.column("group_id").to_pylist() == [g for g in range(25) for _ in range(2)]
     assert all_.column("sample_idx").to_pylist() == [0, 1] * 25
     # resuming at group 7 yields exactly what the uninterrupted stream had there
-    assert src.groups(7, 5).to_pylist() == all_.slice(14, 10).to_pylist()
+    assert src.groups(range(7, 12)).to_pylist() == all_.slice(14, 10).to_pylist()
     epoch0 = all_.column("prompt_id").to_pylist()[0:20:2]
     assert sorted(epoch0) == sorted(set(epoch0)) and len(epoch0) == 10   # one epoch = every prompt once
-    other = PromptSource(DataConfig(path="builtin:addition", train_size=10, seed=4), n_samples=2).groups(0, 10)
+    other = PromptSource(DataConfig(path="builtin:addition", train_size=10, seed=4), n_samples=2).groups(range(10))
     assert other.column("prompt_id").to_pylist() != all_.slice(0, 20).column("prompt_id").to_pylist()
 
 
@@ -114,7 +114,7 @@ def test_reward_path_that_does_not_import():
         load_reward_fn("nope.missing:fn")
 
 
-# ---- batcher ---------------------------------------------------------------------------
+# ---- the window's grouping --------------------------------------------------------------
 
 def _rows(groups, n, version=0, reward=None):
     g = [x for x in groups for _ in range(n)]
@@ -124,21 +124,21 @@ def _rows(groups, n, version=0, reward=None):
                                "token_versions": [[version, version]] * len(g)})
 
 
-def test_batcher_emits_whole_groups_in_order():
-    b = WindowedBatcher(BatcherConfig(groups_per_step=2), n_samples=3)
+def test_window_emits_whole_groups_in_order():
+    b = Window(BatcherConfig(groups_per_step=2), n_samples=3)
     t = _rows([5, 3, 4], 3)
     assert b.feed(t.slice(0, 4)) == [5]          # group 3 has 1 of 3 rows so far
     assert b.take(0) == (None, [])
     assert sorted(b.feed(t.slice(4))) == [3, 4]
     table, dropped = b.take(0)
     assert table.column("group_id").to_pylist() == [3] * 3 + [4] * 3 and dropped == []
-    assert b.buffered == 1
+    assert b.fairness.groups["completed"] - b.fairness.groups["trained"] == 1      # group 5 waits
 
 
-def test_batcher_splits_interleaved_rows_into_their_groups_in_stream_order():
+def test_window_splits_interleaved_rows_into_their_groups_in_stream_order():
     """Rows arrive as trajectories finish, groups interleaved: each group gets its own rows, in the
     order they came, whatever the block's order."""
-    b = WindowedBatcher(BatcherConfig(groups_per_step=3), n_samples=2)
+    b = Window(BatcherConfig(groups_per_step=3), n_samples=2)
     t = table_from_columns({"group_id": [7, 2, 7, 9, 2, 9], "sample_idx": [1, 0, 0, 1, 1, 0],
                             "status": ["completed"] * 6, "reward": [0.0, 1.0, 1.0, 0.0, 0.0, 1.0],
                             "token_versions": [[0]] * 6})
@@ -150,24 +150,25 @@ def test_batcher_splits_interleaved_rows_into_their_groups_in_stream_order():
     assert b.fairness.groups["completed"] == 3
 
 
-def test_batcher_drops_stale_and_equal_reward_groups():
-    b = WindowedBatcher(BatcherConfig(groups_per_step=1, filter_equal_rewards=True), n_samples=2, stale_steps=1)
+def test_window_drops_stale_and_equal_reward_groups():
+    b = Window(BatcherConfig(groups_per_step=1, filter_equal_rewards=True), n_samples=2, stale_steps=1)
     b.feed(_rows([0], 2, version=0))                        # staleness 2 at version 2: dropped
     b.feed(_rows([1], 2, version=1, reward=[1.0, 1.0]))    # all rewards equal: filtered
     b.feed(_rows([2], 2, version=1))
     table, dropped = b.take(2)
     assert sorted(dropped) == [0, 1] and table.column("group_id").to_pylist() == [2, 2]
-    assert b.stats.dropped_stale == 1 and b.stats.dropped_filter == 1
+    assert b.fairness.groups["dropped_stale"] == 1 and b.fairness.groups["dropped_filter"] == 1
+    assert b.saved() == [0, 1]                  # settled: a resumed run never streams them again
 
 
 def test_a_waiting_group_ages_with_the_version_and_mask_reads_it_again():
-    """The batcher reads a group's oldest token once; each collection compares it with the version then.
+    """The window reads a group's oldest token once; each collection compares it with the version then.
     With stale_policy=mask the masked group's tokens are read again (its oldest is now newer)."""
-    b = WindowedBatcher(BatcherConfig(groups_per_step=2), n_samples=2, stale_steps=1)
+    b = Window(BatcherConfig(groups_per_step=2), n_samples=2, stale_steps=1)
     b.feed(_rows([0], 2, version=0))
     assert b.take(1) == (None, [])                  # staleness 1: waits for a second group
     assert b.take(2) == (None, [0])                 # staleness 2 > 1: dropped at this collection
-    m = WindowedBatcher(BatcherConfig(groups_per_step=1, stale_policy="mask"), n_samples=2, stale_steps=1)
+    m = Window(BatcherConfig(groups_per_step=1, stale_policy="mask"), n_samples=2, stale_steps=1)
     t = _rows([7], 2, version=0)
     m.feed(t.set_column(t.column_names.index("token_versions"), "token_versions",
                         pa.array([[0, 2], [2, 2]], pa.list_(pa.int64()))))
@@ -186,12 +187,14 @@ def test_builder_names_stage_and_missing_column():
     src = PromptSource(DataConfig(), n_samples=2, rows=[{"prompt": "1+1=", "answer": "2"}])
     from stages.agentflow.rollout import AgentFlowRollout
 
-    stages = [src, Stage(AgentFlowRollout), Stage(NeedsScore), WindowedBatcher(BatcherConfig(), 2), Update(None)]
+    stages = [src, Stage(AgentFlowRollout), Stage(NeedsScore)]
     with pytest.raises(PipelineError, match="stage NeedsScore needs column 'score'"):
         Pipeline(stages)
     stages[2] = Stage(NeedsScore, inputs=("response_ids",))
-    with pytest.raises(PipelineError, match="stage WindowedBatcher needs column 'reward'"):
+    with pytest.raises(PipelineError, match="the window and the trainer need column 'reward'"):
         Pipeline(stages)
+    with pytest.raises(PipelineError, match="starts with a source"):
+        Pipeline(stages[1:])
     from stages.reward import Reward as R
 
     stages[2] = Stage(R)

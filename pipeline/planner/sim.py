@@ -8,11 +8,11 @@
     engines     continuous batching, decode iterations from EngineModel; at a weight sync they
                 stop, land the new version, and continue (partial=interrupt: a sample's later
                 tokens carry the new version) or first drain (partial=wait)
-    block done  reward, hand-off, then the real WindowedBatcher (stages/batcher.py) gets the
-                groups and the gate is told they were collected
+    block done  reward, hand-off, then the real Window (pipeline/window.py) gets the groups and
+                tells the gate they were collected
     taker       as pipeline/loop.py's Prefetch: takes each step's table at the version it will
                 be trained at, one waiting at most
-    trainer     as the StepLoop: wait for a batch, update, version + 1, sync, gate.consumed
+    trainer     as the StepLoop: wait for a batch, update, version + 1, sync, window.consumed
 
 Everything the window decides (who may be dispatched, collected, trained, or dropped as too
 stale) is decided by the real objects; the simulation only supplies time. Its record is in
@@ -30,8 +30,8 @@ import pyarrow as pa
 import simpy
 
 from pipeline.planner.model import Costs, EngineModel
-from pipeline.window import Gate
-from stages.batcher import BatcherConfig, WindowedBatcher
+from pipeline.window import Gate, Window, in_loop
+from stages.batcher_config import BatcherConfig
 
 CHUNK_TOKENS = 256      # a decode interval is re-planned at least every this many tokens (context grows)
 
@@ -188,8 +188,8 @@ class Simulation:
         self.until_s = until_s
         self._loop = asyncio.new_event_loop()
         self.gate = Gate(recipe.groups_per_step, recipe.stale_steps, recipe.window)
-        self.batcher = WindowedBatcher(BatcherConfig(recipe.groups_per_step, stale_policy=recipe.stale_policy),
-                                       recipe.n_samples, recipe.stale_steps, self.gate.strategy)
+        self.window = Window(BatcherConfig(recipe.groups_per_step, stale_policy=recipe.stale_policy),
+                             recipe.n_samples, recipe.stale_steps, recipe.window, in_loop(self.gate, self._loop))
         n = max(1, costs.layout.engines)
         self.engines = [EngineSim(self.env, f"engine{i}", costs.engine, chunk_tokens) for i in range(n)]
         self.workers = simpy.Store(self.env)
@@ -271,9 +271,7 @@ class Simulation:
             self._span("Reward", "reward", t2, env.now, rows=rows, batch_id=block[0])
         if st.handoff_s:
             yield env.timeout(st.handoff_s)
-        done = self.batcher.feed(self._block_table(block))
-        if done:
-            self._gate(self.gate.collected(done))
+        if self.window.feed(self._block_table(block)):
             self._moved()
             self._collected()
 
@@ -312,10 +310,9 @@ class Simulation:
 
     def _taker(self):
         while True:
-            table, gone = self.batcher.take(self.take_version, self.gate.s)
+            table, gone = self.window.take(self.take_version)
             if gone:
                 self.dropped += gone
-                self._gate(self.gate.release(gone))
                 self._moved()
             if table is None:
                 yield self.collected_ev
@@ -357,7 +354,7 @@ class Simulation:
             for e in self.engines:
                 e.resume(self.version)
             self._span("sync", "trainer", t2, env.now, step=step)
-            self._gate(self.gate.consumed(groups, self.version))
+            self.window.consumed(groups, self.version)
             self._moved()
             if env.now > self.until_s:
                 break
