@@ -13,7 +13,11 @@ speed hits both alike). Per run it reads metrics.jsonl and prints the median ste
 busy fraction, when the first step was trained (its `time_s`: start-up, from the run's start to its
 first step) and the whole process's wall time (start-up, Ray, the steps, the final checkpoint);
 then per recipe the median over rounds and the ratios new / old. `--set RECIPE:key=value` adds an
-override to one recipe's runs in both trees (add_tiny needs its benchmark folder).
+override to one recipe's runs in both trees (add_tiny needs its benchmark folder); `--set-new` and
+`--set-old` to one tree's only, so `--ref HEAD --set-old RECIPE:key=value` measures a switch against
+itself in one invocation:
+
+    python benchmarks/vs_commit.py --ref HEAD --recipes quickstart_async --set-old quickstart_async:run.data_wake=ray
 """
 from __future__ import annotations
 
@@ -53,13 +57,19 @@ def main() -> int:
     p.add_argument("--recipes", default="quickstart,quickstart_async")
     p.add_argument("--set", action="append", default=[], metavar="RECIPE:KEY=VALUE",
                    help="an override for one recipe's runs, in both trees (repeatable)")
+    p.add_argument("--set-new", action="append", default=[], metavar="RECIPE:KEY=VALUE",
+                   help="an override for one recipe's runs in this checkout only (repeatable)")
+    p.add_argument("--set-old", action="append", default=[], metavar="RECIPE:KEY=VALUE",
+                   help="an override for one recipe's runs in the older commit only (repeatable)")
     a = p.parse_args()
-    extra: dict[str, list[str]] = {}
-    for item in a.set:
-        recipe, sep, override = item.partition(":")
-        if not sep or "=" not in override:
-            p.error(f"--set {item!r}: expected RECIPE:key=value")
-        extra.setdefault(recipe, []).append(override)
+    extra: dict[tuple[str, str], list[str]] = {}
+    for flag, trees_of in (("set", ("new", "old")), ("set_new", ("new",)), ("set_old", ("old",))):
+        for item in getattr(a, flag):
+            recipe, sep, override = item.partition(":")
+            if not sep or "=" not in override:
+                p.error(f"--{flag.replace('_', '-')} {item!r}: expected RECIPE:key=value")
+            for name in trees_of:
+                extra.setdefault((recipe, name), []).append(override)
     work = Path(tempfile.mkdtemp(prefix="vs_commit_"))
     old = work / "old"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.ref], check=True,
@@ -71,7 +81,8 @@ def main() -> int:
             order = ["new", "old"] if r % 2 == 0 else ["old", "new"]
             for recipe in a.recipes.split(","):
                 for name in order:
-                    m = run_once(trees[name], recipe, a.steps, work / f"{name}-{recipe}-{r}", extra.get(recipe, []))
+                    m = run_once(trees[name], recipe, a.steps, work / f"{name}-{recipe}-{r}",
+                                 extra.get((recipe, name), []))
                     results.setdefault((recipe, name), []).append(m)
                     print(f"round {r + 1} {recipe:18s} {name}: step {m['step_s'] * 1000:6.1f} ms, "
                           f"{m['samples_per_s']:6.1f} samples/s, trainer busy {m['trainer_busy']:.2f}, "
