@@ -9,8 +9,6 @@ same index (Ray gives actors that share a GPU the same CUDA_VISIBLE_DEVICES). Te
 CUDA is present."""
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .layout import byte_views, pack_bucket
@@ -60,14 +58,8 @@ class CudaIpcRecv:
         self.timeout = cfg.timeout_s
 
     def receive(self, version, layout):
-        return layout.unpack(self.buf), self._buckets(version, layout)
-
-    def _buckets(self, version, layout):
         board = Board(self.segment, layout.num_buckets)
-        for i in range(layout.num_buckets):
-            crc = board.wait(i, version, time.monotonic() + self.timeout)
-            start, end = layout.span(i)
-            yield i, self.buf[start:end], crc
+        return layout.unpack(self.buf), board.landed(version, layout, self.buf, self.timeout)
 
     def close(self) -> None:
         self.buf = None

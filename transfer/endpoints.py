@@ -1,17 +1,11 @@
 """The two in-actor endpoints, Sender (in the trainer) and Receiver (in each engine), and the
 one interface every transport implements.
 
-An actor that holds weights creates one endpoint and forwards one generic remote method to it:
+An actor that holds weights creates one endpoint and forwards one remote method to it,
+`mesh(method, *args, **kwargs)`; the driver's TransferMesh calls only the public methods below
+(their names never overlap: one threaded colocated actor can host both endpoints).
 
-    self.mesh_endpoint = transfer.Receiver(target=self)
-    def mesh(self, method, *args, **kwargs):
-        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
-
-The driver's TransferMesh calls only the public methods below (the two endpoints' names never
-overlap, so one colocated actor can host both; it must then be threaded, max_concurrency >= 2).
-
-A transport is one module with one class per side of the wire (the two live in different
-processes), registered in TRANSPORT_CLASSES:
+A transport is one module with one class per side of the wire, registered in TRANSPORT_CLASSES:
 
   Send(mesh_id, receivers, cfg, party, staging)      in the sender
       prepare(snapshot) -> dict    ready for snapshot.version; what receivers connect with
@@ -24,10 +18,9 @@ processes), registered in TRANSPORT_CLASSES:
                                    checksum) of each bucket as it lands
       close()
 
-The endpoints own what transports share: packing (staging.py), the checksum of every bucket as
-it lands, copying it into the model, timings, and errors that name the receiver, the transport,
-the version and the bucket; the streaming transports' receiving loop is layout.stream_buckets.
-Every wait in a transport is bounded by cfg.timeout_s."""
+The endpoints own what transports share: packing (staging.py), each bucket's checksum as it
+lands, copying it into the model, timings, and errors naming receiver, transport, version and
+bucket. Every wait in a transport is bounded by cfg.timeout_s."""
 from __future__ import annotations
 
 import contextlib
@@ -91,14 +84,11 @@ class _SenderMesh:
 
 
 class Sender:
-    """The trainer's endpoint. `state_fn` returns the weights to publish (HF names); it is called
-    once per version, while the trainer is not stepping.
-
-    `adopt_fn` (optional, CPU weights): called once with views into the shared segment holding a
-    copy of the weights, one per name; the owner points its tensors at them (`param.data = view`)
-    and from then on keeps its weights there, so a version is published with no copy on the
-    sender: local receivers read them in place. The weights must then not change until publish
-    returns; a receiver that read a changing tensor fails its checksum, loudly."""
+    """The trainer's endpoint. `state_fn` returns the weights to publish (HF names), called once per
+    version while the trainer is not stepping. `adopt_fn` (optional, CPU weights) is called once with
+    views into the shared segment holding a copy of them: the owner keeps its weights there from then
+    on (`param.data = view`), so publishing copies nothing and local receivers read them in place. They
+    must not change until publish returns (a receiver that read a changing one fails its checksum)."""
 
     def __init__(self, state_fn: Callable[[], Mapping[str, torch.Tensor]],
                  device: str | torch.device | None = None,

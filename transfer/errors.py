@@ -3,34 +3,22 @@ from __future__ import annotations
 
 
 class TransferError(RuntimeError):
-    """A weight transfer failed: a timeout, a checksum mismatch, a dead party or a
-    mismatched model. The message always names the receiver, the transport, the version
-    and the bucket, so a failed sync is never a silent hang.
+    """A weight transfer failed: a timeout, a checksum mismatch, a dead party or a mismatched model.
+    The message names the receiver, the transport, the version and the bucket. `failures` maps
+    receiver -> its own TransferError when the mesh aggregates several; `metrics` carries what the
+    publish measured before it failed."""
 
-    `failures` maps receiver name -> its own TransferError when the mesh aggregates
-    several; `metrics` carries what the publish measured before it failed."""
-
-    def __init__(self, reason: str, *, receiver: str, transport: str,
-                 version: int | None, bucket: int | None = None,
-                 failures: dict[str, "TransferError"] | None = None,
-                 metrics: dict | None = None):
-        self.reason = reason
-        self.receiver = receiver
-        self.transport = transport
-        self.version = version
-        self.bucket = bucket
-        self.failures = failures or {}
-        self.metrics = metrics or {}
+    def __init__(self, reason: str, *, receiver: str, transport: str, version: int | None, bucket: int | None = None,
+                 failures: dict[str, "TransferError"] | None = None, metrics: dict | None = None):
+        self.reason, self.receiver, self.transport, self.version = reason, receiver, transport, version
+        self.bucket, self.failures, self.metrics = bucket, failures or {}, metrics or {}
         where = "before any bucket" if bucket is None else f"bucket {bucket}"
-        super().__init__(
-            f"receiver {receiver!r} via {transport}, version {version}, {where}: {reason}")
+        super().__init__(f"receiver {receiver!r} via {transport}, version {version}, {where}: {reason}")
 
-    def __reduce__(self):
-        # Ray pickles exceptions raised in actors; keyword-only fields need this.
-        return (_rebuild, (self.reason, self.receiver, self.transport, self.version,
-                           self.bucket, self.failures, self.metrics))
+    def __reduce__(self):       # Ray pickles exceptions raised in actors; keyword-only fields need this
+        fields = ("receiver", "transport", "version", "bucket", "failures", "metrics")
+        return _rebuild, (self.reason, {k: getattr(self, k) for k in fields})
 
 
-def _rebuild(reason, receiver, transport, version, bucket, failures, metrics):
-    return TransferError(reason, receiver=receiver, transport=transport, version=version,
-                         bucket=bucket, failures=failures, metrics=metrics)
+def _rebuild(reason: str, fields: dict) -> TransferError:
+    return TransferError(reason, **fields)

@@ -1,9 +1,8 @@
 """The byte layout of one version (tensors flattened into fixed-size buckets) and the bucket checksum.
 
-A version is one flat byte range: every tensor at a 64-byte-aligned offset, so a view of the flat
-buffer as any dtype is aligned, cut into buckets of `bucket_bytes`. A tensor may straddle buckets;
-buckets are what travel and get checksummed. The Layout (names, shapes, dtypes, offsets) is the
-metadata sent once per version; it is small and picklable."""
+A version is one flat byte range, every tensor at a 64-byte-aligned offset, cut into buckets of
+`bucket_bytes` (a tensor may straddle buckets): buckets travel and get checksummed. The Layout
+(names, shapes, dtypes, offsets) is the small metadata sent once per version."""
 from __future__ import annotations
 
 import bisect

@@ -1,23 +1,17 @@
 """nccl: GPU to GPU across devices or hosts, a broadcast on a communicator of the weight update's own.
 
-The communicator is CuPy's NCCL binding (`cupy.cuda.nccl.NcclCommunicator`): the sender is rank 0,
-its receivers 1..n. It is not a torch.distributed process group, so the trainer's own groups (its
-default group, Megatron's TP/PP/DP groups) are never joined or disturbed, and engines whose library
-runs torch.distributed itself (vLLM, SGLang) keep theirs. No TCPStore either: the handshake is NCCL's
-unique id, made by the sender link in `prepare()` and carried to every receiver in the link's
-address by the driver (through Ray, with the rest of the publish); each party then joins with
-(world size, unique id, its rank).
+The communicator is CuPy's NCCL binding, sender rank 0 and its receivers 1..n: not a
+torch.distributed group, so neither the trainer's groups nor an engine's own (vLLM, SGLang) are
+disturbed. The handshake is NCCL's unique id, made by the sender link in `prepare()` and carried to
+the receivers in the link's address by the driver.
 
-Per bucket, the sender broadcasts a 3-word header (version, index, checksum) and then the bytes,
-from one of two device buffers while it packs the next bucket into the other; each receiver lands
-the version in a device buffer and the Receiver verifies every bucket on the device. Joining and
-every broadcast are bounded by cfg.timeout_s: a party that does not join, or a broadcast that does
-not finish, aborts the communicator (a rebuilt link makes a new unique id).
+Per bucket the sender broadcasts a 3-word header (version, index, checksum), then the bytes, from
+one of two device buffers while it packs the next into the other; the Receiver verifies every bucket
+on the device. Joining and every broadcast are bounded by cfg.timeout_s; one that does not finish
+aborts the communicator (a rebuilt link makes a new unique id).
 
-CuPy is imported on first use (the `cupy` extra: `pip install 'loongsage[cupy]'`); a process
-without CUDA or CuPy does not offer this transport (topology.py), and a link built there anyway
-fails at once saying which is missing. Tested on GPUs by tests/test_transfer.py (2 GPUs) and
-benchmarks/gpu/transfer_check.py."""
+CuPy is imported on first use (`pip install 'loongsage[cupy]'`); a process without CUDA or CuPy
+does not offer this transport (topology.py)."""
 from __future__ import annotations
 
 import importlib.util

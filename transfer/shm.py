@@ -7,8 +7,6 @@ hands the target views into the shared pages. One copy on the sender however man
 there are, none when the trainer keeps its weights in the segment (the Sender's adopt_fn)."""
 from __future__ import annotations
 
-import time
-
 from .staging import Board, Segment
 
 
@@ -42,14 +40,7 @@ class ShmRecv:
 
     def receive(self, version, layout):
         data = self.segment.tensor(self.board_bytes, layout.total_bytes)
-        return layout.unpack(data), self._buckets(version, layout, data)
-
-    def _buckets(self, version, layout, data):
-        board, deadline = Board(self.segment, layout.num_buckets), time.monotonic() + self.timeout
-        for i in range(layout.num_buckets):
-            crc = board.wait(i, version, deadline)
-            start, end = layout.span(i)
-            yield i, data[start:end], crc
+        return layout.unpack(data), Board(self.segment, layout.num_buckets).landed(version, layout, data, self.timeout)
 
     def close(self) -> None:
         pass    # views handed out keep the mapping alive; it unmaps when they go

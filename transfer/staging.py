@@ -1,9 +1,8 @@
 """The sender's host copy of a version, packed once and shared by every CPU transport.
 
-The sender packs a version bucket by bucket into a shared-memory segment (a file in shm_dir,
-mapped) and announces each bucket on the segment's board. Local receivers map the same pages
-(that is the shm transport); gloo and zmq send each bucket from it as soon as it is packed. So
-bucket i travels while bucket i+1 packs, and no transport makes a copy per receiver."""
+The sender packs a version bucket by bucket into a shared-memory segment (a mapped file in shm_dir)
+and announces each bucket on the segment's board. Local receivers map the same pages (the shm
+transport); gloo and zmq send each bucket as soon as it is packed, while the next one packs."""
 from __future__ import annotations
 
 import itertools
@@ -74,10 +73,9 @@ def new_segment(shm_dir: str, mesh_id: str, size: int) -> Segment:
 
 
 class Board:
-    """Per-bucket (version, checksum) words at the head of a segment. The sender writes the
-    checksum, then the version; a reader that sees the version also sees the checksum and the
-    bucket's bytes (x86 keeps stores in order, and a torn read could not pass the checksum: it
-    would fail loudly, never silently)."""
+    """Per-bucket (version, checksum) words at the head of a segment. The sender writes the checksum,
+    then the version: a reader that sees the version sees the checksum and the bytes (x86 keeps stores
+    in order; a torn read would fail its checksum, loudly)."""
 
     def __init__(self, segment: Segment, num_buckets: int):
         self.words = np.frombuffer(segment.mm, dtype=np.int64, count=2 * num_buckets).reshape(num_buckets, 2)
@@ -102,6 +100,13 @@ class Board:
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)    # sub-ms latency early, cheap polling later
         return int(self.words[i, 1])
+
+    def landed(self, version: int, layout: Layout, data: torch.Tensor, timeout: float):
+        """(index, bytes in `data`, checksum) of each bucket of `version` as the sender announces it."""
+        for i in range(layout.num_buckets):
+            crc = self.wait(i, version, time.monotonic() + timeout)
+            start, end = layout.span(i)
+            yield i, data[start:end], crc
 
 
 class HostStaging:
