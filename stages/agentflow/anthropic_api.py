@@ -26,6 +26,7 @@ from stages.agentflow.protocol import (
     Protocol,
     Request,
     bad,
+    loads,
     new_id,
     span_pieces,
     sse_events,
@@ -113,19 +114,16 @@ def _tool_choice(choice, tools: list[dict], notes: list[str]) -> str | None:
     """None (auto), "none", "" (any tool) or the forced tool's name."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     names = [t["function"]["name"] for t in tools]
-    if choice is None or kind == "auto":
-        return None
     if kind == "tool" and choice.get("name") not in names:
         notes.append(f"tool_choice names {choice.get('name')!r}, a tool not served here: served as auto")
-        return None
-    if kind == "none":
-        return "none"
-    if kind == "any" and not tools:
+    elif kind == "any" and not tools:
         raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
-    if kind in ("any", "tool"):
-        return "" if kind == "any" else choice["name"]
-    raise bad(f"must be {{\"type\": \"auto\" | \"any\" | \"none\"}} or {{\"type\": \"tool\", \"name\": one of "
-              f"{names}}}, got {choice!r}", "tool_choice")
+    elif kind in ("any", "tool", "none"):
+        return {"any": "", "none": "none"}.get(kind, choice.get("name"))
+    elif choice is not None and kind != "auto":
+        raise bad(f"must be {{\"type\": \"auto\" | \"any\" | \"none\"}} or {{\"type\": \"tool\", \"name\": one of "
+                  f"{names}}}, got {choice!r}", "tool_choice")
+    return None
 
 
 # ---- messages -> chat messages ----------------------------------------------------------------------------------
@@ -220,10 +218,7 @@ def respond(req: Request, choices, session) -> dict | bytes:
         blocks.append({"type": "text", "text": gen.text})
         deltas.append(span_pieces(pieces, gen.text_span, gen.offset) if not gen.calls else [(gen.text, -1)])
     for call in gen.calls:
-        try:
-            args = json.loads(call["function"]["arguments"])
-        except ValueError:
-            args = call["function"]["arguments"]
+        args = loads(call["function"]["arguments"], call["function"]["arguments"])
         # tool input must be an object: a call whose arguments are not one keeps them under "arguments"
         blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                        "input": args if isinstance(args, dict) else {"arguments": args}})

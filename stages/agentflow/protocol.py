@@ -145,11 +145,9 @@ class Generation:
 
 
 def _strip_span(raw: str, a: int, b: int) -> tuple[int, int]:
-    while a < b and raw[a].isspace():
-        a += 1
-    while b > a and raw[b - 1].isspace():
-        b -= 1
-    return a, b
+    part = raw[a:b]
+    a += len(part) - len(part.lstrip())
+    return a, max(a, b - len(part) + len(part.rstrip()))
 
 
 def read_generation(raw: str, parse_calls: bool, reasoning: bool, prefix: str = "call_") -> Generation:
@@ -178,12 +176,17 @@ def with_reasoning(reasoning: str | None, content: str) -> str:
     return content if reasoning is None else f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
 
 
+def loads(text: str, default):
+    """`text` as JSON, or `default` where it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return default
+
+
 def custom_input(arguments: str) -> str:
     """A free-form (custom) tool's input from the call the model wrote: its `input` string, else the text."""
-    try:
-        args = json.loads(arguments)
-    except ValueError:
-        return arguments
+    args = loads(arguments, arguments)
     if isinstance(args, dict) and isinstance(args.get("input"), str):
         return args["input"]
     return args if isinstance(args, str) else arguments

@@ -8,14 +8,11 @@ events; no I/O.
     function_call {call_id, name, ...}  a tool call of the assistant turn it follows (or a new one)
     function_call_output {call_id, ...} tool message (its call_id must name an earlier function_call)
 
-`previous_response_id` names a response stored with this trajectory as the chat messages it ended with (`store`,
-default true; an unknown id is 400 previous_response_not_found, as OpenAI answers); `instructions` are not carried
-over by it. Codex's `namespace`
-tools are flattened (named `namespace.name` where another tool has the name; the call carries its namespace
-back); `custom` tools (free-form, e.g. apply_patch) are functions of one string `input`, their calls given back as
-`custom_tool_call`s. The output: a `reasoning` item when the text opens with `<think>`, a `message`, a call item
-per `<tool_call>` block; a completion cut by the token limit is `status: incomplete`. What is honoured, and what
-only noted: docs/harnesses.md.
+`previous_response_id` names a response stored with this trajectory as the chat messages it ended with, less
+its instructions (an unknown id is 400 previous_response_not_found, as OpenAI answers). The output: a `reasoning`
+item when the text opens with `<think>`, a `message`, a call item per `<tool_call>` block; a completion cut by the
+token limit is `status: incomplete`. Codex's namespace and custom tools, and what is honoured or only noted:
+docs/harnesses.md.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from stages.agentflow.chat import (
 from stages.agentflow.config import KINDS
 from stages.agentflow.harness import request_kind
 from stages.agentflow.limits import PromptLimit, RequestRejected, raise_if_failed
-from stages.agentflow.protocol import APIError, Generation, Request, bad, custom_input, read_generation
+from stages.agentflow.protocol import APIError, Generation, Request, bad, custom_input, loads, read_generation
 from stages.agentflow.stream import TokenStream
 
 MAX_TIPS = 64           # recent streams kept as extension candidates; older ones are dropped
@@ -391,10 +391,7 @@ _INVALID = object()
 
 def _json(v):
     """A tool call's arguments as a JSON value (a text is parsed), or _INVALID."""
-    try:
-        return json.loads(v) if isinstance(v, str) else v
-    except ValueError:
-        return _INVALID
+    return loads(v, _INVALID) if isinstance(v, str) else v
 
 
 def _common(a, b) -> int:
