@@ -34,27 +34,8 @@ TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prom
 # a block another stage has finished sits there until the timeout, on the path from rollout to
 # trainer. With run.data_wake=event (the default) each wait sleeps until the first task has output
 # (at most 0.1 s) and takes every ready one, so the executor wakes per hand-off. Ray Data has no
-# public setting for it: its executor-state module's `ray` is replaced (benchmarks/vs_commit.py,
-# quickstart_async, against run.data_wake=ray). Read against Ray 2.60, which pyproject.toml pins.
-RAY_DATA_TESTED = ("2.60",)
-
-
-def stream_poll_internals() -> list[str]:
-    """What set_stream_poll relies on that this Ray lacks (empty: all there)."""
-    import inspect
-
-    import ray
-    from ray.data._internal.execution import streaming_executor_state as state
-
-    missing = [f"streaming_executor_state.{n}" for n in ("WAIT_FOR_TASK_COMPLETION_TIMEOUT_S", "ray",
-                                                         "process_completed_tasks") if not hasattr(state, n)]
-    if not missing:
-        src = inspect.getsource(state.process_completed_tasks)
-        if "ray.wait(" not in src or "timeout=WAIT_FOR_TASK_COMPLETION_TIMEOUT_S" not in src:
-            missing.append("process_completed_tasks: ray.wait(..., timeout=WAIT_FOR_TASK_COMPLETION_TIMEOUT_S)")
-    if not ray.__version__.startswith(RAY_DATA_TESTED):
-        missing.append(f"ray {ray.__version__} (tested: {', '.join(RAY_DATA_TESTED)})")
-    return missing
+# public setting for it: compat/ray_api.py swaps what its executor calls `ray` (benchmarks/vs_commit.py,
+# quickstart_async, against run.data_wake=ray).
 
 
 def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
@@ -62,15 +43,16 @@ def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
     being taken (Ray's output budget) makes that wait poll every `seconds` instead, so it never spins.
     `wake="ray"`: Ray's own wait. Takes effect for streams already open. False (nothing changed) with
     "ray" or on a Ray Data without these internals."""
-    from ray.data._internal.execution import streaming_executor_state as state
+    from compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
 
     if wake not in ("event", "ray"):
         raise ValueError(f"run.data_wake must be event or ray, got {wake!r}")
-    if stream_poll_internals():
+    if executor_wait_internals():
         return False
-    real = state.ray._ray if isinstance(state.ray, _WakeOnOutput) else state.ray
-    state.ray = _WakeOnOutput(real) if wake == "event" else real
-    state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = float(seconds) if wake == "event" else _WakeOnOutput.MAX_SLEEP_S
+    real = executor_ray()
+    real = real._ray if isinstance(real, _WakeOnOutput) else real
+    set_executor_wait(_WakeOnOutput(real) if wake == "event" else real,
+                      float(seconds) if wake == "event" else _WakeOnOutput.MAX_SLEEP_S)
     return wake == "event"
 
 
@@ -212,6 +194,7 @@ def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int,
     What started is stopped again when a later part fails."""
     import ray
 
+    from compat.ray_api import executor_wait_internals
     from pipeline.cluster import init_ray, on_driver_node
     from pipeline.placement import Placement, plan_pools
     from pipeline.resources import plan_resources
@@ -222,7 +205,7 @@ def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int,
     init_ray(c, res.ray_num_cpus)
     if not set_stream_poll(c.run.data_wake) and c.run.data_wake != "ray":
         log(f"run.data_wake={c.run.data_wake}: not applied on this Ray Data, which changed what it relies on "
-            f"({'; '.join(stream_poll_internals())}); block hand-offs wait up to Ray's own 0.1 s")
+            f"({'; '.join(executor_wait_internals())}); block hand-offs wait up to Ray's own 0.1 s")
     lora, megatron = c.trainer.lora.enabled, c.trainer.backend == "megatron"
     a = Actors([], None, None, None, None, [], res, megatron)
     try:

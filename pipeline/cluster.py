@@ -115,25 +115,15 @@ def _fd2_to(path: Path):
         os.close(saved)
 
 
-@contextlib.contextmanager
 def _pushed_errors_to(logger: logging.Logger):
-    """Ray's error listener thread calls ray._private.worker.print_to_stdstream (looked up at each
-    call): while the block runs, it logs the lines instead. A Ray without it prints them as before."""
-    from ray._private import worker
-
-    printer = getattr(worker, "print_to_stdstream", None)
+    """While the block runs, the errors the cluster pushes to this driver are logged, not printed."""
+    from compat.ray_api import pushed_errors_to
 
     def to_log(data: dict, ignore_prefix: bool = False) -> None:
         for line in data.get("lines", []):
             logger.warning("(%s) %s", data.get("pid", "?"), line)
 
-    if printer is not None:
-        worker.print_to_stdstream = to_log
-    try:
-        yield
-    finally:
-        if printer is not None:
-            worker.print_to_stdstream = printer
+    return pushed_errors_to(to_log)
 
 
 def on_driver_node() -> dict:

@@ -4,8 +4,8 @@ Every process of a run that encodes or decodes loads the tokenizer through `load
 they agree on it. What makes it cheaper than a plain `AutoTokenizer.from_pretrained`:
 
 * transformers 5's BPE tokenizers keep the vocabulary and merges they were built from as Python
-  objects (`_vocab`, `_merges`) next to the Rust tokenizer that serves every call; they are let go
-  (BUILD_COPIES), and the parse's freed heap is handed back: a process holding Qwen's 151k-token
+  objects next to the Rust tokenizer that serves every call; they are let go (compat/transformers_api.py),
+  and the parse's freed heap is handed back: a process holding Qwen's 151k-token
   tokenizer holds ~105 MB (26%) less (benchmarks/tokenizer_memory.py).
 * `AutoTokenizer` reads the model's config to pick the class, and that import pulls in torch
   (~170 MB and ~3 s a process). A worker that needs only the tokenizer gets the class AutoTokenizer
@@ -27,9 +27,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# attributes transformers' tokenizer classes fill at construction and never read again: the Rust
-# tokenizer (`_tokenizer`) was built from them and holds its own copy; () keeps them
-BUILD_COPIES = ("_vocab", "_merges")
+from compat.transformers_api import drop_build_copies
+
 # tokenizer files larger than this are parsed one process at a time on a host (a 151k-token BPE: 18.6 MB)
 LARGE_TOKENIZER_BYTES = 4 * 2 ** 20
 LOAD_LOCK = Path(tempfile.gettempdir()) / "loongsage-tokenizer-load.lock"
@@ -123,10 +122,7 @@ def _tokenizer_class(cls: str):
 def release_build_copies(tok) -> None:
     """Drop the Python copies a tokenizer was built from (the Rust tokenizer serves every call) and
     hand the freed heap back to the system."""
-    if getattr(tok, "_tokenizer", None) is not None:
-        for name in BUILD_COPIES:
-            if isinstance(getattr(tok, name, None), (dict, list)):
-                setattr(tok, name, None)
+    drop_build_copies(tok)
     gc.collect()
     trim_heap()
 

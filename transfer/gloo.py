@@ -12,17 +12,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from compat.torch_api import gloo_group
+
 from .layout import landing_buffer, stream_buckets
 
 _generation = itertools.count()
 
 
 def _join(store, address: dict, rank: int, ip: str, td: timedelta) -> dist.ProcessGroupGloo:
-    """Join the link's group; blocks until all its ranks join (or the timeout)."""
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = td
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
-    return dist.ProcessGroupGloo(dist.PrefixStore(address["prefix"], store), rank, len(address["ranks"]) + 1, opts)
+    """Join the link's group, on the interface of `ip`; blocks until all its ranks join (or the timeout)."""
+    return gloo_group(dist.PrefixStore(address["prefix"], store), rank, len(address["ranks"]) + 1, ip, td)
 
 
 class GlooSend:

@@ -17,7 +17,6 @@ a few rows at a time (sampling.py).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import time
 from collections import deque
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compat.transformers_api import cache_kv, forward_kwargs, set_cache_kv
 from stages.agentflow.engine_contract import EngineBase, VersionGate, identity
 from stages.agentflow.limits import room
 from stages.agentflow.sampling import sample, seeded_uniform
@@ -64,16 +64,6 @@ class _Row:
         return len(self.seq) + self.budget
 
 
-def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, [batch, heads, length, head_dim]."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _set_kv(cache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for layer, (k, v) in zip(cache.layers, kv):
-        layer.keys, layer.values = k, v
-
-
 @dataclass
 class _Batch:
     """Rows' KV cache, left-padded: `mask` marks real cache columns per row; `pos` is the position id
@@ -89,7 +79,7 @@ class _Batch:
         idx = torch.tensor(keep)
         mask = self.mask[idx]
         lead = int((mask.sum(0) == 0).long().cumprod(0).sum())       # all-padding columns on the left
-        _set_kv(self.cache, [(k[idx, :, lead:], v[idx, :, lead:]) for k, v in _kv(self.cache)])
+        set_cache_kv(self.cache, [(k[idx, :, lead:], v[idx, :, lead:]) for k, v in cache_kv(self.cache)])
         return _Batch(self.cache, mask[:, lead:], self.pos[idx], None if self.last is None else self.last[idx])
 
     def join(self, b: _Batch) -> _Batch:
@@ -101,8 +91,8 @@ class _Batch:
             shape[dim] = width - shape[dim]
             return torch.cat([t.new_zeros(shape), t], dim=dim) if shape[dim] else t
 
-        _set_kv(self.cache, [(torch.cat([pad(ka, 2), pad(kb, 2)]), torch.cat([pad(va, 2), pad(vb, 2)]))
-                             for (ka, va), (kb, vb) in zip(_kv(self.cache), _kv(b.cache))])
+        set_cache_kv(self.cache, [(torch.cat([pad(ka, 2), pad(kb, 2)]), torch.cat([pad(va, 2), pad(vb, 2)]))
+                                   for (ka, va), (kb, vb) in zip(cache_kv(self.cache), cache_kv(b.cache))])
         return _Batch(self.cache, torch.cat([pad(self.mask, 1), pad(b.mask, 1)]), torch.cat([self.pos, b.pos]))
 
 
@@ -124,10 +114,7 @@ class HFEngine(EngineBase):
         torch.set_num_threads(self.threads)
         self._start(engine_id)
         self.model = load_model(model_path, dtype)
-        # asked of the HF model (a peft wrapper's forward takes **kwargs); transformers 5 renamed the cache argument
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._cache_kw, self._last_only = forward_kwargs(self.model)     # asked before a peft wrapper hides them
         self.adapter = SERVERS[lora.serve](self.model, lora) if lora is not None and lora.enabled else None
         if self.adapter is not None:
             self.model = self.adapter.model
@@ -154,7 +141,7 @@ class HFEngine(EngineBase):
         """KV cache bytes a token takes, measured (config fields differ by architecture)."""
         with torch.no_grad():
             o = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True, **self._last_only)
-        return max(1, sum(t.numel() * t.element_size() for kv in _kv(o[self._cache_kw]) for t in kv))
+        return max(1, sum(t.numel() * t.element_size() for kv in cache_kv(o[self._cache_kw]) for t in kv))
 
     # ---- identity / weights --------------------------------------------------------
     def info(self) -> dict:

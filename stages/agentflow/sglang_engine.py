@@ -26,7 +26,6 @@ import dataclasses
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+from compat.sglang_api import launch_command, request, serialize_tensors
 from stages.agentflow.engine_config import SGLangConfig
 from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
 from stages.agentflow.limits import model_limits
@@ -149,14 +149,7 @@ class SGLangEngine(EngineBase):
         if self.lora is not None:
             args |= lora_server_args(self.lora, self._lora_names)
         args |= dict(c.server_args)
-        cmd = [sys.executable, "-m", "sglang.launch_server"]
-        for k, v in args.items():
-            if v is True:
-                cmd.append(f"--{k}")
-            elif isinstance(v, (list, tuple)):
-                cmd += [f"--{k}", *map(str, v)]
-            elif v is not False and v is not None:
-                cmd += [f"--{k}", str(v)]
+        cmd = launch_command(args)
         self.log_path = os.path.join(tempfile.gettempdir(), f"loongsage-sglang-{self.engine_id}-{self.port}.log")
         log = open(self.log_path, "w")
         # its own session: the server and its TP workers are stopped as one group in close()
@@ -179,9 +172,7 @@ class SGLangEngine(EngineBase):
             return f.read()[-n:]
 
     def _http(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None):
-        import requests
-
-        return requests.request(method, self.url + path, json=payload, timeout=timeout or self.cfg.request_timeout_s)
+        return request(method, self.url, path, payload, timeout or self.cfg.request_timeout_s)
 
     def _post(self, path: str, payload: dict | None = None) -> dict:
         r = self._http("POST", path, payload or {})
@@ -210,8 +201,6 @@ class SGLangEngine(EngineBase):
         shared with the server's TP workers as CUDA IPC handles."""
         if self.lora is not None:
             return self._load_adapter(named_tensors, version)
-        from sglang.srt.utils import MultiprocessingSerializer
-
         buckets = list(self._buckets(named_tensors))
         with self._exclusive():
             if not buckets:     # no weights, only the clock (a resumed run): the server tags tokens with it
@@ -220,7 +209,7 @@ class SGLangEngine(EngineBase):
                 owned = [(n, t.to(self.device, copy=True)) for n, t in bucket]
                 torch.cuda.current_stream(self.device).synchronize()
                 last = i == len(buckets) - 1
-                blob = MultiprocessingSerializer.serialize(owned, output_str=True)
+                blob = serialize_tensors(owned)
                 self._post("/update_weights_from_tensor", {
                     "serialized_named_tensors": [blob] * self.tp,     # one payload per TP rank
                     "flush_cache": last, "weight_version": str(version) if last else None})

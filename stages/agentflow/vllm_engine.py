@@ -25,13 +25,14 @@ alone, served as LoRARequest v<version> (AdapterSlots); each row keeps the adapt
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from compat.torch_api import set_native_threads
+from compat.vllm_api import in_process_env, reload_weights, salted_prompt
 from stages.agentflow.engine_config import VLLMConfig
 from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
 from stages.agentflow.limits import failed_row, model_limits
@@ -64,16 +65,6 @@ class _Row:
 
     def result(self) -> dict:
         return {"response_ids": self.resp, "logprobs": self.lps, "versions": self.vers, "status": self.status}
-
-
-def _reload(worker, named: dict) -> None:
-    """In the worker (this process): load a complete HF state dict into the running model."""
-    worker.reload_weights(weights_iterator=iter(named.items()))
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)   # the tied head's packed weight, from the new embedding
 
 
 def check_lora(lora: LoraConfig) -> None:
@@ -118,10 +109,7 @@ class VLLMEngine(EngineBase):
 
     def _build(self, seed: int):
         """vLLM's LLMEngine, in this process (see the module docstring)."""
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")     # a shared machine: no core pinning
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ["OMP_NUM_THREADS"] = str(self.threads)    # else vLLM drops torch to 1 thread for serving
+        in_process_env(self.threads)
         torch.set_num_threads(self.threads)
         from vllm import EngineArgs, LLMEngine
 
@@ -149,7 +137,7 @@ class VLLMEngine(EngineBase):
             return self._load_adapter(named_tensors, version)
         with self._gate.updating(), self._lock:
             if named_tensors:       # empty: only the clock (a resumed run)
-                self.engine.collective_rpc(_reload, args=(named_tensors,))
+                reload_weights(self.engine, named_tensors)
                 self.engine.reset_prefix_cache()
             self._landed(version)
 
@@ -231,7 +219,7 @@ class VLLMEngine(EngineBase):
         # OpenMP's thread count is per native thread: vLLM's CPU attention sizes its plan in this thread and
         # fails ("thread_num == thread_num") if it differs from the count its kernels run with. torch's own
         # setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has started
-        torch._C.set_num_threads(self.threads)
+        set_native_threads(self.threads)
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._closed or self._pending or self._rows, timeout=IDLE_WAIT_S)
@@ -260,8 +248,7 @@ class VLLMEngine(EngineBase):
                     lora = LoRARequest(f"v{row.lora}", row.lora + 1, self._slots.path(row.lora))
                 # the version salts the prefix cache: a block computed under other weights is never reused
                 salt = f"v{row.lora if row.lora is not None else self.version}"
-                self.engine.add_request(row.rid, {"prompt_token_ids": row.prompt, "cache_salt": salt}, row.params,
-                                        lora_request=lora)
+                self.engine.add_request(row.rid, salted_prompt(row.prompt, salt), row.params, lora_request=lora)
             if aborted:
                 self.engine.abort_request([r.rid for r in aborted])
             outputs = self.engine.step() if self.engine.has_unfinished_requests() else []

@@ -13,6 +13,8 @@ import time
 import numpy as np
 import torch
 
+from compat.transformers_api import attn_implementation
+
 
 def encode_sft_rows(tok, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
     """Each row's token ids and labels (-100 = ignored by the loss), unpadded."""
@@ -47,7 +49,7 @@ def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: 
     model.train()
     # eager attention: on CPU at these sizes (64 rows x ~10 tokens, hidden 128) it measured 64 ms
     # a step against sdpa's 79 (2 threads); the saved model loads with the default again
-    attn = getattr(model.config, "_attn_implementation", None)
+    attn = attn_implementation(model)
     if attn == "sdpa" and next(model.parameters()).device.type == "cpu" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
     encoded = encode_sft_rows(tok, rows)      # once: tokenizing 64 rows cost ~10 ms a step
@@ -70,6 +72,6 @@ def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: 
         if log and (step % 100 == 0 or step == steps - 1):
             log(f"sft step {step}/{steps} loss {loss_v:.4f}")
     model.eval()
-    if attn == "sdpa" and model.config._attn_implementation != attn:
+    if attn == "sdpa" and attn_implementation(model) != attn:
         model.set_attn_implementation(attn)
     return {"loss": loss_v, "seconds": time.time() - t0}

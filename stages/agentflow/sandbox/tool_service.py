@@ -203,7 +203,7 @@ async def serve(host: str, port: int, **kw) -> None:
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]
+    bound = runner.addresses[0][1]
     print(f"listening on http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):     # a clean stop kills the sandbox workers too

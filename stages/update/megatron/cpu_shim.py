@@ -23,9 +23,12 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
+
+from compat.megatron_api import rng_state_names, set_rng_tracker
+from compat.torch_api import device_constructors
 
 _CPU = torch.device("cpu")
+_FACTORIES = device_constructors()      # the tensor factories that take device=
 
 
 def _to_cpu(device):
@@ -45,7 +48,7 @@ class _CudaAsCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
-        if "device" in kwargs and (func is torch.Tensor.to or func in _device_constructors()):
+        if "device" in kwargs and (func is torch.Tensor.to or func in _FACTORIES):
             kwargs["device"] = _to_cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1:     # t.to(device, ...): the device comes first
             args = (args[0], _to_cpu(args[1]), *args[2:])
@@ -64,16 +67,14 @@ def install(seed: int) -> None:
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda device=None: None   # CPU ops are synchronous already
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
 
     tracker = _CpuRNGStatesTracker()
+    data, model, expert = rng_state_names()
     # the same seeds model_parallel_cuda_manual_seed derives (2718: megatron's offset)
-    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME,
-                seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
-    mrandom._CUDA_RNG_STATE_TRACKER = tracker
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tracker.add(data, seed)
+    tracker.add(model, seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    tracker.add(expert, seed + 1024)
+    set_rng_tracker(tracker)
 
 
 def _tracker_base():

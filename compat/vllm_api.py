@@ -1,0 +1,41 @@
+"""vLLM internals (pinned by the `vllm` extra in pyproject.toml; checked by tests/test_compat.py in the vLLM tier)."""
+from __future__ import annotations
+
+import os
+
+
+def in_process_env(threads: int) -> None:
+    """The environment vLLM reads when an engine starts, for an `LLMEngine` in this process on a shared
+    CPU machine: VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core runs in this process, not a process
+    of its own), VLLM_CPU_OMP_THREADS_BIND=nobind (no core pinning) and VLLM_CPU_NUM_OF_RESERVED_CPU=0
+    unless set already, and OMP_NUM_THREADS=threads (vLLM's CPU worker sizes torch's threads from it,
+    else 1). These variables are vLLM's (vllm/envs.py), not a documented API."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def _reload(worker, named: dict) -> None:
+    """In the worker: load a complete HF state dict into the running model."""
+    worker.reload_weights(weights_iterator=iter(named.items()))
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)   # the tied head's packed weight, from the new embedding
+
+
+def reload_weights(engine, named: dict) -> None:
+    """Load a complete HF-named state dict (tensors) into a running `LLMEngine`'s model, in place.
+    `engine.collective_rpc` runs a function in each worker: the worker's `reload_weights` (HF names;
+    vLLM fuses q/k/v and gate/up itself), then `model_runner.get_model().lm_head.quant_method.
+    process_weights_after_loading`, since vLLM 0.32's CPU reload leaves a tied LM head's prepacked
+    weight on the old embedding. vLLM has no public call that loads weights into a running engine."""
+    engine.collective_rpc(_reload, args=(named,))
+
+
+def salted_prompt(ids: list[int], salt: str) -> dict:
+    """A token-ids prompt (`TokensPrompt`) whose prefix-cache blocks are keyed by `salt` too
+    (`cache_salt`): a block computed under other weights is never reused."""
+    return {"prompt_token_ids": ids, "cache_salt": salt}
