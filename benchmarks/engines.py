@@ -8,7 +8,7 @@
    until --seconds have passed; generated tokens over wall time.
 2. Time to land one weight version: a TorchTrainer actor publishes a version over the
    TransferMesh (shared memory) to the engine, which loads it between two steps (median of 5).
-3. End-to-end: configs/add_tiny.yaml with rollout.engine=hf and =vllm for --steps steps each:
+3. End-to-end: configs/add_tiny.yaml with engine.kind=hf and =vllm for --steps steps each:
    samples/s of training wall time (evaluations excluded) and the training time to 0.6 accuracy.
 Prints one table with the ratio vLLM / HF per row.
 """
@@ -97,7 +97,7 @@ def recipe(kind: str, bench: Path, steps: int, extra: list[str]) -> tuple[float,
     from pipeline.metrics import read_metrics
 
     cfg = load_config(str(ROOT / "configs" / "add_tiny.yaml"),
-                      bench_overrides(bench) + [f"rollout.engine={kind}", f"run.steps={steps}"] + extra)
+                      bench_overrides(bench) + [f"engine.kind={kind}", f"run.steps={steps}"] + extra)
     run_dir = Path(tempfile.mkdtemp(prefix=f"engines-{kind}-"))
     run(cfg, run_dir, log=lambda *_: None)
     curve = accuracy_curve(read_metrics(run_dir))

@@ -55,7 +55,9 @@ RECIPE = """\
 run: {{steps: 1, seed: 0}}
 model: {{path: {model}}}
 data: {{path: {data}}}
-rollout: {{n_samples: {n}, max_new_tokens: 16, temperature: 1.0, num_engines: 1}}
+rollout: {{n_samples: {n}}}
+sampling: {{max_new_tokens: 16, temperature: 1.0}}
+engine: {{count: 1}}
 batcher: {{groups_per_step: 1}}
 reward: {{fn: exact_match}}
 algorithm: {{name: grpo}}

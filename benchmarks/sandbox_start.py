@@ -143,7 +143,7 @@ def agent_start_ms(before: str, runs: int = 30) -> list[dict]:
     spawned (own root, network and cgroup, the forwarder) and forked by the zygote. Rounds alternate between them.
     Wall ms from spawn to exit, median and 90th percentile (CPU is not read: rusage does not follow the
     processes of a PID namespace's init that exits first)."""
-    from stages.agentflow.config import RolloutConfig
+    from stages.agentflow.config import AgentConfig
     from stages.agentflow.sandbox.agent_jail import Jail, Zygote, end
 
     d = Path(tempfile.mkdtemp(prefix="jail-before-"))
@@ -155,7 +155,7 @@ def agent_start_ms(before: str, runs: int = 30) -> list[dict]:
     script = d / "agent.py"        # the zygote forks `python SCRIPT.py` agents only
     script.write_text("pass\n")
     argv = [sys.executable, str(script)]
-    jail = Jail(RolloutConfig())
+    jail = Jail(AgentConfig())
 
     async def connect():
         raise OSError("no proxy: the agent makes no call")

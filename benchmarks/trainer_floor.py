@@ -195,14 +195,14 @@ def main() -> None:
         del bare
 
         torch.set_num_threads(threads)
-        local = TorchTrainer(model, tcfg, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        local = TorchTrainer(model, tcfg, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_new_tokens)
         if a.profile and r == 0:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 local.train_step(tables[0])
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), flush=True)
-            local = TorchTrainer(model, tcfg, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+            local = TorchTrainer(model, tcfg, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_new_tokens)
         local.train_step(tables[0])
         t0 = time.perf_counter()
         for t in tables:
@@ -211,7 +211,7 @@ def main() -> None:
         del local
 
         actor = ray.remote(TorchTrainer).options(num_cpus=res.trainer_cpus).remote(
-            model, tcfg, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+            model, tcfg, cfg.algorithm, cfg.sampling.temperature, cfg.sampling.max_new_tokens)
         ray.get(actor.info.remote())
         refs = [ray.put(t) for t in tables]
         ray.get(actor.train_step.remote(refs[0]))

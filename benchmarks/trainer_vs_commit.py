@@ -36,7 +36,7 @@ args = json.loads(sys.argv[1])
 cfg = load_config(args["recipe"], args["overrides"])
 tables = [pq.read_table(p) for p in args["steps"]]
 tr = TorchTrainer(args["model"], dataclasses.replace(cfg.trainer, num_threads=args["threads"]), cfg.algorithm,
-                  cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.model.dtype)
+                  cfg.sampling.temperature, cfg.sampling.max_new_tokens, cfg.model.dtype)
 tr.train_step(tables[0])                 # warm-up: allocator, kernels, optimizer state
 times = []
 for t in tables:

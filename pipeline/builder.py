@@ -1,17 +1,14 @@
 """The pipeline builder, and the actors a run starts for it.
 
-    Pipeline([PromptSource(...), Stage(AgentFlowRollout, cfg.rollout, engines, gate, ...),
+    Pipeline([PromptSource(...), Stage(AgentFlowRollout, engines, gate, ..., sampling=cfg.sampling, ...),
               Stage(Reward, cfg.reward, ...)])
 
-A pipeline is a source and map stages. The map stages run as Ray Data streaming `map_batches`
-over `pyarrow.Table` batches, each in its own actor pool (a stage's heavy state loads once per
-actor); the window and the trainer take the stream from there (pipeline/window.py, loop.py).
-Columns are checked when the pipeline is built: a stage that needs a column no earlier stage
-produces, or a stream without what the window and the trainer read, fails here, before anything runs.
+A pipeline is a source and map stages, which run as Ray Data streaming `map_batches` over
+`pyarrow.Table` batches, each in its own actor pool; the window and the trainer take the stream from
+there. Columns are checked when the pipeline is built, before anything runs.
 
-`start_actors` starts what the pipeline runs against: the rollout engines and the trainer (placed,
-and sized by the one resource plan, pipeline/resources.py), the window gate, and the TransferMesh
-from the trainer to the engines.
+`start_actors` starts what the pipeline runs against: the engines and the trainer (placed and sized
+by pipeline/resources.py), the window gate, and the TransferMesh from the trainer to the engines.
 """
 from __future__ import annotations
 
@@ -90,12 +87,8 @@ class PipelineError(ValueError):
 
 class Stage:
     """A map stage: a callable class `cls(*args, **kwargs)` with `__call__(pa.Table) -> pa.Table`.
-
-    workers: actor pool size; num_cpus: logical CPUs per actor (threads are the stage's
-    business); batch_rows: rows per call (None = one group block per call);
-    max_concurrency: concurrent calls per actor (a threaded actor when > 1); num_gpus: GPUs
-    per actor; tasks_in_flight: calls queued per actor.
-    """
+    workers: actor pool size; num_cpus / num_gpus: per actor; batch_rows: rows per call (None: one
+    group block); max_concurrency: concurrent calls per actor; tasks_in_flight: calls queued per actor."""
 
     def __init__(self, cls: type, *args, workers: int = 1, num_cpus: float = 0.1, batch_rows: int | None = None,
                  inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1,
@@ -211,7 +204,7 @@ def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int,
     try:
         if c.placement.mode != "none":      # placement groups when the recipe asks for them (a cluster)
             ranks, group = (c.megatron.world_size, c.megatron.tensor_parallel) if megatron else (1, 1)
-            a.placement = Placement(plan_pools(c.placement, ranks, group, c.rollout.num_engines), c.placement.timeout_s)
+            a.placement = Placement(plan_pools(c.placement, ranks, group, c.engine.count), c.placement.timeout_s)
         a.engines = start_engines(c, model_path, res, a.placement, special_ids)
         a.trainer = start_trainer(c, model_path, res, a.placement)
         a.gate = ray.remote(Gate).options(num_cpus=0, **on_driver_node()).remote(
@@ -241,11 +234,11 @@ def check_lora(c, model_path: str) -> None:
 
     try:
         targets = check_targets(c.trainer.lora, model_path)
-        if c.rollout.engine == "vllm":
+        if c.engine.kind == "vllm":
             from stages.agentflow.vllm_engine import check_lora as check
 
             check(c.trainer.lora)
-        elif c.rollout.engine == "sglang":
+        elif c.engine.kind == "sglang":
             from stages.agentflow.sglang_engine import check_lora_targets
 
             check_lora_targets(c.trainer.lora, model_path, targets)
@@ -254,13 +247,13 @@ def check_lora(c, model_path: str) -> None:
 
 
 def _engines():
-    """rollout.engine -> (engine class, extra constructor arguments from the config)."""
+    """engine.kind -> (engine class, extra constructor arguments from the config)."""
     from stages.agentflow.engine import HFEngine
     from stages.agentflow.sglang_engine import SGLangEngine
     from stages.agentflow.vllm_engine import VLLMEngine
 
-    return {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.rollout.engine_max_rows,
-                                                  c.rollout.kv_cache_mb, special)),
+    return {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.engine.max_rows,
+                                                  c.engine.kv_cache_mb, special)),
             "vllm": (VLLMEngine, lambda c, special: (c.vllm, c.trainer.lora)),
             "sglang": (SGLangEngine, lambda c, special: (c.sglang, c.trainer.lora))}
 
@@ -271,13 +264,13 @@ def start_engines(c, model_path: str, res, placement=None, special_ids: tuple[in
 
     from pipeline import seeds
 
-    cls, extra = _engines()[c.rollout.engine]
+    cls, extra = _engines()[c.engine.kind]
     if placement is not None:
         opts = placement.options("rollout")
     else:
-        gpus = {"num_gpus": c.sglang.tp} if c.rollout.engine == "sglang" else {}
-        opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.rollout.num_engines
-    return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.rollout.engine_restarts).remote(
+        gpus = {"num_gpus": c.sglang.tp} if c.engine.kind == "sglang" else {}
+        opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.engine.count
+    return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.engine.restarts).remote(
         model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}",
         *extra(c, special_ids))
         for i, o in enumerate(opts)]
@@ -290,7 +283,7 @@ def start_trainer(c, model_path: str, res, placement=None):
 
     trainer_cfg = dataclasses.replace(c.trainer, num_threads=res.trainer_threads,
                                       lr_decay_steps=c.trainer.lr_decay_steps or c.run.steps)   # 0: over the run
-    args = (c.algorithm, c.rollout.temperature, c.rollout.max_new_tokens, c.model.dtype)
+    args = (c.algorithm, c.sampling.temperature, c.sampling.max_new_tokens, c.model.dtype)
     if c.trainer.backend == "megatron":
         from stages.update.megatron.launch import launch
 

@@ -1,12 +1,12 @@
-"""Recipe config: frozen dataclasses, one per stage, mirrored 1:1 in YAML.
+"""Recipe config: frozen dataclasses, one per concern, mirrored 1:1 in YAML.
 
-A recipe file is a mapping `section -> {key: value}`; each section is the config
-dataclass of one stage, defined next to that stage in a module that imports neither torch
-nor Ray, so a recipe is read and refused (a bad key or value) in a fraction of a second. Command-line overrides are
-`section.key=value` (values parsed as YAML). Any unknown section or key is an error
-that lists the valid ones, so a typo never silently runs the default. Every refusal is a
-ConfigError of one line: a hostile file (too big, not UTF-8, nested too deep, an alias bomb)
-included, and no message formats a value whole.
+A recipe file is a mapping `section -> {key: value}`; each section is the config dataclass of one
+concern (sampling, agent, engine, ...), which a stage receives as it is; defined next to its stage in a module that
+imports neither torch nor Ray, so a recipe is read and refused (a bad key or value) in a fraction of a second.
+Command-line overrides are `section.key=value` (values parsed as YAML). Any unknown section or key is an error
+that lists the valid ones (a key of the earlier layout names its new place: MOVED), so a typo never silently runs
+the default. Every refusal is a ConfigError of one line: a hostile file (too big, not UTF-8, nested too deep, an
+alias bomb) included, and no message formats a value whole.
 """
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ from pipeline import seeds
 from pipeline.placement import PlacementConfig
 from pipeline.replay_config import ReplayConfig
 from pipeline.trackers import TrackerConfig
-from stages.agentflow.config import RolloutConfig
-from stages.agentflow.engine_config import SGLangConfig, VLLMConfig
+from stages.agentflow.config import AgentConfig, ProxyConfig, RolloutConfig, SamplingConfig
+from stages.agentflow.engine_config import EngineConfig, SGLangConfig, VLLMConfig
+from stages.agentflow.sandbox.pool import SandboxConfig
+from stages.agentflow.sandbox.tool_service import ToolServiceConfig
 from stages.batcher_config import BatcherConfig
-from stages.keys import NONNEG, POSITIVE, check_of, key, one_of, problem
+from stages.keys import NONNEG, POSITIVE, check_fields, check_of, key, one_of, problem
 from stages.model_config import ModelConfig
 from stages.prompts_config import DataConfig
 from stages.reward_config import RewardConfig
@@ -59,15 +61,13 @@ class RunConfig:
     checkpoint_every: int = key(0, "write a checkpoint every N steps (0 = only at the end)", NONNEG)
     resume_from: str = key("", "a checkpoint dir (RUN/checkpoints/step_N) to continue from, or latest: the run dir's "
                                "newest intact one")
-    log_every: int = key(1, "metrics line period in steps (not read yet: every step writes one)", POSITIVE)
     data_wake: str = key("event", "Ray Data's executor wakes when a task has output (event), or as Ray ships it "
                                   "(ray: every 0.1 s, no patch of its internals)", one_of("event", "ray"))
     node_wait_s: float = key(120.0, "a Ray node holding engines died: seconds to wait for them to be restarted "
                                     "elsewhere before the run stops with a resumable checkpoint", NONNEG)
 
     def __post_init__(self):
-        if self.seed < 0:
-            raise ValueError(f"run.seed must be >= 0, got {self.seed}")
+        check_fields(self, "run")
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,13 @@ class Config:
     run: RunConfig = key(RunConfig, "run-level settings: steps, seed, Ray, checkpoints, resume")
     model: ModelConfig = key(ModelConfig, "the policy model: a local HF directory or the built-in tiny model")
     data: DataConfig = key(DataConfig, "the prompt dataset and its columns")
-    rollout: RolloutConfig = key(RolloutConfig, "generation: samples per prompt, agents, engines, asynchrony, the "
-                                                "black-box proxy")
+    rollout: RolloutConfig = key(RolloutConfig, "rollout scheduling: samples per prompt, workers, asynchrony")
+    sampling: SamplingConfig = key(SamplingConfig, "what each model call samples: tokens, temperature, top_p")
+    agent: AgentConfig = key(AgentConfig, "the agent each sample runs, its limits, the jail of a cmd: agent")
+    proxy: ProxyConfig = key(ProxyConfig, "the black-box agents' OpenAI/Anthropic-compatible endpoint")
+    engine: EngineConfig = key(EngineConfig, "the rollout engines: kind, count, the hf engine's KV cache")
+    sandbox: SandboxConfig = key(SandboxConfig, "code sandbox of the `sandbox` agent")
+    tool_service: ToolServiceConfig = key(ToolServiceConfig, "the sandbox agent's remote tool service (sandbox.remote)")
     reward: RewardConfig = key(RewardConfig, "the reward function and its workers")
     batcher: BatcherConfig = key(BatcherConfig, "how collected groups become a training step")
     algorithm: AlgorithmConfig = key(AlgorithmConfig, "the RL objective: preset, advantage, surrogate loss, KL, IS "
@@ -88,10 +93,20 @@ class Config:
     trackers: TrackerConfig = key(TrackerConfig, "experiment trackers the metrics also go to")
     teacher: TeacherConfig = key(TeacherConfig, "teachers for on-policy distillation")
     megatron: MegatronConfig = key(MegatronConfig, "Megatron-core parallelism; used when trainer.backend=megatron")
-    sglang: SGLangConfig = key(SGLangConfig, "SGLang engines; used when rollout.engine=sglang")
-    vllm: VLLMConfig = key(VLLMConfig, "the vLLM engines; used when rollout.engine=vllm (docs/vllm.md)")
+    sglang: SGLangConfig = key(SGLangConfig, "SGLang engines; used when engine.kind=sglang")
+    vllm: VLLMConfig = key(VLLMConfig, "the vLLM engines; used when engine.kind=vllm (docs/vllm.md)")
     placement: PlacementConfig = key(PlacementConfig, "Ray placement groups on a cluster")
 
+
+# keys of the earlier layout (one `rollout:` section of six concerns) -> where they are now: refused by name
+MOVED = {f"rollout.{k}": f"{s}.{k.removeprefix(s + '_')}" for s, keys in (
+    ("sampling", "max_new_tokens max_prompt_tokens temperature top_p"),
+    ("proxy", "proxy_host proxy_port proxy_max_body_mb proxy_force_sampling"),
+    ("engine", "engine_threads engine_max_rows engine_restarts engine_retries kv_cache_mb"),
+    ("agent", "agent_preload agent_home agent_binds agent_env agent_procs agent_memory_mb agent_tmp_mb max_turns "
+              "max_trajectory_tokens max_agents timeout_s train_segments")) for k in keys.split()}
+MOVED |= {"rollout.agent": "agent.name", "rollout.agent_sandbox": "agent.jail", "rollout.engine": "engine.kind",
+          "rollout.num_engines": "engine.count", "rollout.sandbox": "sandbox", "rollout.tool_service": "tool_service"}
 
 MAX_BYTES = 2**20      # a recipe is a few KB of YAML: a bigger file is refused before it is parsed
 MAX_DEPTH = 64         # nesting levels: PyYAML composes recursively, so 50,000 levels overflow Python's stack
@@ -224,9 +239,10 @@ def _build(cls, data, where: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ConfigError(f"unknown key {where + '.' if where else ''}{_cut(str(unknown[0]), 80)}; valid keys"
-                          f"{' of ' + where if where else ''}: {', '.join(names)}")
+    if unknown:     # a key of the earlier layout is named with its new place
+        moved = [f"{where}.{k} is now {MOVED[f'{where}.{k}']}" for k in unknown if f"{where}.{k}" in MOVED]
+        raise ConfigError("; ".join(moved) or f"unknown key {where + '.' if where else ''}{_cut(str(unknown[0]), 80)}"
+                          f"; valid keys{' of ' + where if where else ''}: {', '.join(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k, v in kwargs.items():
@@ -292,8 +308,8 @@ def check_names(cfg: Config) -> None:
     if mb and step_samples % mb:
         raise ConfigError(f"trainer.mini_batch_size={mb} does not divide batcher.groups_per_step x "
                           f"rollout.n_samples = {step_samples}")
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e '.[vllm]' (docs/vllm.md)")
+    if cfg.engine.kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine.kind=vllm needs vLLM: pip install -e '.[vllm]' (docs/vllm.md)")
     if cfg.algorithm.distill_coef and cfg.trainer.backend != "torch":
         raise ConfigError("algorithm.distill_coef > 0 needs trainer.backend=torch (the Megatron trainer has no "
                           "distillation term yet)")
@@ -312,10 +328,10 @@ def check_names(cfg: Config) -> None:
                 raise ValueError(f"{name} {path!r}: no such file or directory")
         from stages.agentflow.sandbox import jail
 
-        if cfg.rollout.agent.startswith("cmd:"):
-            jail.require(cfg.rollout)
-        if cfg.rollout.agent == "sandbox" and cfg.rollout.sandbox.isolation != "none":
-            jail.require_bwrap("rollout.sandbox.isolation")
+        if cfg.agent.name.startswith("cmd:"):
+            jail.require(cfg.agent)
+        if cfg.agent.name == "sandbox" and cfg.sandbox.isolation != "none":
+            jail.require_bwrap("sandbox.isolation")
     except ValueError as e:
         raise ConfigError(_cut(" ".join(str(e).split()), 400)) from e     # one line, whatever the user's module said
 

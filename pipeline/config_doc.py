@@ -22,7 +22,7 @@ REGENERATE = "python -m pipeline.config_doc > docs/config.md"
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    key: str        # dotted, e.g. rollout.sandbox.workers
+    key: str        # dotted, e.g. sandbox.workers
     type: str
     default: str
     accepts: str

@@ -50,16 +50,11 @@ from stages.teacher import TeacherScoring, check_teachers, teacher_metrics
 from stages.tokenizer import stage_tokenizer, tokenizer_class_of
 from transfer import TransferError
 
-# A stream chunk is a new Ray Data execution whose actor pools start afresh (seconds): chunks are as
-# long as CHUNK_BYTES of prompt rows allows (memory holds a chunk's prompt blocks, not the run's, and
-# a long run's stream opens in seconds: benchmarks/stream_chunks.py), between CHUNK_STEPS_MIN and
-# CHUNK_STEPS_MAX steps.
+# A stream chunk is a new Ray Data execution whose actor pools start afresh (seconds): chunks hold
+# up to CHUNK_BYTES of prompt rows (memory holds a chunk's prompt blocks, not the run's), between
+# CHUNK_STEPS_MIN and CHUNK_STEPS_MAX steps.
 CHUNK_BYTES = 64 * 2**20
 CHUNK_STEPS_MIN, CHUNK_STEPS_MAX = 50, 2000
-# The stream opens before the step-0 evaluation, its dispatch held at the gate until the run's clock
-# starts: its actor pools spawn and its first prompt blocks are cut while the engines evaluate. The
-# quickstart's first step comes twice as soon (benchmarks/vs_commit.py, against it off).
-EARLY_STREAM = True
 
 
 def chunk_groups(c: Config, prompts, steps: int) -> int:
@@ -76,7 +71,7 @@ class Controller:
         """Everything that can be wrong is found here, before an actor exists."""
         cfg = seeds.resolve(cfg)    # a Config built in code, not by load_config, gets its seeds here
         check_names(cfg)
-        load_agent(cfg.rollout.agent, cfg.rollout.agent_preload)
+        load_agent(cfg.agent.name, cfg.agent.preload)
         self.cfg, self.run_dir, self.on_step, self.log = cfg, Path(run_dir), on_step, log
         self.model_path = resolve_model_path(cfg.model, log=log, check_tokenizer=False)   # loaded below
         check_lora(cfg, self.model_path)
@@ -84,9 +79,8 @@ class Controller:
         self.state = {"step": 0, "version": 0, "done_seqs": []}      # the clock and the settled groups
         if self.resume:
             self.state, self.model_path = ckpt.resume_state(self.resume, self.model_path, cfg.trainer.lora.enabled)
-        # The driver's one tokenizer load: what workers need to load theirs by class (no AutoTokenizer,
-        # no torch), the special ids HF engines need (they load none), what checkpoints copy (the trainer
-        # then loads none), and evaluation's encoding.
+        # The driver's one tokenizer load: its class for the workers (loaded without torch), the special
+        # ids HF engines need, what checkpoints copy, and evaluation's encoding.
         tok = load_tokenizer(self.model_path)
         self.tok_class, self.special_ids = tokenizer_class_of(tok), (tok.eos_token_id, tok.pad_token_id)
         self.tokenizer_staged = stage_tokenizer(tok, tempfile.mkdtemp(prefix="loongsage-tokenizer-"))
@@ -108,8 +102,8 @@ class Controller:
         self.engines, self.trainer, self.mesh = a.engines, a.trainer, a.mesh
         self.pipeline = Pipeline([
             self.source,
-            Stage(AgentFlowRollout, c.rollout, a.engines, a.gate, self.model_path, self.tok_class,
-                  workers=c.rollout.num_workers, num_cpus=a.res.worker_cpus),
+            Stage(AgentFlowRollout, a.engines, a.gate, self.model_path, self.tok_class, workers=c.rollout.num_workers,
+                  num_cpus=a.res.worker_cpus, **{s: getattr(c, s) for s in AgentFlowRollout.sections}),
             *([Stage(TeacherScoring, c.teacher, self.model_path, a.res.engine_threads, workers=c.teacher.workers,
                      num_cpus=a.res.worker_cpus)] if c.teacher.enabled else []),
             Stage(Reward, c.reward, self.model_path, c.rollout.nice, self.tok_class, num_cpus=a.res.worker_cpus)])
@@ -158,8 +152,9 @@ class Controller:
             checkpoint_every=c.run.checkpoint_every)
         try:
             with self.faults, interrupts(loop.stop, self._on_interrupt) as signals:
-                if EARLY_STREAM:
-                    loop.start()
+                # the stream opens before the step-0 evaluation, its dispatch held at the gate: its actor
+                # pools spawn and its first blocks are cut while the engines evaluate
+                loop.start()
                 initial = self._evaluate() if self.evaluator else {}
                 window.open()
                 self._t_step = time.time()

@@ -1,15 +1,11 @@
-"""Held-out accuracy of a policy *through its agent*: every test prompt runs the recipe's
-`rollout.agent` (tool calls, environment turns, subprocess agents) and is scored by its
-reward, exactly as in training.
-
-The controller's periodic eval does the same on the live engines when `rollout.agent` is not
-`single_turn`; this command measures any checkpoint offline, the same way:
+"""Held-out accuracy of any checkpoint *through its agent*, offline, as the controller's periodic eval
+measures it on the live engines: every test prompt runs the recipe's `agent.name` and is scored by
+its reward, exactly as in training.
 
     python -m pipeline.eval_agent configs/agent_tool.yaml [--model DIR] [--prompts 200] [key=value ...]
 
---model is an HF directory (a run's checkpoints/step_N); without it, the recipe's own
-model (the cached built-in one when model.path is ""). Prints one JSON line:
-{"accuracy": fraction of samples with reward 1, "reward_mean", "turns", "tool_calls", "failed", "n"}.
+--model is an HF directory (default: the recipe's model). Prints one JSON line: accuracy (the
+fraction of samples with reward 1), reward_mean, turns, tool_calls, failed, n.
 """
 from __future__ import annotations
 
@@ -32,7 +28,7 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -
     if prompts is None:
         raise ValueError("eval_agent needs held-out prompts: set data.test_path (or use a builtin: data.path)")
     engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(
-        model_path, cfg.model.dtype, derive(cfg.run.seed, "engine", 0), kv_cache_mb=cfg.rollout.kv_cache_mb)
+        model_path, cfg.model.dtype, derive(cfg.run.seed, "engine", 0), kv_cache_mb=cfg.engine.kv_cache_mb)
     stage = eval_rollout(cfg, [engine], model_path)
     try:
         m = run_eval(stage, Reward(cfg.reward, model_path), prompts, n_samples)

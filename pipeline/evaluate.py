@@ -1,10 +1,8 @@
 """Held-out evaluation: eval/accuracy (the fraction of samples with reward 1) and friends.
 
-Samples at `eval.temperature` (the training temperature by default) and scores with the run's
-reward function. A run whose agent is `single_turn` generates straight on the engines; any other
-agent (multi-turn, tools, black-box programs) runs as in training, through an AgentFlowRollout on
-the live engines, so its accuracy is what training moves. `python -m pipeline.eval_agent` runs the
-latter on any checkpoint.
+Samples at `eval.temperature` and scores with the run's reward function. A `single_turn` agent
+generates straight on the engines; any other runs as in training, through an AgentFlowRollout on
+the live engines, so its accuracy is what training moves (pipeline/eval_agent.py: any checkpoint).
 """
 from __future__ import annotations
 
@@ -46,9 +44,9 @@ class Evaluator:
 
     def __call__(self, engines: list) -> dict:
         c = self.cfg
-        if c.rollout.agent == "single_turn":
+        if c.agent.name == "single_turn":
             return evaluate(engines, self.reward, self.prompts, self.tok, c.eval.temperature,
-                            c.rollout.max_new_tokens, c.eval.n_samples, seed=seeds.derive(c.run.seed, "eval"))
+                            c.sampling.max_new_tokens, c.eval.n_samples, seed=seeds.derive(c.run.seed, "eval"))
         if self._rollout is None:
             self._rollout = eval_rollout(c, engines, self.model_path, self.tok_class)
         return evaluate_agent(self._rollout, self.reward, self.prompts, c.eval.n_samples)
@@ -64,8 +62,9 @@ def eval_rollout(cfg, engines: list, model_path: str, tok_class: str = ""):
     from stages.agentflow.rollout import AgentFlowRollout
 
     seed = seeds.derive(cfg.run.seed, "eval")
-    return AgentFlowRollout(dataclasses.replace(cfg.rollout, temperature=cfg.eval.temperature, seed=seed), engines,
-                            None, model_path, tok_class)
+    sections = {s: getattr(cfg, s) for s in AgentFlowRollout.sections}
+    sections["sampling"] = dataclasses.replace(cfg.sampling, temperature=cfg.eval.temperature, seed=seed)
+    return AgentFlowRollout(engines, None, model_path, tok_class, **sections)
 
 
 def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,

@@ -6,23 +6,21 @@
     ...
     placement.remove()
 
-A pool's workers are cut into groups of `group` consecutive workers (a tensor-parallel group:
-megatron numbers TP ranks fastest); each group is one STRICT_PACK placement group, so its ranks
-share a node, while groups may land on different nodes. An engine spanning several GPUs is one
-worker with `gpus=k` in one bundle. Colocated (`colocate_with="trainer"`): worker i shares bundle i
-of the host pool, the same GPU, so weight sync can use CUDA IPC. Custom Ray resources pin a pool to
-the nodes that carry them (`placement.trainer_resources: {trainer_node: 0.01}`).
+A pool's workers are cut into groups of `group` consecutive workers (a tensor-parallel group); each
+group is one STRICT_PACK placement group, so its ranks share a node. An engine spanning several GPUs
+is one worker with `gpus=k`. Colocated (`colocate_with="trainer"`): worker i shares bundle i of the
+host pool, the same GPU (weight sync over CUDA IPC). Custom Ray resources pin a pool to the nodes
+that carry them (`placement.trainer_resources: {trainer_node: 0.01}`).
 
-All-or-nothing and bounded in time: a cluster that cannot hold a group makes `Placement(...)`
-raise naming the pool, the bundles and what the cluster has, never actors pending forever. Ray is
-imported when a placement is made: the `placement:` recipe section (PlacementConfig) is checked without it.
+All-or-nothing and bounded in time: a cluster that cannot hold a group makes `Placement(...)` raise
+naming the pool, the bundles and what the cluster has, never leaves actors pending forever.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from stages.keys import NONNEG, POSITIVE, key, one_of
+from stages.keys import NONNEG, POSITIVE, check_fields, key, one_of
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,7 @@ class PlacementConfig:
                                                  " role")
 
     def __post_init__(self):
-        if self.mode not in ("none", "disaggregated", "colocated"):
-            raise ValueError(f"placement.mode must be none, disaggregated or colocated, got {self.mode!r}")
+        check_fields(self, "placement")
         if self.mode == "colocated" and self.trainer_gpus + self.engine_gpus > 1:
             raise ValueError("placement.mode=colocated shares one GPU: trainer_gpus + engine_gpus must be <= 1")
         for role, res in (("trainer", self.trainer_resources), ("engine", self.engine_resources)):

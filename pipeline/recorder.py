@@ -2,11 +2,10 @@
 
     rollouts/step=000001/part-0.parquet     rows of step 1, in the order they were trained
 
-A hive-partitioned Parquet dataset (`ray.data.read_parquet`, `pyarrow.dataset` and `pandas.read_parquet`
-read it with `step` as a column), written a step at a time as it is consumed. A file is written whole
-or not at all (`write_atomic`); a recording holds every prompt and completion, so its directories are
-0700 and its files 0600. File metadata carries the schema version, the step and the group size;
-`Recording.open` checks every file before anything reads rows, so replay never trains on partial rows.
+A hive-partitioned Parquet dataset (Ray, pyarrow and pandas read `step` as a column), written a step at
+a time, each file whole or not at all; it holds every prompt and completion, so it is 0700 / 0600.
+File metadata carries the schema version, the step and the group size; `Recording.open` checks every
+file before anything reads rows, so replay never trains on partial rows.
 """
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ class Recorder:
 
 
 def write_atomic(table: pa.Table, final: Path) -> Path:
-    """Write `table` to `final` whole or not at all: into a hidden temporary of a random name beside it
-    (created exclusively, owner-only: a planted symlink is never followed), then renamed. The leading dot
-    and .tmp keep pyarrow's and Ray's readers off an aborted run's temporary."""
+    """Write `table` to `final` whole or not at all: into a hidden owner-only temporary beside it (created
+    exclusively: a planted symlink is never followed; readers skip its dot and .tmp), then renamed."""
     fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -104,7 +102,7 @@ def _check_file(path: Path) -> StepFile:
 
 class Recording:
     """A checked recording: its step files and a per-group index (step, group_id, data_source, reward).
-    With `kinds` (rollout.train_segments) only rows of those segment kinds are seen, as a run trains
+    With `kinds` (agent.train_segments) only rows of those segment kinds are seen, as a run trains
     only those: a `side` row (a harness's title call) recorded by `loongsage serve` is not a group."""
 
     def __init__(self, root: Path, files: list[StepFile], groups: pa.Table, n_samples: int, kinds=None):

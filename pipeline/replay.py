@@ -3,16 +3,13 @@
     replay("runs/a/rollouts", cfg, "runs/a-replay", ReplayConfig(steps=(1, 2)))
     loongsage replay runs/a/rollouts [CONFIG] [replay.reward_min=0.5 ...] --run-dir DIR
 
-The recording is the source (`RecordedSource`); the rest is a run's path: the window (its
-staleness bound off) -> the TorchTrainer actor, with no engines, no weight sync and no evaluation. With the
-recording's config a synchronous replay reproduces the recorded run's per-step loss, grad norm and
-final weights exactly: the trainer's seed, thread count and each step's rows in order are the same.
+The recording is the source (`RecordedSource`); the rest is a run's path: the window (its staleness
+bound off) -> the TorchTrainer actor; no engines, weight sync or evaluation. With the recording's config
+a synchronous replay reproduces the recorded run's per-step loss, grad norm and final weights exactly.
 
-Filters keep or drop whole groups (advantages are normalised within a group): recorded steps, data
-sources, a range on the group's mean reward. Rows of segment kinds outside rollout.train_segments are
-left out, as a run leaves them out. Kept groups are re-batched B per step; groups left over are
-reported, never trained as a short step. A step that trains nothing says why in one line and counts
-in `train/skipped_steps`.
+Filters keep or drop whole groups: recorded steps, data sources, a range on the group's mean reward.
+Rows of segment kinds outside agent.train_segments are left out, as a run leaves them out. Kept groups
+are re-batched B per step; groups left over are reported, never trained as a short step.
 """
 from __future__ import annotations
 
@@ -112,17 +109,24 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
     """
     import ray
 
-    from pipeline.builder import Pipeline
+    from pipeline.builder import Pipeline, start_trainer
+    from pipeline.cluster import init_ray
     from pipeline.config import dump_config
     from pipeline.loop import Batch, StepLoop
     from pipeline.profile import Profiler
+    from pipeline.resources import plan_resources
     from pipeline.trackers import TrackerConfig, open_metrics
     from stages.model import resolve_model_path
 
     source, steps = _open_source(rollouts_dir, cfg, filters)
     B = cfg.batcher.groups_per_step
     model_path = resolve_model_path(cfg.model, log=log)
-    trainer = start_trainer(cfg, model_path)
+    res = plan_resources(cfg)
+    init_ray(cfg, res.ray_num_cpus)
+    # the trainer a run starts, from the same resource plan: same config, seed and thread count, so its
+    # RNGs and reductions run as they did in the recorded run (the torch trainer whatever the backend)
+    trainer = start_trainer(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, backend="torch")),
+                            model_path, res)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
@@ -185,7 +189,7 @@ def _untrained(t: pa.Table, m: dict) -> str:
 
 def _open_source(rollouts_dir, cfg, filters: ReplayConfig | None) -> tuple[RecordedSource, int]:
     """The recording's kept groups as a source, and how many whole steps they make."""
-    rec = Recording.open(rollouts_dir, kinds=cfg.rollout.train_segments)
+    rec = Recording.open(rollouts_dir, kinds=cfg.agent.train_segments)
     source = RecordedSource(rec, select_groups(rec, filters))
     B, n = cfg.batcher.groups_per_step, cfg.rollout.n_samples
     if rec.n_samples != n:
@@ -196,22 +200,6 @@ def _open_source(rollouts_dir, cfg, filters: ReplayConfig | None) -> tuple[Recor
         raise ReplayError(f"{rollouts_dir}: {source.num_groups} groups pass the filters, fewer than one step "
                           f"(batcher.groups_per_step={B})")
     return source, steps
-
-
-def start_trainer(cfg, model_path: str):
-    """The trainer actor exactly as the controller builds it: same class, config, seed and thread count
-    (from the same resource plan), so its RNGs and reductions run as they did in the recorded run."""
-    import ray
-
-    from pipeline.cluster import init_ray
-    from pipeline.resources import plan_resources
-    from stages.update.trainer import TorchTrainer
-
-    res = plan_resources(cfg)
-    init_ray(cfg, res.ray_num_cpus)
-    return ray.remote(TorchTrainer).options(num_cpus=res.trainer_cpus).remote(
-        model_path, dataclasses.replace(cfg.trainer, num_threads=res.trainer_threads), cfg.algorithm,
-        cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.model.dtype)
 
 
 def replay_window(cfg, pipeline, source: RecordedSource):

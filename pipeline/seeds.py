@@ -7,7 +7,7 @@ A stream is a name in STREAMS plus integer indices (an engine's number, a row's 
 its seed is numpy's SeedSequence of (run_seed; crc32(name), *indices), so streams of different
 names or indices are independent. Seeds are 31-bit: every library here takes them.
 
-Stage configs keep a `seed` field because a stage receives only its own config; those fields
+Sections keep a `seed` field because a stage receives only its own sections; those fields
 (DERIVED) are not recipe keys: load_config rejects them and fills them from run.seed, and
 dump_config leaves them out of RUN/config.yaml. docs/seeds.md says what is reproducible.
 """
@@ -29,7 +29,7 @@ _KEYS = {name: zlib.crc32(name.encode()) for name in STREAMS}
 assert len(set(_KEYS.values())) == len(_KEYS), "two stream names hash alike: rename one"
 
 # (config path of a stage's seed field, the stream it takes)
-DERIVED = (("data", "data"), ("rollout", "rollout"), ("rollout.tool_service", "tool_service"),
+DERIVED = (("data", "data"), ("sampling", "rollout"), ("tool_service", "tool_service"),
            ("trainer", "trainer"), ("reward", "reward"))
 
 

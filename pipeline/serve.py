@@ -1,21 +1,19 @@
 """`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training.
 
-    LOONGSAGE_SERVE_KEY=... loongsage serve builtin:qwen-vocab-tiny [rollout.max_new_tokens=512 ...]
+    LOONGSAGE_SERVE_KEY=... loongsage serve builtin:qwen-vocab-tiny [sampling.max_new_tokens=512 ...]
                     [--port 8000] [--key-file FILE] [--record DIR]
 
 The engines start as a run starts them and the black-box proxy serves one endpoint, loopback by
-default: http://127.0.0.1:PORT/t/serve/v1 (chat/completions, completions, responses, messages,
-models). The key comes from $LOONGSAGE_SERVE_KEY or an owner-only `--key-file`, never the command
-line (any local user reads /proc/PID/cmdline), else a random one is printed. Every call is recorded
-as in a training run, into a recording `loongsage replay DIR/rollouts` trains from (0700/0600):
+default: http://127.0.0.1:PORT/t/serve/v1. The key comes from $LOONGSAGE_SERVE_KEY or an owner-only
+`--key-file` (never the command line), else a random one is printed. Every call is recorded as in a
+training run, into a recording `loongsage replay DIR/rollouts` trains from (0700/0600):
 
     DIR/config.yaml                      the resolved config (model.path = the served model, groups of 1)
     DIR/rollouts/step=N/part-0.parquet   trajectory N: one row per segment (its own group, reward 0.0)
     DIR/requests.jsonl                   one line per HTTP request: time, method, path, status, ms, kind
 
 A trajectory is what was served between two rotations: SIGUSR1 (or `Server.rotate()`) records it
-and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop. Rewards are 0.0:
-a reward is for whoever replays it to decide. DIR is held with the run-directory lock while serving.
+and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop.
 """
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ from pathlib import Path
 
 ROUTE = "serve"                 # the endpoint's fixed path segment: one URL for a whole serve session
 KEY_ENV = "LOONGSAGE_SERVE_KEY"
-SERVE_DEFAULTS = ("rollout.n_samples=1", "batcher.groups_per_step=1", "rollout.max_new_tokens=1024",
-                  "rollout.max_turns=0")
+SERVE_DEFAULTS = ("rollout.n_samples=1", "batcher.groups_per_step=1", "sampling.max_new_tokens=1024",
+                  "agent.max_turns=0")
 
 
 def _logged_proxy(*args, on_request, **kwargs):
@@ -112,12 +110,11 @@ class Server:
         self.tok = ensure_chat_template(load_tokenizer(self.model_path))
         client = Affinity(self.engines).for_group(0)
         self.engine = EngineLog(client) if self.keep_engine_calls else client
-        r = c.rollout
-        self.proxy = _logged_proxy(self.tok, r.proxy_host, r.proxy_port, int(r.proxy_max_body_mb * 2 ** 20),
-                                 r.proxy_force_sampling, PromptLimit.for_model(self.model_path, self.tok,
-                                                                               r.max_prompt_tokens),
-                                 on_request=self._on_request)
-        self.sampling = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+        p, s = c.proxy, c.sampling
+        self.proxy = _logged_proxy(self.tok, p.host, p.port, int(p.max_body_mb * 2 ** 20), p.force_sampling,
+                                   PromptLimit.for_model(self.model_path, self.tok, s.max_prompt_tokens),
+                                   on_request=self._on_request)
+        self.sampling = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                          "hold": False}
         self._thread.start()
         self._call(self.proxy.start())
@@ -156,7 +153,7 @@ class Server:
 
     async def _open(self):
         """A fresh Session under the fixed route and key: the URL a harness was given stays valid."""
-        ep = await self.proxy.open(self.engine, dict(self.sampling), max_turns=self.cfg.rollout.max_turns)
+        ep = await self.proxy.open(self.engine, dict(self.sampling), max_turns=self.cfg.agent.max_turns)
         entry = self.proxy.sessions.pop(ep.route)
         self.proxy.sessions[ROUTE] = (self.key, entry[1])
         ep.route, ep.api_key = ROUTE, self.key
@@ -213,8 +210,8 @@ def _owner_only(path, flags: int) -> int:
 def serve_config(model: str, overrides: list[str], host: str | None, port: int | None):
     from pipeline.config import load_config
 
-    extra = [f"rollout.proxy_host={host}"] if host else []
-    extra += [f"rollout.proxy_port={port}"] if port is not None else []
+    extra = [f"proxy.host={host}"] if host else []
+    extra += [f"proxy.port={port}"] if port is not None else []
     return load_config(None, [f"model.path={model}", *SERVE_DEFAULTS, *extra, *overrides])
 
 
@@ -294,7 +291,7 @@ def _rotated(server: Server) -> None:
 def add_subcommand(sub) -> None:
     s = sub.add_parser("serve")
     s.add_argument("model", help="an HF model directory, a checkpoint (RUN/checkpoints/step_N) or builtin:NAME")
-    s.add_argument("overrides", nargs="*", help="section.key=value overrides (rollout.*, model.*)")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides (sampling.*, proxy.*, model.*)")
     s.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only)")
     s.add_argument("--port", type=int, default=None, help="port (default: any free port, printed)")
     s.add_argument("--key", default=None, help=argparse.SUPPRESS)     # refused: argv is readable by every user

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import POSITIVE, key, one_of
+from stages.keys import POSITIVE, check_fields, key, one_of
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,4 @@ class BatcherConfig:
                                     one_of("drop", "wait", "mask"))
 
     def __post_init__(self):
-        if self.groups_per_step <= 0:
-            raise ValueError(f"batcher.groups_per_step must be > 0, got {self.groups_per_step}")
-        if self.stale_policy not in ("drop", "wait", "mask"):
-            raise ValueError(f"batcher.stale_policy must be drop, wait or mask, got {self.stale_policy!r}")
+        check_fields(self, "batcher")

@@ -7,9 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.keys import NONNEG, POSITIVE, between, key, one_of
-
-DTYPES = ("float32", "bfloat16", "float16")     # stages/model.py maps each to its torch dtype
+from stages.keys import NONNEG, POSITIVE, between, check_fields, key, one_of
 
 
 @dataclass(frozen=True)
@@ -32,10 +30,7 @@ class ModelConfig:
                         "every run seed starts from one cached model (docs/seeds.md)", NONNEG)
 
     def __post_init__(self):
-        if not 0 <= self.warmup_label_smoothing < 1:
-            raise ValueError(f"model.warmup_label_smoothing must be in [0, 1), got {self.warmup_label_smoothing}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_fields(self, "model")
 
 
 def validate_model_dir(path: str, check_tokenizer: bool = True, key: str = "model.path") -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, key
+from stages.keys import NONNEG, POSITIVE, check_fields, key
 
 
 @dataclass(frozen=True)
@@ -24,5 +24,4 @@ class DataConfig:
     seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: the prompt order", NONNEG)
 
     def __post_init__(self):
-        if self.train_size < 0:
-            raise ValueError(f"data.train_size must be >= 0, got {self.train_size}")
+        check_fields(self, "data")

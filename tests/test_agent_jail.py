@@ -4,7 +4,7 @@ processes, the real proxy, through AgentFlowRollout.
 Each test is one way a trajectory's agent could reach what is not its own: another trajectory's key, result or
 processes (through the /proc it sees, a daemon outliving it, the zygote's channel), the user's secrets, the
 task's answer, the host's files and sockets, more than its share of the machine. Every test runs each agent
-spawned (a jail per trajectory) and forked (rollout.agent_preload: the zygote), and every one of them would
+spawned (a jail per trajectory) and forked (agent.preload: the zygote), and every one of them would
 fail unjailed (`test_unjailed_agents_find_keys_...` shows the hunt finds keys there).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import pytest
 import ray
 
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.rollout import AgentFlowRollout
 from stages.agentflow.sandbox import jail
 from stages.schema import table_from_columns
 
@@ -56,8 +57,8 @@ def _run(engine, tiny_model_dir, tmp_path, body: str, n: int = 4, **cfg) -> list
     """n trajectories of the agent `body` (CALL prepended); their rows, each with its report parsed."""
     agent = tmp_path / "agent.py"
     agent.write_text(CALL + textwrap.dedent(body))
-    stage = AgentFlowRollout(RolloutConfig(**({"agent": f"cmd:python {agent}", "max_new_tokens": 2, "temperature": 0.0,
-                                              "timeout_s": 240} | cfg)), [engine], None, tiny_model_dir)
+    stage = AgentFlowRollout([engine], None, tiny_model_dir, sampling=SamplingConfig(max_new_tokens=2, temperature=0.0),
+                             agent=AgentConfig(**({"name": f"cmd:python {agent}", "timeout_s": 240} | cfg)))
     try:
         out = stage(table_from_columns({"prompt_id": [f"p{i}" for i in range(n)], "group_id": list(range(n)),
                                         "sample_idx": [0] * n, "data_source": ["addition"] * n,
@@ -97,14 +98,14 @@ HUNT = '''
 @needs_jail
 @MODES
 def test_a_jailed_agent_that_hunts_for_other_keys_finds_none(engine, tiny_model_dir, tmp_path, preload):
-    reports = _ok(_run(engine, tiny_model_dir, tmp_path, HUNT, agent_preload=preload))
+    reports = _ok(_run(engine, tiny_model_dir, tmp_path, HUNT, preload=preload))
     assert all(r["first"] == 200 for r in reports), reports
     assert [r["found"] for r in reports] == [0] * 4, reports
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="unjailed agents of another user cannot read root's /proc either")
 def test_unjailed_agents_find_keys_but_a_key_works_on_its_own_endpoint_only(engine, tiny_model_dir, tmp_path):
-    reports = _ok(_run(engine, tiny_model_dir, tmp_path, HUNT, agent_sandbox="none"))
+    reports = _ok(_run(engine, tiny_model_dir, tmp_path, HUNT, jail="none"))
     assert sum(r["found"] for r in reports) > 0, reports            # what the jail is for
     cross = [c for r in reports for c in r["cross"]]
     # refused: 401 on a live endpoint, 404 once that trajectory has ended and its endpoint is gone
@@ -150,7 +151,7 @@ def test_a_trajectory_cannot_outlive_itself_or_reach_the_next_ones(engine, tiny_
     print(json.dumps({{"prompt": prompt, "call": call(), "planted": planted, "answers": [prompt]}}))
     '''
     rows = _run(engine, tiny_model_dir, tmp_path, "import time\n" + textwrap.dedent(body), max_agents=1,
-                agent_preload=preload)
+                preload=preload)
     reports = _ok(rows)
     assert [r["prompt"] for r in reports] == [r["prompt"] for r in rows]       # each result its own process's
     assert reports[0]["planted"] == ["/tmp/planted", "/tmp/home/planted", "abstract"], reports[0]   # it did plant
@@ -201,8 +202,8 @@ def test_agents_get_no_secrets_and_no_answer(engine, tiny_model_dir, tmp_path, p
                                   if s.encode() in everything],
                       "sample": sorted(sample), "call": call()}))
     '''
-    reports = _ok(_run(engine, tiny_model_dir, tmp_path, body, agent_preload=preload,
-                       agent_env=("LOONGSAGE_TEST_PASSED",)))
+    reports = _ok(_run(engine, tiny_model_dir, tmp_path, body, preload=preload,
+                       env=("LOONGSAGE_TEST_PASSED",)))
     allowed = {"PATH", "LANG", "LANGUAGE", "TERM", "TZ", "HOME", "TMPDIR", "PWD", "OPENAI_BASE_URL", "OPENAI_API_KEY",
                "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LOONGSAGE_SAMPLE", "LOONGSAGE_SEED", "LOONGSAGE_TEST_PASSED"}
     for r in reports:
@@ -253,7 +254,7 @@ def test_host_sockets_files_and_ports_are_out_of_reach(engine, tiny_model_dir, t
     print(json.dumps(out))
     '''
     try:
-        reports = _ok(_run(engine, tiny_model_dir, tmp_path, body, agent_preload=preload))
+        reports = _ok(_run(engine, tiny_model_dir, tmp_path, body, preload=preload))
     finally:
         for s in (unix, abstract, tcp):
             s.close()
@@ -299,8 +300,8 @@ def test_processes_memory_and_tmp_are_bounded(engine, tiny_model_dir, tmp_path, 
         out["touched_mb"] = 64 * len(blocks)
     print(json.dumps(out))
     '''
-    rows = _run(engine, tiny_model_dir, tmp_path, body, n=3, agent_preload=preload, agent_procs=64,
-                agent_tmp_mb=64, agent_memory_mb=512)
+    rows = _run(engine, tiny_model_dir, tmp_path, body, n=3, preload=preload, procs=64,
+                tmp_mb=64, memory_mb=512)
     fork, tmp, mem = rows
     assert fork["status"] == "completed" and fork["report"]["forked"] < 64 and fork["report"]["error"] == 11, fork
     assert tmp["status"] == "completed" and tmp["report"]["written_mb"] <= 64 and tmp["report"]["error"] == 28, tmp
@@ -319,8 +320,8 @@ def test_agents_at_once_are_bounded(engine, tiny_model_dir, tmp_path):
     from stages.agentflow.rollout import load_agent
 
     agent = load_agent("cmd:python examples/agents/addition.py")
-    agent.configure(RolloutConfig())
-    assert agent.limit == 16            # rollout.max_agents: 0, the default, bounds cmd: agents too
+    agent.configure(AgentConfig())
+    assert agent.limit == 16            # agent.max_agents: 0, the default, bounds cmd: agents too
     reports = _ok(_run(engine, tiny_model_dir, tmp_path, body, n=12, max_agents=3))
     events = sorted([(r["t0"], 1) for r in reports] + [(r["t1"], -1) for r in reports])
     alive = peak = 0
@@ -337,17 +338,17 @@ def test_without_a_working_jail_a_blackbox_run_is_refused_at_start(tmp_path):
                         str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert len(lines) == 1 and "rollout.agent_sandbox" in lines[0] and "apt-get install bubblewrap" in lines[0], lines
+    assert len(lines) == 1 and "agent.jail" in lines[0] and "apt-get install bubblewrap" in lines[0], lines
     assert not (tmp_path / "run" / "ray.log").exists()      # refused before Ray started
 
 
 def test_bad_agent_settings_name_the_key(tmp_path):
     from pipeline.config import ConfigError, load_config
 
-    for override, key in [("rollout.agent_sandbox=maybe", "rollout.agent_sandbox"),
-                          (f"rollout.agent_home={tmp_path / 'none'}", "rollout.agent_home"),
-                          ("rollout.agent_env=[NOT A NAME]", "rollout.agent_env"),
-                          ("rollout.agent_memory_mb=0", "rollout.agent_memory_mb")]:
+    for override, key in [("agent.jail=maybe", "agent.jail"),
+                          (f"agent.home={tmp_path / 'none'}", "agent.home"),
+                          ("agent.env=[NOT A NAME]", "agent.env"),
+                          ("agent.memory_mb=0", "agent.memory_mb")]:
         with pytest.raises((ConfigError, ValueError), match=key):
             load_config(None, [override])
 

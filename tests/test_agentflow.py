@@ -23,12 +23,13 @@ from stages.agentflow.blackbox import openai_agent
 from stages.agentflow.chat import encode, render
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.envs import RetryEnv
-from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig, load_agent
+from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.rollout import AgentFlowRollout, load_agent
 from stages.agentflow.tools import calculate
 from stages.reward import Reward, RewardConfig, agent_reported
 from stages.schema import table_from_columns
 
-GREEDY = dict(max_new_tokens=4, temperature=0.0)
+GREEDY = SamplingConfig(max_new_tokens=4, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +42,12 @@ def engine(ray_session, tiny_model_dir):
 
 @pytest.fixture
 def run_stage(engine, tiny_model_dir):
-    """Run AgentFlowRollout(cfg) on prompt rows; the stage's proxy is stopped afterwards."""
+    """Run AgentFlowRollout (greedy, the agent section's keys given) on prompt rows; the stage's proxy is
+    stopped afterwards."""
     stages = []
 
-    def run(rows: list[dict], **cfg):
-        stage = AgentFlowRollout(RolloutConfig(**(GREEDY | cfg)), [engine], None, tiny_model_dir)
+    def run(rows: list[dict], sampling=GREEDY, **agent):
+        stage = AgentFlowRollout([engine], None, tiny_model_dir, sampling=sampling, agent=AgentConfig(**agent))
         stages.append(stage)
         n = len(rows)
         batch = table_from_columns({"prompt_id": [f"p{i}" for i in range(n)], "group_id": list(range(n)),
@@ -89,7 +91,7 @@ class ToolUser:
 
 
 def test_white_box_tool_turns_have_the_right_masks(run_stage, tiny_model_dir):
-    stage, out = run_stage(ROWS[:1], agent=f"{__name__}:ToolUser")
+    stage, out = run_stage(ROWS[:1], name=f"{__name__}:ToolUser")
     (row,) = out.to_pylist()
     tok = stage.tok
     assert row["status"] in ("completed", "truncated") and row["error"] == ""
@@ -105,7 +107,7 @@ def test_white_box_tool_turns_have_the_right_masks(run_stage, tiny_model_dir):
 
 
 def test_retry_agent_env_feedback_and_reward(run_stage):
-    _, out = run_stage(ROWS, agent="retry")
+    _, out = run_stage(ROWS, name="retry")
     tok_prompt_len = {r["prompt"]: len(r["prompt"]) for r in ROWS}  # the char tokenizer: a token per character
     for row in out.to_pylist():
         stats, runs = row["agent_stats"], _runs(row["loss_mask"])
@@ -130,13 +132,14 @@ def test_retry_env_rewards_the_first_right_attempt():
 
 
 def test_turn_limit_truncates_and_keeps_the_trajectory(run_stage):
-    _, out = run_stage(ROWS[:1], agent="retry", max_turns=2)
+    # an answer the model never writes (not a number): every attempt is wrong, so the retry agent (3
+    # attempts) asks again until the turn limit, not the model, ends the trajectory
+    _, out = run_stage([{"prompt": "37+48=", "answer": "none"}], name="retry", max_turns=2)
     (row,) = out.to_pylist()
-    if json.loads(row["agent_info"]).get("attempts") == 1:   # right at once: nothing to cut
-        assert row["status"] == "completed"
-        return
     assert row["status"] == "truncated" and "turn limit" in row["error"]
     assert row["agent_stats"]["turns"] == 2 and row["loss_mask"].count(1) > 0
+    # both turns kept, each answered by the question again (loss_mask 0)
+    assert [m for m, _ in _runs(row["loss_mask"])] == [1, 0, 1, 0]
 
 
 def test_chat_prompt_rows_use_the_chat_template(run_stage):
@@ -149,7 +152,7 @@ def test_chat_prompt_rows_use_the_chat_template(run_stage):
 # ---- black-box --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preload", [(), ("json", "urllib.request")], ids=["spawned", "forked"])
 def test_subprocess_example_agent_through_the_stage_and_reward(run_stage, tiny_model_dir, preload):
-    stage, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py --tries 2", agent_preload=preload)
+    stage, out = run_stage(ROWS, name="cmd:python examples/agents/addition.py --tries 2", preload=preload)
     rows = out.to_pylist()
     for row in rows:
         assert row["status"] in ("completed", "truncated"), row["error"]
@@ -179,7 +182,7 @@ def test_without_a_reported_reward_reward_fn_reads_the_final_turn(run_stage, tmp
             headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
         print("the model said", json.load(urllib.request.urlopen(req))["choices"][0]["text"])
     """)
-    _, out = run_stage(ROWS[:1], agent=agent)
+    _, out = run_stage(ROWS[:1], name=agent)
     (row,) = out.to_pylist()
     assert row["agent_reward"] is None and row["status"] in ("completed", "truncated")
     (scored,) = Reward(RewardConfig(fn=f"{__name__}:seen"), tiny_model_dir)(out).to_pylist()
@@ -198,7 +201,7 @@ def test_crashing_agent_fails_only_its_row_with_the_stderr_tail(run_stage, tmp_p
         sys.argv[1:] = ["--tries", "2"]
         import runpy; runpy.run_path(%r, run_name="__main__")
     """ % os.path.abspath("examples/agents/addition.py"))
-    _, out = run_stage(ROWS, agent=agent, agent_preload=preload, agent_binds=("examples/agents",))
+    _, out = run_stage(ROWS, name=agent, preload=preload, binds=("examples/agents",))
     ok, bad = out.to_pylist()
     assert ok["status"] in ("completed", "truncated") and len(json.loads(ok["agent_info"])["answers"]) == 2
     assert bad["status"] == "failed" and "exited with code 3" in bad["error"]
@@ -230,7 +233,7 @@ def test_hanging_agent_is_killed_at_the_timeout_with_its_children(run_stage, tmp
         print("thinking very hard", file=sys.stderr, flush=True)
         time.sleep(600)
     """)
-    _, out = run_stage(ROWS[:1], agent=agent, timeout_s=3.0, agent_preload=preload)
+    _, out = run_stage(ROWS[:1], name=agent, timeout_s=3.0, preload=preload)
     (row,) = out.to_pylist()
     assert row["status"] == "failed" and "timed out after 3.0s" in row["error"]
     assert "thinking very hard" in row["error"] and row["agent_stats"]["fail"] == "timeout"
@@ -247,7 +250,7 @@ def _cmdline_has(pid: int, marker: str) -> bool:
 
 
 def test_an_agent_cut_off_by_the_turn_limit_is_truncated_not_failed(run_stage):
-    _, out = run_stage(ROWS[:1], agent="cmd:python examples/agents/addition.py --tries 2", max_turns=1)
+    _, out = run_stage(ROWS[:1], name="cmd:python examples/agents/addition.py --tries 2", max_turns=1)
     (row,) = out.to_pylist()        # its second try is always past the limit of one call
     assert row["status"] == "truncated" and "turn limit" in row["error"] and "exited with code 1" in row["error"]
     assert row["agent_stats"]["turns"] == 1 and row["loss_mask"].count(1) > 0
@@ -265,7 +268,7 @@ async def solve(base_url, api_key, sample):
 
 def test_in_process_openai_agent(run_stage):
     assert load_agent(f"{__name__}:solve") is solve
-    _, out = run_stage(ROWS, agent=f"{__name__}:solve")
+    _, out = run_stage(ROWS, name=f"{__name__}:solve")
     for row in out.to_pylist():
         said = json.loads(row["agent_info"])["said"]
         assert row["status"] in ("completed", "truncated") and row["agent_reward"] == float(said == row["answer"])
@@ -292,15 +295,15 @@ def test_bad_agent_settings_fail_at_start(name, fragment):
 ])
 def test_bad_agent_preload_fails_at_start(agent, preload, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        load_agent(agent, RolloutConfig(agent=agent, agent_preload=preload).agent_preload)
+        load_agent(agent, AgentConfig(name=agent, preload=preload).preload)
 
 
 def test_a_preload_that_fails_to_import_fails_the_rows_with_its_error(run_stage, tmp_path, monkeypatch):
     (tmp_path / "broken_sdk.py").write_text("raise RuntimeError('this SDK is broken')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    _, out = run_stage(ROWS, agent="cmd:python examples/agents/addition.py", agent_preload=("broken_sdk",),
-                       agent_env=("PYTHONPATH",), agent_binds=(str(tmp_path),))   # the jail sees and passes no more
+    _, out = run_stage(ROWS, name="cmd:python examples/agents/addition.py", preload=("broken_sdk",),
+                       env=("PYTHONPATH",), binds=(str(tmp_path),))   # the jail sees and passes no more
     for row in out.to_pylist():
         assert row["status"] == "failed", row
         assert "module 'broken_sdk' does not import: RuntimeError: this SDK is broken" in row["error"]
@@ -322,7 +325,7 @@ def test_forked_agents_are_separate_processes_with_their_own_env_and_seed(run_st
                 "answer": "answer" in sample}
         print(json.dumps(info))
     """)
-    stage, out = run_stage(ROWS * 2, agent=agent + " --flag x", agent_preload=("json",))
+    stage, out = run_stage(ROWS * 2, name=agent + " --flag x", preload=("json",))
     infos = [json.loads(r["agent_info"]) for r in out.to_pylist()]
     assert [i["seed"] for i in infos] == [str(stage._seed({"group_id": g, "sample_idx": 0})) for g in range(4)]
     assert [i["prompt"] for i in infos] == [r["prompt"] for r in ROWS * 2]
@@ -417,8 +420,8 @@ def test_sdk_guess_number_agent_plays_through_the_real_proxy(run_stage):
     """examples/agents/guess_number.py: the official openai SDK in a subprocess, several turns
     through the recording proxy, the game's feedback recorded as loss_mask 0 context."""
     rows = [{"prompt": "37+48=", "answer": ""}, {"prompt": "12+30=", "answer": ""}, {"prompt": "5+5=", "answer": ""}]
-    stage, out = run_stage(rows, agent="cmd:python examples/agents/guess_number.py --turns 3 --max 9",
-                           temperature=1.0, max_turns=3)
+    stage, out = run_stage(rows, name="cmd:python examples/agents/guess_number.py --turns 3 --max 9",
+                           sampling=SamplingConfig(max_new_tokens=4, temperature=1.0), max_turns=3)
     rows = out.to_pylist()
     assert any(r["agent_stats"]["turns"] > 1 for r in rows)   # multi-turn: the game went on after a miss
     for row in rows:

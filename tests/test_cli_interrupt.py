@@ -31,7 +31,7 @@ def _cli(*args: str) -> list[str]:
 @pytest.mark.slow
 def test_sigint_checkpoints_and_the_printed_command_resumes(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    args = [f"model.path={tiny_model_dir}", "run.steps=200", "eval.num_prompts=0", "rollout.num_engines=1",
+    args = [f"model.path={tiny_model_dir}", "run.steps=200", "eval.num_prompts=0", "engine.count=1",
             "run.ray_num_cpus=2"]
     proc = subprocess.Popen(_cli(*args, "--run-dir", str(run)), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -75,7 +75,7 @@ def test_a_second_sigint_half_a_second_after_the_first_exits_at_once(tiny_model_
     swallowed; when the run had already stopped, Ray's shutdown (a C call that retries EINTR) held the
     KeyboardInterrupt off, which then said there was nothing to resume from. It ends the process now."""
     run = tmp_path / "run"
-    args = [f"model.path={tiny_model_dir}", "run.steps=200", "eval.num_prompts=0", "rollout.num_engines=1",
+    args = [f"model.path={tiny_model_dir}", "run.steps=200", "eval.num_prompts=0", "engine.count=1",
             "run.ray_num_cpus=2", "--run-dir", str(run)]
     proc = subprocess.Popen(_cli(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -25,7 +25,7 @@ from pipeline.metrics import MetricsWriter
 OWN_RAY = True      # its CLI runs start and stop Ray themselves: it starts without the shared Ray
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["run.steps=1", "batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+FAST = ["run.steps=1", "batcher.groups_per_step=2", "rollout.n_samples=4", "sampling.max_new_tokens=4",
         "eval.every=0", "eval.num_prompts=8", "trainer.mini_batch_size=0", "run.ray_num_cpus=2",
         "trackers.tensorboard=false"]
 # Ray's lines a first run used to print: start-up notices, Ray Data's plan, the C++ core

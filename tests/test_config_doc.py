@@ -49,11 +49,11 @@ def test_defaults_pass_their_own_checks_and_every_recipe_loads():
 
 @pytest.mark.parametrize("override, message", [
     ("trainer.lr=.inf", "trainer.lr must be a finite number > 0, got inf"),
-    ("rollout.temperature=.nan", "rollout.temperature must be a finite number >= 0, got nan"),
+    ("sampling.temperature=.nan", "sampling.temperature must be a finite number >= 0, got nan"),
     ("eval.every=-5", "eval.every must be >= 0, got -5"),
-    ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
+    ("sampling.top_p=0", "sampling.top_p must be in (0, 1], got 0.0"),
     ("trainer.betas=[0.9,1.5]", "trainer.betas must be two numbers, each in [0, 1), got (0.9, 1.5)"),
-    ("rollout.sandbox.workers=0", "rollout.sandbox.workers must be > 0, got 0"),
+    ("sandbox.workers=0", "sandbox.workers must be > 0, got 0"),
     ("algorithm.name=ppo", "algorithm.name must be one of grpo, dr_grpo"),
 ])
 def test_out_of_range_values_are_refused_naming_key_value_and_range(override, message):
@@ -75,9 +75,10 @@ def test_bad_values_are_refused_by_the_real_cli_with_one_line(tmp_path):
     cases = {"run.steps=abc": "run.steps: expected int, got 'abc'",
              "run.steps=1e3": "run.steps: expected int, got '1e3'",
              "trainer.lr=.inf": "trainer.lr must be a finite number > 0, got inf",
-             "rollout.temperature=.nan": "rollout.temperature must be a finite number >= 0, got nan",
+             "sampling.temperature=.nan": "sampling.temperature must be a finite number >= 0, got nan",
              "eval.every=-5": "eval.every must be >= 0, got -5",
-             "eval.num_prompts=-1": "eval.num_prompts must be >= 0, got -1"}
+             "eval.num_prompts=-1": "eval.num_prompts must be >= 0, got -1",
+             "rollout.max_new_tokens=4": "rollout.max_new_tokens is now sampling.max_new_tokens"}
     # -X importtime: Python lists every module the process imported (on stderr, one "import time:" line each);
     # a refusal comes before torch and Ray are imported, which is what makes it take a fraction of a second
     procs = {o: _cli("run", "configs/quickstart.yaml", o, "--run-dir", str(tmp_path / o), python=("-X", "importtime"))

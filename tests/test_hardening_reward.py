@@ -26,7 +26,8 @@ import torch
 
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.envs import Step
-from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.rollout import AgentFlowRollout
 from stages.reward import Reward, RewardConfig
 from stages.schema import table_from_columns
 from stages.update import trainer as trainer_module
@@ -190,8 +191,8 @@ def engine(ray_session, tiny_model_dir):
 
 
 def _rollout(engine, model_dir, agent: str, n: int = 2) -> list[dict]:
-    stage = AgentFlowRollout(RolloutConfig(agent=agent, max_new_tokens=4, temperature=0.0), [engine], None,
-                             model_dir)
+    stage = AgentFlowRollout([engine], None, model_dir, sampling=SamplingConfig(max_new_tokens=4, temperature=0.0),
+                             agent=AgentConfig(name=agent))
     batch = table_from_columns({"prompt_id": [f"p{i}" for i in range(n)], "group_id": list(range(n)),
                                 "sample_idx": [0] * n, "data_source": ["addition"] * n,
                                 "prompt": ["37+48="] * n, "answer": ["85"] * n})

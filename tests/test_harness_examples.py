@@ -211,9 +211,9 @@ def test_recipe_runs_end_to_end_with_compaction_rows(ray_session, tmp_path, reci
     from pipeline.controller import Controller
     from pipeline.metrics import read_metrics
 
-    agent = load_config(recipe, []).rollout.agent
+    agent = load_config(recipe, []).agent.name
     cfg = load_config(recipe, [
-        f"rollout.agent={agent.replace('--tries 1', '--tries 2 --context-chars 8')}",
+        f"agent.name={agent.replace('--tries 1', '--tries 2 --context-chars 8')}",
         "run.steps=2", "batcher.groups_per_step=2", "rollout.n_samples=4", "trainer.mini_batch_size=0",
         "eval.num_prompts=4", "model.hidden_size=32", "model.num_layers=1", "model.warmup_steps=30",
         "model.warmup_rows=256", "model.warmup_lr=0.01", f"model.cache_dir={tmp_path / 'models'}"])

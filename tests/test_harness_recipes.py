@@ -23,11 +23,11 @@ RECIPES = [("agent_claude_code", "claude-code"), ("agent_codex", "codex"), ("age
 @pytest.mark.parametrize("recipe, harness", RECIPES)
 def test_harness_recipe_loads_and_runs_its_harness_through_the_task_agent(recipe, harness):
     cfg = load_config(str(ROOT / "configs" / f"{recipe}.yaml"))
-    assert cfg.rollout.agent == f"cmd:python examples/agents/harness_task.py {harness}"
+    assert cfg.agent.name == f"cmd:python examples/agents/harness_task.py {harness}"
     assert harness in harness_task.HARNESSES
     rows = [json.loads(line) for line in (ROOT / cfg.data.path).read_text().splitlines()]
     assert rows and all(r["prompt"].endswith("into the file answer.txt.") and r["answer"] in r["prompt"] for r in rows)
-    assert cfg.eval.num_prompts == 0 and cfg.rollout.agent_sandbox == "bwrap" and cfg.rollout.proxy_force_sampling
+    assert cfg.eval.num_prompts == 0 and cfg.agent.jail == "bwrap" and cfg.proxy.force_sampling
     assert cfg.reward.fn == "agent_answers"
     # the warm-up script writes the recipe's model.path
     assert cfg.model.path == f"runs/warm/{harness}"
@@ -37,7 +37,7 @@ def test_recipe_rejects_a_bad_override():
     from pipeline.config import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match="max_turn"):
-        load_config(str(ROOT / "configs" / "agent_claude_code.yaml"), ["rollout.max_turn=3"])
+        load_config(str(ROOT / "configs" / "agent_claude_code.yaml"), ["agent.max_turn=3"])
 
 
 def test_the_report_holds_only_the_named_file_and_the_reward_fn_grades_it(tmp_path):

@@ -99,9 +99,9 @@ def test_a_request_over_the_kv_cache_fails_alone_and_names_the_key(tiny_model_di
     out = eng.generate([long, short])
     assert out[0]["status"] == "failed" and out[0]["code"] == "context_length_exceeded"
     assert "needs 26 tokens of KV cache (20 of context + up to 6 new)" in out[0]["error"]
-    assert "engine's 24" in out[0]["error"] and "raise rollout.kv_cache_mb" in out[0]["error"]
+    assert "engine's 24" in out[0]["error"] and "raise engine.kv_cache_mb" in out[0]["error"]
     assert out[1]["status"] in ("completed", "truncated") and out[1]["response_ids"]
-    with pytest.raises(ContextLengthExceeded, match="rollout.kv_cache_mb"):     # what a white-box agent sees
+    with pytest.raises(ContextLengthExceeded, match="engine.kv_cache_mb"):     # what a white-box agent sees
         raise_if_failed(out[0])
 
 
@@ -120,10 +120,10 @@ def test_rows_run_together_only_while_their_kv_cache_fits(tiny_model_dir, token_
 
 
 def test_kv_cache_setting_is_checked_by_key(tiny_model_dir):
-    assert load_config(None, []).rollout.kv_cache_mb == engine_mod.KV_CACHE_MB
-    with pytest.raises(ConfigError, match="rollout.kv_cache_mb"):
-        load_config(None, ["rollout.kv_cache_mb=0"])
-    with pytest.raises(ValueError, match="rollout.kv_cache_mb"):
+    assert load_config(None, []).engine.kv_cache_mb == engine_mod.KV_CACHE_MB
+    with pytest.raises(ConfigError, match="engine.kv_cache_mb"):
+        load_config(None, ["engine.kv_cache_mb=0"])
+    with pytest.raises(ValueError, match="engine.kv_cache_mb"):
         HFEngine(tiny_model_dir, kv_cache_mb=-1)
 
 

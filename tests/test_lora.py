@@ -183,7 +183,7 @@ def test_merged_serving_unmerges_exactly(tiny_model_dir):
 
 # ---- checkpoints: resume and export -------------------------------------------------------------
 
-FAST = ["batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=5", "eval.num_prompts=0",
+FAST = ["batcher.groups_per_step=2", "rollout.n_samples=4", "sampling.max_new_tokens=5", "eval.num_prompts=0",
         "data.train_size=5", "reward.fn=stages.tasks.rewards:digit_match", "trainer.mini_batch_size=0",
         "trainer.lr=0.01", "trainer.lr_schedule=cosine", "trainer.lr_decay_steps=4", "trainer.lr_min_ratio=0.5"]
 
@@ -330,7 +330,7 @@ def test_sglang_launch_flags_and_targets(tiny_model_dir):
     some = dataclasses.replace(LORA, target_regex=r"model\.layers\.0\.self_attn\.q_proj")
     with pytest.raises(ValueError, match="adapts every layer's q_proj"):
         check_lora_targets(some, tiny_model_dir, check_targets(some, tiny_model_dir))
-    with pytest.raises(ValueError, match="trainer.lora.modules_to_save: rollout.engine=sglang serves LoRA adapters"):
+    with pytest.raises(ValueError, match="trainer.lora.modules_to_save: engine.kind=sglang serves LoRA adapters"):
         check_lora_targets(LORA_NORM, tiny_model_dir, targets)
     # a request bound to adapter v3 reports version 3 for every new token, whatever the server's clock
     out = {"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-0.1, 1, None]],

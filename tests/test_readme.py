@@ -22,7 +22,7 @@ def compose_example() -> str:
 def test_readme_compose_example_runs(ray_session, tiny_model_dir, tmp_path, monkeypatch):
     code = compose_example()
     assert '["run.steps=5"]' in code and '"runs/custom"' in code     # what the substitutions below rely on
-    overrides = ["run.steps=2", f"model.path={tiny_model_dir}", "eval.num_prompts=0", "rollout.num_engines=1"]
+    overrides = ["run.steps=2", f"model.path={tiny_model_dir}", "eval.num_prompts=0", "engine.count=1"]
     code = code.replace('["run.steps=5"]', repr(overrides)).replace('"runs/custom"', repr(str(tmp_path / "custom")))
     monkeypatch.chdir(ROOT)
     scope: dict = {}

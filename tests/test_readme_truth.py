@@ -58,7 +58,7 @@ def _all_keys() -> set[str]:
         section = getattr(cfg, f.name)
         out.add(f.name)
         out |= _keys(type(section), f.name + ".")
-        for sub in dataclasses.fields(section):       # nested sections (trainer.lora, rollout.sandbox, ...)
+        for sub in dataclasses.fields(section):       # nested sections (trainer.lora, ...)
             v = getattr(section, sub.name)
             if dataclasses.is_dataclass(v):
                 out |= _keys(type(v), f"{f.name}.{sub.name}.")

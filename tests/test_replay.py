@@ -203,8 +203,8 @@ def test_replay_loop_rebatches_filtered_groups(ray_session, tmp_path):
 # ---- record a real run, replay it, compare exactly ------------------------------------------
 
 # the entropy bonus gives every step a gradient even when a barely warmed policy gets reward 0 everywhere
-FAST = ["run.steps=3", "batcher.groups_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=5",
-        "eval.num_prompts=0", "rollout.num_engines=1", "trainer.mini_batch_size=8", "algorithm.entropy_coef=0.01"]
+FAST = ["run.steps=3", "batcher.groups_per_step=4", "rollout.n_samples=4", "sampling.max_new_tokens=5",
+        "eval.num_prompts=0", "engine.count=1", "trainer.mini_batch_size=8", "algorithm.entropy_coef=0.01"]
 
 
 @pytest.fixture(scope="module")

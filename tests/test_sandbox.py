@@ -22,8 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
-from stages.agentflow.sandbox.pool import UID_BASE, UID_END, SandboxConfig, SandboxPool, probe_isolation
+from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.rollout import AgentFlowRollout
+from stages.agentflow.sandbox.pool import UID_BASE, UID_SLOTS, SandboxConfig, SandboxPool, probe_isolation
 from stages.agentflow.tools import ToolRegistry
 from stages.agentflow.workflows import SandboxAgent
 
@@ -59,7 +60,7 @@ def sandbox_processes() -> list[int]:
                 changed = True
     mine.discard(me)
     mine = {p for p in mine if _is_sandbox(p)}      # not Ray's workers, which come and go on their own
-    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_END})
+    return sorted(mine | {p for p, (_, uid) in procs.items() if UID_BASE <= uid < UID_BASE + 4096 * UID_SLOTS})
 
 
 def _is_sandbox(pid: int) -> bool:
@@ -444,7 +445,7 @@ def test_without_a_working_jail_a_sandbox_run_is_refused_at_start(tmp_path):
                         str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert len(lines) == 1 and "rollout.sandbox.isolation" in lines[0] and "apt-get install bubblewrap" in lines[0]
+    assert len(lines) == 1 and "sandbox.isolation" in lines[0] and "apt-get install bubblewrap" in lines[0]
 
 
 class BreachThenAnswer(SandboxAgent):
@@ -472,11 +473,11 @@ def test_trajectory_goes_on_past_every_breach(ray_session, tiny_model_dir):
 
     before = sandbox_processes()
     engine = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir)
-    cfg = RolloutConfig(agent="sandbox", max_new_tokens=4, temperature=0.0, max_turns=4,
-                        sandbox=SandboxConfig(**FAST))
-    stage = AgentFlowRollout(cfg, [engine], None, tiny_model_dir)
+    agent, sandbox = AgentConfig(name="sandbox", max_turns=4), SandboxConfig(**FAST)
+    stage = AgentFlowRollout([engine], None, tiny_model_dir, sampling=SamplingConfig(max_new_tokens=4, temperature=0.0),
+                             agent=agent, sandbox=sandbox)
     stage.agent = BreachThenAnswer()
-    stage.agent.configure(cfg)
+    stage.agent.configure(agent, sandbox)
     try:
         out = stage(table_from_columns({"prompt_id": ["p0"], "group_id": [0], "sample_idx": [0],
                                         "data_source": ["addition"], "prompt": ["12+34="], "answer": ["46"]}))

@@ -57,6 +57,18 @@ def test_unknown_key_lists_valid_keys():
         load_config(None, ["bogus.x=1"])
 
 
+def test_a_moved_key_is_refused_naming_its_new_place(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout\.max_new_tokens is now sampling\.max_new_tokens$"):
+        load_config(None, ["rollout.max_new_tokens=4"])
+    f = tmp_path / "old.yaml"
+    f.write_text("rollout:\n  n_samples: 4\n  engine: vllm\n  sandbox: {workers: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == "rollout.engine is now engine.kind; rollout.sandbox is now sandbox"
+    cfg = load_config(None, ["engine.kind=hf", "sandbox.workers=3", "agent.name=retry", "proxy.port=0"])
+    assert (cfg.engine.kind, cfg.sandbox.workers, cfg.agent.name) == ("hf", 3, "retry")
+
+
 @pytest.mark.parametrize("override,key", [
     ("batcher.groups_per_step=0", "batcher.groups_per_step"),
     ("rollout.n_samples=-1", "rollout.n_samples"),

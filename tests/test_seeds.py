@@ -73,7 +73,7 @@ def test_a_reward_fn_gets_a_seed_per_sample_from_the_run_seed(tiny_model_dir):
 
 # The quickstart recipe on 4 of its prompts, one epoch a step: tiny steps, the same prompts under both seeds
 TINY = ["eval.every=0", "eval.num_prompts=0", "batcher.groups_per_step=4", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "rollout.num_engines=1", "trainer.mini_batch_size=0", "trainer.lr=0.001",
+        "sampling.max_new_tokens=4", "engine.count=1", "trainer.mini_batch_size=0", "trainer.lr=0.001",
         "reward.fn=stages.tasks.rewards:digit_match"]
 ROLLOUT = ("rollout/reward_mean", "rollout/response_len", "rollout/tokens", "rollout/samples")
 

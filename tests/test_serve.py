@@ -73,8 +73,8 @@ def _owner_only(root: Path) -> dict[str, str]:
 def _start(tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "builtin:qwen-vocab-tiny",
-                             "rollout.max_new_tokens=6", "rollout.temperature=0", "rollout.proxy_force_sampling=true",
-                             "rollout.engine_threads=1",
+                             "sampling.max_new_tokens=6", "sampling.temperature=0", "proxy.force_sampling=true",
+                             "engine.threads=1",
                              "--record", str(tmp_path / "rec"), *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

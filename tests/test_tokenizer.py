@@ -66,9 +66,9 @@ def test_rollout_and_reward_workers_load_without_torch(raw_model_dir):
     from stages.agentflow.limits import model_limits
 
     cls = tokenizer_class_of(load_tokenizer(raw_model_dir))
-    code = ("import sys; from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig; "
+    code = ("import sys; from stages.agentflow.rollout import AgentFlowRollout; "
             "from stages.reward import Reward, RewardConfig; "
-            f"r = AgentFlowRollout(RolloutConfig(), [None], None, {raw_model_dir!r}, {cls!r}); "
+            f"r = AgentFlowRollout([None], None, {raw_model_dir!r}, {cls!r}); "
             f"w = Reward(RewardConfig(), {raw_model_dir!r}, 0, {cls!r}); "
             "print(r.limit.context, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

@@ -1,4 +1,4 @@
-"""rollout.engine=vllm's settings, checked without vLLM: the default run has no vLLM installed."""
+"""engine.kind=vllm's settings, checked without vLLM: the default run has no vLLM installed."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,13 +13,13 @@ from stages.lora import LoraConfig
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the message without vLLM")
 def test_without_vllm_the_run_says_what_to_install(tiny_model_dir, tmp_path):
-    cfg = load_config("configs/quickstart.yaml", [f"model.path={tiny_model_dir}", "rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM: pip install -e '.\[vllm\]'"):
+    cfg = load_config("configs/quickstart.yaml", [f"model.path={tiny_model_dir}", "engine.kind=vllm"])
+    with pytest.raises(ConfigError, match=r"engine.kind=vllm needs vLLM: pip install -e '.\[vllm\]'"):
         Controller(cfg, tmp_path / "r", log=lambda *_: None)
 
 
 @pytest.mark.parametrize("override,match", [("vllm.kv_cache_mb=0", "vllm.kv_cache_mb must be >= 1"),
-                                            ("rollout.engine=vlm", "rollout.engine must be one of hf, vllm, sglang")])
+                                            ("engine.kind=vlm", "engine.kind must be one of hf, vllm, sglang")])
 def test_bad_vllm_settings_fail_when_the_config_is_read(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config("configs/quickstart.yaml", [override])

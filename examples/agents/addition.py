@@ -1,6 +1,6 @@
 """A black-box agent for the built-in addition task, in plain Python (urllib, no SDK).
 
-Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agents/addition.py"`).
+Run by AgentFlow once per trajectory (`agent.name: "cmd:python examples/agents/addition.py"`).
 It only knows the OpenAI chat API, the way any third-party agent would:
 
     OPENAI_BASE_URL, OPENAI_API_KEY   where the model is (this trajectory's proxy endpoint)

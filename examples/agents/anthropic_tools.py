@@ -1,6 +1,6 @@
 """A tool-using agent on the official `anthropic` SDK (Messages API), the way Claude Code runs.
 
-Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agents/anthropic_tools.py"`),
+Run by AgentFlow once per trajectory (`agent.name: "cmd:python examples/agents/anthropic_tools.py"`),
 or by hand against any Anthropic-compatible server. Like any third-party harness it only
 knows the Messages API; the SDK reads where the model is from the environment:
 

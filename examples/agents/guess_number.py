@@ -1,6 +1,6 @@
 """A black-box multi-turn game agent written with the official `openai` SDK: guess a hidden number.
 
-Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agents/guess_number.py"`),
+Run by AgentFlow once per trajectory (`agent.name: "cmd:python examples/agents/guess_number.py"`),
 or by hand against any OpenAI-compatible server. Like any third-party agent it only knows
 the OpenAI API; the SDK reads where the model is from the environment:
 

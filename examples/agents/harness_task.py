@@ -1,6 +1,6 @@
 """A real coding harness (Claude Code, Codex CLI or opencode), unmodified, on a file task: one trajectory.
 
-Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agents/harness_task.py codex"`;
+Run by AgentFlow once per trajectory (`agent.name: "cmd:python examples/agents/harness_task.py codex"`;
 configs/agent_claude_code.yaml, configs/agent_codex.yaml, configs/agent_opencode.yaml), or by hand against
 `loongsage serve`:
 
@@ -15,9 +15,9 @@ the Bash tool), makes a fresh working directory ($HOME/work), runs the harness t
 shell tool runs in that directory), then reports what `answer.txt` there holds, as the last stdout
 line ({"answers": [...]}, with the harness's exit status and output tail). It never sees the answer:
 the recipe's reward.fn, `agent_answers`, grades the report (1 if it is exactly the answer). In a
-rollout the whole process runs in the agent jail (rollout.agent_sandbox, stages/agentflow/sandbox/jail.py):
+rollout the whole process runs in the agent jail (agent.jail, stages/agentflow/sandbox/jail.py):
 HOME is a private /tmp/home, and the jail holds the system's programs, the interpreter, this
-directory and the harness installs (`rollout.agent_binds: [.cache/harness]`), nothing else of the
+directory and the harness installs (`agent.binds: [.cache/harness]`), nothing else of the
 host's, so the harness's commands can change nothing but its own /tmp.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A tool-using agent on the official `openai` SDK's Responses API, the way Codex runs.
 
-Run by AgentFlow once per trajectory (`rollout.agent: "cmd:python examples/agents/responses_tools.py"`),
+Run by AgentFlow once per trajectory (`agent.name: "cmd:python examples/agents/responses_tools.py"`),
 or by hand against any server with `POST /v1/responses`. Like any third-party harness it
 only knows that API; the SDK reads where the model is from the environment:
 

@@ -69,7 +69,7 @@ def capture(srv, name: str, sample: dict, wait_s: float = 4.0) -> list[int]:
 
 async def _run_until_first_call(srv, name: str, sample: dict, wait_s: float) -> None:
     from stages.agentflow.blackbox import agent_env
-    from stages.agentflow.config import RolloutConfig
+    from stages.agentflow.config import AgentConfig
     from stages.agentflow.sandbox import jail
     from stages.agentflow.sandbox.agent_jail import Jail, end
 
@@ -85,7 +85,7 @@ async def _run_until_first_call(srv, name: str, sample: dict, wait_s: float) -> 
                                                     stdout=asyncio.subprocess.DEVNULL,
                                                     stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
     else:
-        proc = await Jail(RolloutConfig(agent_binds=(".cache/harness",))).spawn(argv, env, port, connect, None)
+        proc = await Jail(AgentConfig(binds=(".cache/harness",))).spawn(argv, env, port, connect, None)
     deadline = time.time() + 180
     while len(srv.engine.calls) == first and proc.returncode is None and time.time() < deadline:
         await asyncio.sleep(0.2)
@@ -139,7 +139,7 @@ def main() -> None:
     from stages.model import load_model
     from stages.tasks.harness_sft import teach
 
-    cfg = serve_config(MODEL, ["rollout.max_new_tokens=8", "rollout.temperature=0", "rollout.engine_threads=1"],
+    cfg = serve_config(MODEL, ["sampling.max_new_tokens=8", "sampling.temperature=0", "engine.threads=1"],
                        None, None)
     # the engine's calls are kept: the prompts are read from them
     srv = Server(cfg, tempfile.mkdtemp(prefix="loongsage-warm-"), keep_engine_calls=True,

@@ -107,7 +107,7 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
 
     handoff, dispatch = _latencies(spans, blocks, cfg, skip)
     stages = StageCosts(r_fixed, r_row, handoff, dispatch, reward_workers=1)
-    costs = Costs(engine, trainer, sync, stages, Layout(engines=cfg.rollout.num_engines, description="this run"),
+    costs = Costs(engine, trainer, sync, stages, Layout(engines=cfg.engine.count, description="this run"),
                   sources={k: f"calibrated from {run}" for k in ("engine", "trainer", "sync", "stages")})
     return Calibration(run, cfg, costs, lengths, notes)
 

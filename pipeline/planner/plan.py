@@ -54,7 +54,7 @@ def _split(overrides, has_cluster: bool) -> tuple[list[str], dict]:
         if not eq:
             raise PlanError(f"override {o!r}: expected key=value")
         if key == "engines" and not has_cluster:
-            key = "rollout.num_engines"          # on this machine: the recipe's engines
+            key = "engine.count"    # on this machine: the recipe's engines
         key = ALIASES.get(key, key)
         if key.split(".")[0] in SCHEMA:
             if not has_cluster:
@@ -100,7 +100,7 @@ def setup(inp: PlanInput, cal: Calibration | None = None):
             costs = replace(costs, stages=cal.costs.stages,
                             sources=costs.sources | {"stages": cal.costs.sources["stages"]})
     else:
-        costs = replace(cal.costs, layout=Layout(engines=cfg.rollout.num_engines, description="this machine"))
+        costs = replace(cal.costs, layout=Layout(engines=cfg.engine.count, description="this machine"))
     steps = inp.steps or min(cfg.run.steps, DEFAULT_STEPS)
     if steps < 2:
         raise PlanError(f"--steps {steps}: need at least 2 (step 1 is start-up, left out of the figures)")

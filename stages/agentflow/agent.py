@@ -20,7 +20,7 @@ import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
 from stages.agentflow.config import KINDS
@@ -29,14 +29,11 @@ from stages.agentflow.session import Segment, turn_seed
 from stages.agentflow.stream import TokenStream
 from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
 
-__all__ = ["Agent", "AgentContext", "Generation", "SingleTurnAgent", "TurnLimitReached"]
-
 
 class TurnLimitReached(RuntimeError):
     pass
 
 
-@runtime_checkable
 class Agent(Protocol):
     async def run(self, ctx: "AgentContext", sample: dict) -> None: ...
 
@@ -55,16 +52,16 @@ class AgentContext:
     """Per-trajectory state: one token stream, tools, the turn limit and, for black-box agents, a proxy."""
 
     def __init__(self, client, tokenizer, prompt_ids: list[int], sampling: dict, *, prompt_text: str = "",
-                 messages: list[dict] | None = None, max_turns: int = 0, tools: ToolRegistry | None = None,
-                 proxy=None, limit: PromptLimit | None = None, max_tokens: int = 0):
+                 messages: list[dict] | None = None, max_turns: int = 0, proxy=None, limit: PromptLimit | None = None,
+                 max_tokens: int = 0):
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
         self.max_tokens = max_tokens        # black-box: completion tokens the trajectory may generate (0 = no budget)
         self.proxy_notes: list[str] = []    # black-box: what its requests asked that the proxy did not honour
-        self.limit = limit or PromptLimit()     # the model's context and rollout.max_prompt_tokens
+        self.limit = limit or PromptLimit()     # the model's context and sampling.max_prompt_tokens
         self.stream = TokenStream(list(prompt_ids), prompt_text)
         self.messages = messages            # chat history when the prompt is chat messages, else None
         self.max_turns = max_turns
-        self.tools = tools if tools is not None else ToolRegistry(BUILTIN_TOOLS)
+        self.tools = ToolRegistry(BUILTIN_TOOLS)
         self.proxy = proxy
         self.status = "completed"
         self.turns = self.tool_calls = 0

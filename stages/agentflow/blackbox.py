@@ -1,51 +1,31 @@
 """Black-box agents: programs that only speak a model API (OpenAI or Anthropic), run per trajectory.
 
-Subprocess (`rollout.agent: "cmd:python examples/agents/addition.py"`): the command runs
-once per trajectory with this environment, and nothing else of the worker's:
+Subprocess (`agent.name: "cmd:python examples/agents/addition.py"`): the command runs once per trajectory with
+this environment, and nothing else of the worker's (no user tokens or credentials):
 
     OPENAI_BASE_URL, OPENAI_API_KEY        this trajectory's proxy endpoint (.../v1) and key
-    ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY  the same endpoint for the anthropic SDK: the base URL
-                                           without the trailing /v1 (the SDK appends /v1/messages),
-                                           the same key (sent as x-api-key)
+    ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY  the same endpoint without the trailing /v1 (the anthropic SDK
+                                           appends /v1/messages), the same key (sent as x-api-key)
     LOONGSAGE_SAMPLE                       the row as JSON (prompt, data_source, ids): never its answer
     LOONGSAGE_SEED                         the trajectory's seed (from run.seed, its group and sample): an
                                            agent that draws random numbers seeds them with it to repeat a run
-    HOME, TMPDIR, PATH, LANG, LC_*, TERM, TZ    and what `rollout.agent_env` names (NAME or NAME=VALUE)
+    HOME, TMPDIR, PATH, LANG, LC_*, TERM, TZ    and what `agent.env` names (NAME or NAME=VALUE)
 
-An agent written with either official SDK finds the proxy with no configuration
-(`openai.OpenAI()`, `anthropic.Anthropic()`), and so does a harness that reads only one of the
-two pairs (Codex, Claude Code). The user's own tokens and credentials are not passed.
+so an agent on either official SDK (`openai.OpenAI()`, `anthropic.Anthropic()`), or a harness that reads one of
+the pairs (Codex, Claude Code), finds the proxy with no configuration. The agent grades nothing: if its last stdout
+line is a JSON object, that is its report (`agent_info`), for reward.fn, which holds the answer, to grade
+(examples/agents/rewards.py); a `reward` in it is not the trajectory's (a policy could make a harness print one).
+A non-zero exit, a crash or a hang past agent.timeout_s fails the row with the stderr tail; when the trajectory
+ends every process it started is killed. A leading `python`/`python3` means this interpreter; a relative script
+path is looked up in the working directory, then in the project root, so the shipped examples run from anywhere.
 
-The agent grades nothing itself: it never sees the answer. If its last stdout line is a JSON
-object, that is its report (`agent_info`, given to reward.fn as `row["agent_info"]`): what it did,
-for reward.fn, which holds the answer, to grade (examples/agents/rewards.py). A `reward` in the
-report is not the trajectory's reward: a policy could make a harness print one.
-A non-zero exit, a crash or a hang past rollout.timeout_s fails the row with the stderr
-tail; when the trajectory ends every process it started is killed.
+Each agent runs in a bubblewrap jail of its own (`agent.jail`), forked, where `agent.preload` names modules, from a
+zygote that imported them once per worker: what the jail allows and bounds is in docs/sandbox.md.
 
-A leading `python`/`python3` in the command means this interpreter (sys.executable). A
-relative script path is looked up in the working directory, then in the project root, so the
-shipped examples run from anywhere.
-
-Jail (`rollout.agent_sandbox: bwrap`, the default; stages/agentflow/sandbox/jail.py): each agent runs in a
-bubblewrap jail of its own, with the system's programs and libraries and its own files only (no
-home directories, run directories, data sets or checkpoints), a fresh HOME and size-capped /tmp,
-its own PID, network, IPC and UTS namespaces (its network is loopback alone, on which
-jail_init.py serves the trajectory's proxy endpoint and nothing else), no capabilities, seccomp,
-and a cgroup bounding its processes and memory. A run whose agents cannot be jailed is refused at
-start; `agent_sandbox: none` runs them unjailed as the worker's user, on the proxy's TCP port.
-
-`rollout.agent_preload: [anthropic]` (a `python SCRIPT.py ...` command only): the worker starts
-one zygote per worker that imports those modules once and forks each trajectory's process from
-it (stages/agentflow/sandbox/zygote.py), so an agent does not pay its SDK import per trajectory
-(`import anthropic` is ~2.5 s of CPU on a 2-core machine). A forked agent gets namespaces, /tmp,
-HOME, cgroup and seccomp filter of its own, as a spawned one does.
-
-In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent`
-and set `rollout.agent: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop
-(use openai.AsyncOpenAI); a plain def runs in a thread. It is the user's own code in the
-worker, not jailed, and gets the whole row; returning {"reward": ...} sets the reward.
-`base_url` is the OpenAI form (.../v1); an in-process agent on the anthropic SDK passes
+In-process: decorate `fn(base_url, api_key, sample) -> dict | None` with `@openai_agent` and set
+`agent.name: mypkg.mod:fn`. An `async def` fn shares the rollout's event loop (use openai.AsyncOpenAI); a plain def
+runs in a thread. It is the user's own code in the worker, not jailed, and gets the whole row; returning
+{"reward": ...} sets the reward. `base_url` is the OpenAI form (.../v1); on the anthropic SDK, pass
 `anthropic_base_url(base_url)`.
 """
 from __future__ import annotations
@@ -78,7 +58,7 @@ class AgentExit(RuntimeError):
 def resolve_command(cmd: str) -> list[str]:
     argv = shlex.split(cmd)
     if not argv:
-        raise ValueError("rollout.agent 'cmd:' needs a command line after the colon")
+        raise ValueError("agent.name 'cmd:' needs a command line after the colon")
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     for i, a in enumerate(argv[1:], 1):
@@ -100,7 +80,7 @@ def anthropic_base_url(base_url: str) -> str:
 
 
 def base_env(names: tuple[str, ...] = ()) -> dict[str, str]:
-    """An allowlist of the worker's environment, and rollout.agent_env's NAME or NAME=VALUE."""
+    """An allowlist of the worker's environment, and agent.env's NAME or NAME=VALUE."""
     env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith("LC_")}
     for item in names:
         name, eq, value = item.partition("=")
@@ -146,18 +126,10 @@ def reported_reward(ctx, report: dict | None) -> None:
         ctx.info.update(report["info"])
 
 
-class _Tail:
-    """Keeps the last TAIL_BYTES of a stream (an agent may print without bound)."""
-
-    def __init__(self):
-        self.data = b""
-
-    async def drain(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(65536):
-            self.data = (self.data + chunk)[-TAIL_BYTES:]
-
-    def text(self) -> str:
-        return self.data.decode(errors="replace")
+async def _drain(stream: asyncio.StreamReader, tail: bytearray) -> None:
+    """Keep the last TAIL_BYTES of a stream in `tail` (an agent may print without bound)."""
+    while chunk := await stream.read(65536):
+        tail[:] = (tail + chunk)[-TAIL_BYTES:]
 
 
 class SubprocessAgent:
@@ -171,10 +143,10 @@ class SubprocessAgent:
         self._configured = False
         if preload:
             if self.argv[0] != sys.executable or len(self.argv) < 2 or not self.argv[1].endswith(".py"):
-                raise ValueError(f"rollout.agent_preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
+                raise ValueError(f"agent.preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
             bad = [m for m in preload if not isinstance(m, str) or not all(p.isidentifier() for p in m.split("."))]
             if bad:
-                raise ValueError(f"rollout.agent_preload: {bad[0]!r} is not a module name")
+                raise ValueError(f"agent.preload: {bad[0]!r} is not a module name")
             import importlib.util
 
             for m in preload:
@@ -183,23 +155,23 @@ class SubprocessAgent:
                 except (ImportError, ValueError):
                     found = False
                 if not found:
-                    raise ValueError(f"rollout.agent_preload: module {m!r} is not installed")
+                    raise ValueError(f"agent.preload: module {m!r} is not installed")
             self.zygote = Zygote(tuple(preload))
 
-    def configure(self, rollout_cfg) -> None:
-        """rollout.agent_sandbox and the agent_* keys: the jail each agent process runs in."""
-        from stages.agentflow.config import RolloutConfig
+    def configure(self, agent=None, *_) -> None:
+        """The agent section (None: its defaults): the jail each agent process runs in, its environment."""
+        from stages.agentflow.config import AgentConfig
 
-        cfg = rollout_cfg or RolloutConfig()
+        cfg = agent or AgentConfig()
         self._configured = True
         if self.jail is not None:
             self.jail.close()
         self.jail = make_jail(cfg)
-        self.env_names = tuple(cfg.agent_env)
+        self.env_names = tuple(cfg.env)
         self.limit = cfg.max_agents or AGENTS_AT_ONCE
         if self.zygote is not None:
             if self.jail is None:
-                raise ValueError("rollout.agent_preload needs the agent jail (rollout.agent_sandbox=bwrap): its "
+                raise ValueError("agent.preload needs the agent jail (agent.jail=bwrap): its "
                                  "zygote builds each agent's namespaces")
             self.zygote.jail, self.zygote.agent_argv = self.jail, tuple(self.argv)
             self.zygote.env = base_env(self.env_names)
@@ -239,15 +211,15 @@ class SubprocessAgent:
             if "seed" in ctx.sampling:
                 env["LOONGSAGE_SEED"] = str(ctx.sampling["seed"])
             proc = await self._start(ep, env, home)
-            out, err = _Tail(), _Tail()
-            readers = [asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
+            out, err = bytearray(), bytearray()
+            readers = [asyncio.ensure_future(_drain(proc.stdout, out)), asyncio.ensure_future(_drain(proc.stderr, err))]
             try:
                 rc = await proc.wait()
                 oom = proc.cgroup.oom_kills() if getattr(proc, "cgroup", None) is not None else 0
                 end(proc)      # what it left behind would hold the pipes open
                 await asyncio.wait(readers, timeout=5)
             finally:
-                ctx.detail = err.text()
+                ctx.detail = err.decode(errors="replace")
                 end(proc)
                 for r in readers:
                     r.cancel()
@@ -257,18 +229,19 @@ class SubprocessAgent:
                 rc = 128 - rc
             if rc != 0:  # raised inside the endpoint: the exit, not "no model calls", is the error
                 how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                why = " at its memory limit (rollout.agent_memory_mb)" if oom else ""
+                why = " at its memory limit (agent.memory_mb)" if oom else ""
                 raise AgentExit(f"agent {self.cmd!r} {how}{why}")
-        report = last_json(out.text())
+        report = last_json(out.decode(errors="replace"))
         if report is not None:
             ctx.info.update(report)
 
 
-AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when rollout.max_agents is 0
+AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when agent.max_agents is 0
 
 
 class OpenAIFunctionAgent:
-    """An in-process black-box agent: a function given a base URL, a key and the sample."""
+    """An in-process black-box agent: a function given a base URL, a key and the sample. As a decorator
+    (`openai_agent`), `@openai_agent def solve(base_url, api_key, sample): ...` is an Agent."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -283,6 +256,4 @@ class OpenAIFunctionAgent:
             reported_reward(ctx, res)
 
 
-def openai_agent(fn) -> OpenAIFunctionAgent:
-    """Decorator: `@openai_agent def solve(base_url, api_key, sample): ...` is an Agent."""
-    return OpenAIFunctionAgent(fn)
+openai_agent = OpenAIFunctionAgent

@@ -9,7 +9,7 @@ lands between steps and a row spanning an update records both versions (partial 
 call keeps one version (VersionGate). With trainer.lora a version is the adapter alone (stages/lora.py).
 
 Memory follows the response, not vocabulary x prompt: the LM head runs at the last position only; the
-KV cache is bounded by rollout.kv_cache_mb (rows are admitted while rows x the widest row's context +
+KV cache is bounded by engine.kv_cache_mb (rows are admitted while rows x the widest row's context +
 budget fits; a request that cannot fit alone fails, naming the key); distinct contexts are prefilled
 in packs whose padded attention mask (rows x width^2) stays under PREFILL_MASK_ELEMS; sampling takes
 a few rows at a time (sampling.py).
@@ -34,7 +34,7 @@ from stages.model import load_model, load_tokenizer
 from stages.priority import lower_priority
 
 IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
-KV_CACHE_MB = 1024.0                 # default rollout.kv_cache_mb
+KV_CACHE_MB = 1024.0                 # default engine.kv_cache_mb
 PREFILL_MASK_ELEMS = 2 ** 24         # a padded prefill's attention mask (distinct contexts x width^2) at most
 RESYNC_TIMEOUT_S = 120.0             # a version that failed part-way in place waits this long for the next one
 
@@ -106,9 +106,9 @@ class HFEngine(EngineBase):
         """special_ids: (eos, pad), all generation needs of the tokenizer, from a process that loaded it
         (a 151k-token tokenizer costs ~200 MB to load); without them the engine loads it (`self.tok`)."""
         if max_running_rows < 1:
-            raise ValueError(f"max_running_rows (rollout.engine_max_rows) must be >= 1, got {max_running_rows}")
+            raise ValueError(f"max_running_rows (engine.max_rows) must be >= 1, got {max_running_rows}")
         if not kv_cache_mb > 0:
-            raise ValueError(f"kv_cache_mb (rollout.kv_cache_mb) must be > 0, got {kv_cache_mb}")
+            raise ValueError(f"kv_cache_mb (engine.kv_cache_mb) must be > 0, got {kv_cache_mb}")
         lower_priority(nice)
         self.threads = max(1, num_threads)
         torch.set_num_threads(self.threads)
@@ -153,9 +153,6 @@ class HFEngine(EngineBase):
 
     def weight_specs(self) -> dict:
         return {n: (tuple(t.shape), t.dtype) for n, t in self._landing().items()}
-
-    def state_dict_ref(self):
-        return {n: t.clone() for n, t in self.model.state_dict().items()}
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version between decode steps (empty: only the clock, a resumed run)."""
@@ -216,7 +213,7 @@ class HFEngine(EngineBase):
         return "context_length_exceeded", (
             f"the request needs {need} tokens of KV cache ({seq} of context + up to {need - seq} new), more than "
             f"the engine's {self.kv_cache_tokens} ({self.kv_cache_mb:g} MiB at {self.kv_token_bytes} bytes a token); "
-            f"raise rollout.kv_cache_mb or lower max_new_tokens")
+            f"raise engine.kv_cache_mb or lower max_new_tokens")
 
     def _enqueue(self, rows: list[_Row]) -> None:
         """Rows wait for the decode thread, which is started if it is not running."""

@@ -1,4 +1,4 @@
-"""The `vllm:` and `sglang:` recipe sections (stages/agentflow/vllm_engine.py, sglang_engine.py).
+"""The `engine:`, `vllm:` and `sglang:` recipe sections (stages/agentflow/engine.py, vllm_engine.py, sglang_engine.py).
 
 Apart from the engines, which import torch, so a recipe is checked without torch.
 """
@@ -6,12 +6,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.keys import POSITIVE, at_least, between, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, at_least, between, check_fields, key, one_of
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: str = key("hf", "hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:` section) | "
+                          "sglang (GPU; `sglang:` section)", one_of("hf", "vllm", "sglang"))
+    count: int = key(1, "rollout engine actors", POSITIVE)
+    threads: int = key(0, "torch threads per engine; 0 = decided by pipeline/resources.py", NONNEG)
+    max_rows: int = key(256, "hf engine: rows decoding at once (more wait in its queue)", at_least(1))
+    kv_cache_mb: float = key(1024.0, "hf engine: its KV cache, the memory its running rows may hold (rows x the "
+                                     "widest row's context + budget); a request that cannot fit alone fails", POSITIVE)
+    restarts: int = key(3, "times Ray restarts a dead engine (its groups are re-run); -1 = always", at_least(-1))
+    retries: int = key(3, "re-runs of a trajectory whose engine died under it", NONNEG)
+
+    def __post_init__(self):
+        check_fields(self, "engine")
 
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """The `vllm:` recipe section (used when rollout.engine is vllm)."""
+    """The `vllm:` recipe section (used when engine.kind is vllm)."""
     kv_cache_mb: int = key(256, "KV cache per engine, MiB (vLLM's default is most of the machine's memory)",
                            at_least(1))
     max_num_seqs: int = key(256, "rows decoding at once (more wait in vLLM's queue)", at_least(1))
@@ -28,7 +44,7 @@ class VLLMConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """The `sglang:` recipe section (used when rollout.engine is sglang)."""
+    """The `sglang:` recipe section (used when engine.kind is sglang)."""
     tp: int = key(1, "GPUs per engine (SGLang tensor parallel); Ray gives each engine this many", at_least(1))
     mem_fraction: float = key(0.7, "of each GPU for weights + KV cache (lower when colocated)",
                                    between(0, 1, lo_open=True, hi_open=True))

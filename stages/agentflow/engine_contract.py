@@ -2,7 +2,7 @@
 SGLang: sglang_engine.py), and the plumbing they share (EngineBase, VersionGate, AdapterSlots).
 
 The rollout stage, the proxy, evaluation, the controller and the TransferMesh call only the
-methods of `RolloutEngine`; which engine answers is `rollout.engine`. What each call means:
+methods of `RolloutEngine`; which engine answers is `engine.kind`. What each call means:
 
 * `generate(rows)`: each row has prompt_ids, max_new_tokens, temperature, top_p, [seed],
   [prefix_ids, prefix_logprobs, prefix_versions] (a resumed partial rollout), [hold] (the whole
@@ -22,7 +22,7 @@ methods of `RolloutEngine`; which engine answers is `rollout.engine`. What each 
   them), `pop_stats()` (since the last call: requests, tokens, busy_s, decode_steps,
   running_rows_mean/max, queue_wait_s_mean/max).
 
-Tests that hold every engine to it: tests/engine_contract.py (the HF engine in the default run, vLLM
+Tests that hold every engine to it: tests/support/engine_checks.py (the HF engine in the default run, vLLM
 in the `vllm` tier, SGLang in benchmarks/gpu/sglang_check.py).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prompt-length limits: no single request may stall an engine.
 
-The model's context (`max_position_embeddings`) bounds prompt + completion; `rollout.max_prompt_tokens` (0 = the
+The model's context (`max_position_embeddings`) bounds prompt + completion; `sampling.max_prompt_tokens` (0 = the
 context less one token) bounds the prompt alone. Each entry point checks them before tokenizing a long text: the
 proxy answers 400 `context_length_exceeded`, a white-box turn raises ContextLengthExceeded (its trajectory fails),
 an engine fails the row alone and clips every row's `max_new_tokens` to the room its context leaves. A proxy
@@ -38,8 +38,8 @@ class ContextLengthExceeded(RequestRejected):
 
 def model_limits(model_path: str) -> tuple[int, int]:
     """(context, vocabulary size) in tokens from the model's HF config; 0 where unknown. Read from config.json
-    where its top level states both (as AutoConfig would read them), else through AutoConfig (a nested text
-    config, other names), whose import brings torch: ~170 MB more in a rollout worker that needs neither."""
+    where its top level states both, else through AutoConfig (a nested text config, other names), whose import
+    brings torch into a rollout worker that needs none."""
     try:
         stated = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -68,7 +68,7 @@ def longest_token_chars(tok) -> int:
 @dataclass(frozen=True)
 class PromptLimit:
     context: int = 0       # tokens of prompt + completion (the model's context); 0 = unknown
-    max_prompt: int = 0    # tokens of the prompt alone (rollout.max_prompt_tokens); 0 = context - 1
+    max_prompt: int = 0    # tokens of the prompt alone (sampling.max_prompt_tokens); 0 = context - 1
     longest: int = 0       # characters of the longest token: the cheap bound's divisor; 0 = none
 
     # what bounds a proxy call's completion where several tie: the harness's own limit first (its cut is its
@@ -87,7 +87,7 @@ class PromptLimit:
     def _over(self, n: int, what: str, param: str | None) -> ContextLengthExceeded:
         cap = self.prompt_cap
         if self.max_prompt and self.max_prompt == cap:
-            why = f"prompts are limited to {cap} tokens (rollout.max_prompt_tokens)"
+            why = f"prompts are limited to {cap} tokens (sampling.max_prompt_tokens)"
         else:
             why = f"this model's maximum context length is {self.context} tokens, so a prompt may have at most {cap}"
         e = ContextLengthExceeded(f"{what} {n} tokens, but {why}. Please reduce the length of the prompt.", param)
@@ -171,8 +171,8 @@ def failed_row(code: str, message: str) -> dict:
     return {"response_ids": [], "logprobs": [], "versions": [], "status": "failed", "error": message, "code": code}
 
 
-def raise_if_failed(out: dict, param: str | None = None) -> None:
+def raise_if_failed(out: dict) -> None:
     """A white-box or proxy caller's view of an engine row it refused."""
     if out.get("status") == "failed":
         cls = ContextLengthExceeded if out.get("code") == ContextLengthExceeded.code else RequestRejected
-        raise cls(f"the engine refused this request: {out.get('error', '')}", param)
+        raise cls(f"the engine refused this request: {out.get('error', '')}")

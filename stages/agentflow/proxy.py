@@ -9,7 +9,7 @@ endpoint less /v1), GET models, and a keyless HEAD on the base URL (Claude Code'
 A request walks one way: the guard (path, key, route), the protocol's `parse` into one `Request`, the trajectory's
 `Session.call` (session.py), the protocol's `respond`. Errors are in the path's protocol (OpenAI's or Anthropic's
 body): 401 a missing or wrong key, 404 an unknown path or route (an ended trajectory), 413 a body over the limit,
-400 a malformed body or field (named), a prompt over the context or rollout.max_prompt_tokens
+400 a malformed body or field (named), a prompt over the context or sampling.max_prompt_tokens
 (`context_length_exceeded`), the turn limit or the token budget; 503 (Anthropic: 529) an engine that aborted the
 call or restarts; anything else a generic 500 with a request id (its detail only in the `loongsage.proxy` log).
 Each error status is noted with the trajectory. Each reply carries `x-loongsage-engine-ms`, the time the call
@@ -64,7 +64,7 @@ class Proxy:
         self.tok = ensure_chat_template(tokenizer)
         self.host, self.port, self.max_body = host, port, max_body_bytes
         self.force_sampling = force_sampling    # True: rollout temperature/top_p/seeds override the agent's
-        # the model's context and rollout.max_prompt_tokens (PromptLimit.for_model); without, only the engine's
+        # the model's context and sampling.max_prompt_tokens (PromptLimit.for_model); without, only the engine's
         # own per-row check bounds a prompt
         self.limit = limit or PromptLimit(longest=longest_token_chars(self.tok))
         self.sessions: dict[str, tuple[str, Session]] = {}
@@ -94,7 +94,7 @@ class Proxy:
 
     async def open(self, client, sampling: dict, max_turns: int = 0, max_tokens: int = 0) -> Endpoint:
         """A fresh endpoint for one trajectory; its calls go to `client` (one engine). `max_tokens`: the
-        completion tokens the trajectory may generate in all (rollout.max_trajectory_tokens; 0 = no budget)."""
+        completion tokens the trajectory may generate in all (agent.max_trajectory_tokens; 0 = no budget)."""
         await self.start()
         route, key = secrets.token_urlsafe(18), "sk-loongsage-" + secrets.token_urlsafe(24)
         session = Session(client, self.tok, sampling, self.limit, max_turns, max_tokens, self.force_sampling)

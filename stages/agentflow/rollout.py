@@ -10,7 +10,7 @@ Output columns: prompt_ids, response_ids, response_logprobs, loss_mask, token_ve
                 trajectory's segment tree), segment_stats (struct: segments by kind, prompt
                 tokens reused / fresh, bytes of history re-sent; black-box agents)
 
-A trajectory makes one row per segment of a kind in `rollout.train_segments` (default all
+A trajectory makes one row per segment of a kind in `agent.train_segments` (default all
 three kinds): an append-only conversation is one segment, hence one row; compaction,
 subagents and templates that rewrite history make more. The rows share the sample's
 group_id, sample_idx and reward; the trainer counts a sample once in its group's
@@ -23,7 +23,7 @@ of the staleness bound. Agents run concurrently on one asyncio loop per worker; 
 agents reach the engines through this worker's proxy (stages/agentflow/proxy.py), which
 lives on the same loop. A failing agent marks its own row `failed` and the batch goes on.
 
-`rollout.agent` is a built-in name (single_turn, retry, calculator, sandbox), a dotted path to an
+`agent.name` is a built-in name (single_turn, retry, calculator, sandbox), a dotted path to an
 Agent class (or to an agent object, e.g. an `@openai_agent` function), or
 `cmd:<command line>` for a subprocess black-box agent (stages/agentflow/blackbox.py).
 A row's prompt is plain text, or chat messages as a JSON list rendered by the chat template.
@@ -43,7 +43,8 @@ from stages.agentflow.agent import AgentContext, SingleTurnAgent
 from stages.agentflow.blackbox import AgentExit, SubprocessAgent
 from stages.agentflow.chat import encode, ensure_chat_template, normalise_messages, render
 from stages.agentflow.client import Affinity
-from stages.agentflow.config import RolloutConfig
+from stages.agentflow.config import AgentConfig, ProxyConfig, RolloutConfig, SamplingConfig
+from stages.agentflow.engine_config import EngineConfig
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent, SandboxAgent
 from stages.priority import lower_priority
@@ -54,7 +55,7 @@ BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculat
 
 
 def load_agent(name: str, preload: tuple = ()):
-    """An Agent from `rollout.agent`; every way it can be wrong is a ValueError naming it."""
+    """An Agent from `agent.name`; every way it can be wrong is a ValueError naming it."""
     if name in BUILTIN_AGENTS:
         return BUILTIN_AGENTS[name]()
     if name.startswith("cmd:"):
@@ -63,11 +64,11 @@ def load_agent(name: str, preload: tuple = ()):
     try:
         obj = getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"rollout.agent {name!r} does not import: {e} (built-in agents: "
+        raise ValueError(f"agent.name {name!r} does not import: {e} (built-in agents: "
                          f"{', '.join(BUILTIN_AGENTS)}; or a dotted path, or cmd:<command>)") from e
     agent = obj() if isinstance(obj, type) else obj
     if not asyncio.iscoroutinefunction(getattr(agent, "run", None)):
-        raise ValueError(f"rollout.agent {name!r} is not an Agent: it needs `async def run(self, ctx, sample)`")
+        raise ValueError(f"agent.name {name!r} is not an Agent: it needs `async def run(self, ctx, sample)`")
     return agent
 
 
@@ -81,29 +82,31 @@ class AgentFlowRollout:
     inputs = ("prompt_id", "group_id", "sample_idx", "prompt")
     outputs = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "token_versions",
                "version_start", "version_end", "status", "error", "t_dispatch", "t_done", *EXTRA_TYPES)
+    sections = ("rollout", "sampling", "agent", "proxy", "engine", "sandbox", "tool_service")   # its keywords
 
-    def __init__(self, cfg: RolloutConfig, engines: list, gate=None, model_path: str = "", tokenizer_class: str = ""):
+    def __init__(self, engines: list, gate=None, model_path: str = "", tokenizer_class: str = "", *,
+                 rollout=RolloutConfig(), sampling=SamplingConfig(), agent=AgentConfig(), proxy=ProxyConfig(),
+                 engine=EngineConfig(), sandbox=None, tool_service=None):
         """tokenizer_class: the class AutoTokenizer picks for model_path (stages/tokenizer.py), so that
-        this worker loads it without importing torch."""
+        this worker loads it without importing torch. The keywords are the recipe's `sections`."""
         from stages.agentflow.proxy import Proxy
         from stages.tokenizer import load_tokenizer
 
-        lower_priority(cfg.nice)
-        self.cfg = cfg
-        self.gate = gate
+        lower_priority(rollout.nice)
+        self.cfg, self.gate, self.seed, self.retries = agent, gate, sampling.seed, engine.retries
         self.tok = ensure_chat_template(load_tokenizer(model_path, tokenizer_class))
-        self.limit = PromptLimit.for_model(model_path, self.tok, cfg.max_prompt_tokens)
-        self.agent = load_agent(cfg.agent, cfg.agent_preload)
-        if hasattr(self.agent, "configure"):    # an agent with settings in this config (rollout.sandbox)
-            self.agent.configure(cfg)
+        self.limit = PromptLimit.for_model(model_path, self.tok, sampling.max_prompt_tokens)
+        self.agent = load_agent(agent.name, agent.preload)
+        if hasattr(self.agent, "configure"):    # an agent with settings of its own (the sandbox and the jail's)
+            self.agent.configure(agent, sandbox, tool_service)
         self.affinity = Affinity(engines)
-        self.sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                         "hold": cfg.partial == "wait"}
+        self.sampling = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                         "top_p": sampling.top_p, "hold": rollout.partial == "wait"}
         self.loop = asyncio.new_event_loop()
         self._encoded: dict[str, list[int]] = {}     # prompt text -> ids: a group's N samples share one prompt
         # started on first use, on self.loop: it serves while a batch runs, which is when agents call it
-        self.proxy = Proxy(self.tok, cfg.proxy_host, cfg.proxy_port, int(cfg.proxy_max_body_mb * 2 ** 20),
-                           cfg.proxy_force_sampling, self.limit)
+        self.proxy = Proxy(self.tok, proxy.host, proxy.port, int(proxy.max_body_mb * 2 ** 20), proxy.force_sampling,
+                           self.limit)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -124,7 +127,7 @@ class AgentFlowRollout:
 
     def _seed(self, row: dict) -> int:
         """Each sample draws from its own stream: a resumed or replayed run samples the same tokens."""
-        return (self.cfg.seed * 1_000_003 + int(row["group_id"]) * 1009 + int(row["sample_idx"])) % (2**63)
+        return (self.seed * 1_000_003 + int(row["group_id"]) * 1009 + int(row["sample_idx"])) % (2**63)
 
     def _context(self, row: dict) -> AgentContext:
         messages = _chat_prompt(row["prompt"])
@@ -147,10 +150,10 @@ class AgentFlowRollout:
         """One trajectory (a row per trained segment). If its engine dies meanwhile, it is run again from the
         start (same seed) once the engine is back: nothing half-made by a dead engine reaches training."""
         client = self.affinity.for_group(row["group_id"])
-        for attempt in range(self.cfg.engine_retries + 1):
+        for attempt in range(self.retries + 1):
             lost = client.lost
             out = await self._attempt(row, limit)
-            if client.lost == lost or out[0]["status"] != "failed" or attempt == self.cfg.engine_retries:
+            if client.lost == lost or out[0]["status"] != "failed" or attempt == self.retries:
                 break
             await asyncio.sleep(min(2.0 ** attempt, 10.0))   # the engine is restarting
         return out
@@ -177,7 +180,7 @@ class AgentFlowRollout:
                                                    f"{traceback.format_exc(limit=3)}")]
             if not outs:        # every segment is of a kind this recipe does not train
                 fail, outs = "error", [_failed(f"the trajectory has no segment of a trained kind "
-                                               f"(rollout.train_segments={list(self.cfg.train_segments)}; it made "
+                                               f"(agent.train_segments={list(self.cfg.train_segments)}; it made "
                                                f"{', '.join(s.kind for s in ctx.tree)})")]
         common = _agent_columns(ctx, fail, time.time() - t0) | {"t_dispatch": t_dispatch, "t_done": time.time()}
         return [out | common for out in outs]

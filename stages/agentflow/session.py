@@ -227,7 +227,7 @@ class Session:
             # our cut, not the model's context nor the harness's own limit: the harness is told the completion
             # stopped (told "length" it would ask the model to resume); the trajectory keeps the truth (the
             # status truncated, and this note)
-            what = "rollout.max_new_tokens" if req.bound == "rollout" else "rollout.max_trajectory_tokens"
+            what = "sampling.max_new_tokens" if req.bound == "rollout" else "agent.max_trajectory_tokens"
             self.note(f"a completion was cut at {req.max_tokens} tokens by {what}: reported to the harness as stopped")
             for c in choices:
                 c.finish_reason = "stop"
@@ -330,7 +330,7 @@ class Session:
         if self.tokens_left() == 0:
             self.truncated = True
             raise bad(f"token budget spent: this trajectory may generate {self.max_tokens} tokens "
-                      f"(rollout.max_trajectory_tokens)", code="trajectory_budget_spent")
+                      f"(agent.max_trajectory_tokens)", code="trajectory_budget_spent")
         self.calls += 1
         shared = base.shared if base.origin >= 0 else 0
         self.reused_tokens += shared

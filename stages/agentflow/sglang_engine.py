@@ -76,17 +76,17 @@ def check_lora_targets(lora: LoraConfig, model_path: str, targets: list[str]) ->
     """The module names SGLang is launched with for these targets; ValueError naming the key when
     SGLang cannot serve them as the trainer trains them."""
     if lora.modules_to_save:
-        raise ValueError("trainer.lora.modules_to_save: rollout.engine=sglang serves LoRA adapters only (no module "
+        raise ValueError("trainer.lora.modules_to_save: engine.kind=sglang serves LoRA adapters only (no module "
                          "trained in full beside them); leave it empty")
     names = sorted({t.rsplit(".", 1)[-1] for t in targets})
     unknown = [n for n in names if n not in SGLANG_LORA_MODULES]
     if unknown:
-        raise ValueError(f"{lora.targets_key}: rollout.engine=sglang serves LoRA on {', '.join(SGLANG_LORA_MODULES)} "
+        raise ValueError(f"{lora.targets_key}: engine.kind=sglang serves LoRA on {', '.join(SGLANG_LORA_MODULES)} "
                          f"only, not {', '.join(unknown)}")
     every = [n for n, _ in meta_model(model_path).named_modules() if n.rsplit(".", 1)[-1] in names]
     if sorted(every) != sorted(targets):
         missing = sorted(set(every) - set(targets))
-        raise ValueError(f"{lora.targets_key}: rollout.engine=sglang adapts every layer's {', '.join(names)}; the "
+        raise ValueError(f"{lora.targets_key}: engine.kind=sglang adapts every layer's {', '.join(names)}; the "
                          f"targets leave out {len(missing)} of them (e.g. {missing[0]}): use trainer.lora."
                          "target_modules names")
     return names
@@ -112,7 +112,7 @@ class SGLangEngine(EngineBase):
                  engine_id: str = "engine0", cfg: SGLangConfig | None = None, lora: LoraConfig | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("SGLangEngine needs a CUDA GPU (SGLang has no CPU path for this model); "
-                               "use rollout.engine=hf on CPU")
+                               "use engine.kind=hf on CPU")
         cfg = cfg or SGLangConfig()
         torch.set_num_threads(num_threads)
         self._start(engine_id)

@@ -1,6 +1,6 @@
 """Production rollout engine: vLLM's engine in a Ray actor, behind the engine contract (engine_contract.py).
 
-`rollout.engine: vllm`. Token ids in (`TokensPrompt`); token ids, the sampled token's log-prob
+`engine.kind: vllm`. Token ids in (`TokensPrompt`); token ids, the sampled token's log-prob
 (vLLM's `processed_logprobs`: under logits / temperature, as the trainer computes it) and the weight
 version of every token out. vLLM batches the requests in flight itself (continuous batching, paged
 KV cache, prefix cache: a group's n rows share their prompt's blocks).
@@ -70,10 +70,10 @@ class _Row:
 def check_lora(lora: LoraConfig) -> None:
     """ValueError naming the key when vLLM cannot serve trainer.lora's adapters as the trainer trains them."""
     if lora.target_regex:
-        raise ValueError("trainer.lora.target_regex: rollout.engine=vllm reads adapters whose targets are module "
+        raise ValueError("trainer.lora.target_regex: engine.kind=vllm reads adapters whose targets are module "
                          "names; use trainer.lora.target_modules")
     if lora.modules_to_save:
-        raise ValueError("trainer.lora.modules_to_save: rollout.engine=vllm serves LoRA adapters only (no module "
+        raise ValueError("trainer.lora.modules_to_save: engine.kind=vllm serves LoRA adapters only (no module "
                          "trained in full beside them); leave it empty")
 
 

@@ -10,7 +10,7 @@ the built-in model can spell every turn:
   before it; an expression that starts with an operator ("+56") goes on from the previous
   call's result. The result is appended and the model goes on. A turn without "=" is the
   final answer, scored by reward.fn on that last turn's text. Turns are bounded by
-  rollout.max_turns (the trajectory is then `truncated`).
+  agent.max_turns (the trajectory is then `truncated`).
       12+34+56= | 12+34= | 46 | +56= | 102 | 102<eos>  (the model must learn to chain calls)
 """
 from __future__ import annotations
@@ -51,14 +51,14 @@ class SandboxAgent:
     """Compute by running code (the `product` task, stages/tasks/code.py), retrying until right.
 
     A model turn ending in ";" is a Python snippet: it runs in this trajectory's own sandbox, a session
-    of the rollout worker's pool (stages/agentflow/sandbox/pool.py, settings rollout.sandbox), through the
+    of the rollout worker's pool (stages/agentflow/sandbox/pool.py, the `sandbox:` section), through the
     `python` tool, and its output and "=" join the stream; the next turn is the answer, checked by RetryEnv. A failed
     snippet -- an exception or a breached limit -- reads "?=": the tiny model's alphabet cannot
     spell the error, which is kept whole in agent_info (`tool_errors`). A wrong answer gets the
-    question again, up to rollout.max_turns // 2 attempts (two model turns each).
+    question again, up to agent.max_turns // 2 attempts (two model turns each).
         37*48*29= | 37*48*29; | 51504= | 51504<eos>        prompt | model | tool | model
     """
-    attempts = 12               # when rollout.max_turns is 0
+    attempts = 12               # when agent.max_turns is 0
     max_observation_chars = 16  # a longer output reads "?": it would fill the tiny model's context
 
     def __init__(self):
@@ -69,11 +69,11 @@ class SandboxAgent:
         self.service_cfg, self.service, self.client = ToolServiceConfig(), None, None
         self._starting = asyncio.Lock()     # the concurrent trajectories of a batch wait for one service start
 
-    def configure(self, rollout_cfg) -> None:
-        self.sandbox_cfg = rollout_cfg.sandbox
-        self.service_cfg = rollout_cfg.tool_service
-        if rollout_cfg.max_turns:
-            self.attempts = max(1, rollout_cfg.max_turns // 2)
+    def configure(self, agent, sandbox=None, tool_service=None) -> None:
+        """The recipe's agent, sandbox and tool_service sections (None: the defaults)."""
+        self.sandbox_cfg, self.service_cfg = sandbox or self.sandbox_cfg, tool_service or self.service_cfg
+        if agent.max_turns:
+            self.attempts = max(1, agent.max_turns // 2)
 
     async def run(self, ctx, sample: dict) -> None:
         if self.sandbox_cfg.remote:
@@ -129,7 +129,7 @@ class SandboxAgent:
         return ""
 
     async def start_remote(self) -> None:
-        """The remote sandbox's client; with no rollout.tool_service.url, a service process of this
+        """The remote sandbox's client; with no tool_service.url, a service process of this
         worker's, started once."""
         from stages.agentflow.sandbox.tool_service import ToolService, ToolServiceClient
 

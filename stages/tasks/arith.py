@@ -77,7 +77,7 @@ class ReverseTask(_PoolTask):
 
 @dataclass
 class Addition3Task(_PoolTask):
-    """Three-term addition, "12+34+56=" -> "102", for the calculator agent (rollout.agent: calculator).
+    """Three-term addition, "12+34+56=" -> "102", for the calculator agent (agent.name: calculator).
 
     Its warm-up demonstrations (`demonstration`) are whole calculator-agent trajectories in
     the stream format of stages/agentflow/workflows.py: the model copies the first two terms

@@ -61,7 +61,7 @@ class AlgorithmConfig:
     clip_ratio_c: float = key(3.0, "dual-clip bound on -A*ratio for A < 0 (ppo_clip only; 0 = off, else > 1)",
                               _DUAL_CLIP)
     norm_length: int = key(0, "seq_mean_token_sum_norm's constant length (0 = the generation limit, "
-                                "rollout.max_new_tokens, as Dr.GRPO intends: one constant for every step)", NONNEG)
+                                "sampling.max_new_tokens, as Dr.GRPO intends: one constant for every step)", NONNEG)
     kl_coef: float = key(0.0, "weight of KL to the reference policy (needs ref log-probs)", NONNEG)
     kl_estimator: str = key("k3", "k1 | k2 | k3 (Schulman's estimators)", one_of(*KL_ESTIMATOR_NAMES))
     entropy_coef: float = key(0.0, "entropy bonus weight (< 0: an entropy penalty, which sharpens the policy)")

@@ -9,6 +9,7 @@ harness sent back extended the recorded tokens).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
-from stages.tasks.harness_sft import TOOL_OUTPUTS, call_json, examples, main_prompt, teach_cached, turn_texts
+from stages.tasks.harness_sft import TOOL_OUTPUTS, call_json, examples, main_prompt, teach, turn_texts
 from tests.harness import harnesses as H
 
 pytestmark = pytest.mark.harness
@@ -39,10 +41,10 @@ def server(tmp_path_factory):
 
     from pipeline.serve import Server, serve_config
 
-    # greedy whatever the harness asks (proxy_force_sampling): the warmed answers are argmax answers
+    # greedy whatever the harness asks (proxy.force_sampling): the warmed answers are argmax answers
     cfg = serve_config(os.environ.get("LOONGSAGE_HARNESS_MODEL", "builtin:qwen-vocab-tiny"),
-                       ["rollout.max_new_tokens=96", "rollout.temperature=0", "rollout.proxy_force_sampling=true",
-                        "rollout.engine_threads=1"], None, None)
+                       ["sampling.max_new_tokens=96", "sampling.temperature=0", "proxy.force_sampling=true",
+                        "engine.threads=1"], None, None)
     srv = Server(cfg, tmp_path_factory.mktemp("serve"), keep_engine_calls=True).start()
     srv.version = 0
     yield srv
@@ -94,6 +96,24 @@ def _capture(h: H.Harness, srv, home: Path) -> list[int]:
     return main_prompt(srv.tok, [c["prompt_ids"] for c in calls])
 
 
+WARM_CACHE = Path("~/.cache/loongsage/harness-warm").expanduser()
+
+
+def _teach_cached(model_dir: str, pairs: list, log=print, **kw):
+    """teach(), its result kept on disk under the hash of the model and the pairs: the same harness prompt
+    (a rerun after a proxy change) is not warmed again (each warm costs minutes on a shared 2-core machine)."""
+    key = hashlib.sha256(json.dumps([Path(model_dir).name, pairs, sorted(kw.items())]).encode()).hexdigest()[:24]
+    path = WARM_CACHE / f"{key}.pt"
+    if path.is_file():
+        log(f"warmed weights from {path}", flush=True)
+        return torch.load(path)
+    state = teach(model_dir, pairs, log=log, **kw)
+    WARM_CACHE.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return state
+
+
 def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
     import ray
 
@@ -102,8 +122,8 @@ def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
     if h.final_call:
         answer = turn_texts(srv.tok, call_json(h.tool, h.args(h.final_call)), "")[0]
     # the widest window is the whole prompt: tokens the model never saw in training must not come first at inference
-    state = teach_cached(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT, h.outputs or TOOL_OUTPUTS),
-                         windows=(256, 1024, max(2048, len(prompt))))
+    state = _teach_cached(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT, h.outputs or TOOL_OUTPUTS),
+                          windows=(256, 1024, max(2048, len(prompt))))
     srv.version += 1
     ray.get([e.load_weights.remote(state, srv.version) for e in srv.engines])
 

@@ -99,9 +99,8 @@ class Jail:
     """How each trajectory's agent is jailed (stages/agentflow/sandbox/jail.py): limits, HOME, binds, cgroups."""
 
     def __init__(self, cfg):
-        self.home_template, self.binds = cfg.agent_home, tuple(cfg.agent_binds)
-        self.tmp_bytes, self.procs = cfg.agent_tmp_mb << 20, cfg.agent_procs
-        self.memory_bytes = cfg.agent_memory_mb << 20
+        self.home_template, self.binds = cfg.home, tuple(cfg.binds)
+        self.tmp_bytes, self.procs, self.memory_bytes = cfg.tmp_mb << 20, cfg.procs, cfg.memory_mb << 20
         self.cgroups = not jail.Cgroup.available()
         self._root = tempfile.mkdtemp(prefix="loongsage-agent-homes-")    # 0700: only this user reads it
 
@@ -153,7 +152,7 @@ class Zygote:
         self.ctl: socket.socket | None = None
         self._lock: asyncio.Lock | None = None
         self.jail: Jail | None = None           # set by SubprocessAgent.configure: the zygote runs in it
-        self.env: dict[str, str] = {}           # its environment (rollout.agent_env's names: what it imports may read)
+        self.env: dict[str, str] = {}           # its environment (agent.env's names: what it imports may read)
         self.agent_argv: tuple[str, ...] = ()   # the command it forks (its script is bound into the jail)
 
     async def _start(self) -> None:
@@ -254,13 +253,13 @@ class ForkedProcess:
 
 
 def make_jail(cfg) -> Jail | None:
-    """The jail rollout.agent_sandbox asks for (None for none); a ValueError where bwrap cannot jail here."""
-    if cfg.agent_sandbox == "none":
+    """The jail agent.jail asks for (None for none); a ValueError where bwrap cannot jail here."""
+    if cfg.jail == "none":
         return None
     jail.require(cfg)
     if jail.Cgroup.available():
         log.warning("agent jails have no cgroup here (%s): an agent's processes and memory are not bounded "
-                    "(rollout.agent_procs, agent_memory_mb); its /tmp is", jail.Cgroup.available())
+                    "(agent.procs, agent.memory_mb); its /tmp is", jail.Cgroup.available())
     return Jail(cfg)
 
 

@@ -200,13 +200,13 @@ def require_bwrap(key: str) -> None:
 
 
 def require(cfg) -> None:
-    """A ValueError naming what to do where black-box agents cannot be jailed as rollout `cfg` asks."""
-    if cfg.agent_sandbox == "none":
+    """A ValueError naming what to do where black-box agents cannot be jailed as the agent section `cfg` asks."""
+    if cfg.jail == "none":
         return
-    require_bwrap("rollout.agent_sandbox")
-    missing = [b for b in cfg.agent_binds if not os.path.exists(b)]
+    require_bwrap("agent.jail")
+    missing = [b for b in cfg.binds if not os.path.exists(b)]
     if missing:
-        raise ValueError(f"rollout.agent_binds: {missing[0]} does not exist")
+        raise ValueError(f"agent.binds: {missing[0]} does not exist")
 
 
 IN_JAIL = "/loongsage"             # where jail_init.py (and zygote.py) are bound, read-only

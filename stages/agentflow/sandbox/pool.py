@@ -47,7 +47,6 @@ PRELOAD = ("math", "cmath", "fractions", "decimal", "statistics", "itertools", "
 # live sandboxes of one pool (at most UID_SLOTS) never share a uid, so RLIMIT_NPROC counts each alone
 UID_BASE = 610_000
 UID_SLOTS = 256
-UID_END = UID_BASE + 4096 * UID_SLOTS
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class SandboxConfig:
                                   "jail) | none: limits only", one_of("bwrap", "none"))
     python: str = key("", 'interpreter for the workers; "" = this one')
     preload: tuple = key(PRELOAD, "modules imported before the uid drop (see sandbox/worker.py setup)")
-    remote: bool = key(False, "True: snippets run in a remote sandbox service (rollout.tool_service: a local service "
+    remote: bool = key(False, "True: snippets run in a remote sandbox service (tool_service: a local service "
                               'process per rollout worker when its url is ""), with its latency')
 
     def __post_init__(self):
@@ -206,7 +205,7 @@ class SandboxPool:
         if self.cfg.isolation == "none":
             self.isolation = Isolation(notes=("sandbox.isolation=none",))
         else:
-            jail.require_bwrap("rollout.sandbox.isolation")
+            jail.require_bwrap("sandbox.isolation")
             self.isolation = probe_isolation()
         self._spares: list[_Worker] = []
         self._all: dict[int, _Worker] = {}

@@ -3,7 +3,7 @@
 A black-box agent runs once per trajectory (stages/agentflow/blackbox.py), and a Python agent
 pays its interpreter start and SDK import each time: `import anthropic` is ~2.5 s of CPU,
 `import openai` ~1.2 s on a 2-core machine, against milliseconds of model time per call on a
-tiny model. With `rollout.agent_preload: [anthropic]` the rollout worker starts this file once
+tiny model. With `agent.preload: [anthropic]` the rollout worker starts this file once
 per worker in an agent jail (stages/agentflow/sandbox/jail.py `agent_argv(zygote=True)`), with a control
 socket inherited as a file descriptor (there is no socket file anyone could replace):
 
@@ -55,7 +55,7 @@ import jail_init
 
 MAX_MSG = 1 << 20
 HOME = "/tmp/home"
-HOME_TEMPLATE = "/loongsage/home"      # rollout.agent_home, bound read-only by the jail when there is one
+HOME_TEMPLATE = "/loongsage/home"      # agent.home, bound read-only by the jail when there is one
 CLONE = {"ns": 0x00020000, "uts": 0x04000000, "ipc": 0x08000000, "pid": 0x20000000, "net": 0x40000000}
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_REC, MS_PRIVATE = 1 << 14, 1 << 18
@@ -235,7 +235,7 @@ def serve(ctl: socket.socket, bpf: bytes, tmp_bytes: int, modules: list[str]) ->
         try:
             importlib.import_module(name)
         except BaseException as e:  # noqa: BLE001 - any failure to import is the user's preload list
-            print(f"rollout.agent_preload: module {name!r} does not import: {type(e).__name__}: {e}",
+            print(f"agent.preload: module {name!r} does not import: {type(e).__name__}: {e}",
                   file=sys.stderr, flush=True)
             sys.exit(2)
     print("ready", flush=True)
