@@ -205,8 +205,6 @@ class Simulation:
         self.spans: list[dict] = []
         self.dropped: list[int] = []
         self.trained: list[list[int]] = []     # each step's groups
-        self.max_in_window = 0         # largest R + Q seen at a dispatch
-        self.max_spread = 0            # largest seq - oldest uncollected seq at a dispatch
         self.finished = self.env.event()
 
     # ---- helpers -------------------------------------------------------------------
@@ -240,9 +238,6 @@ class Simulation:
                 while not self.gate.strategy.can_dispatch(self.gate.s, q):
                     yield self.moved
                 self._gate(self.gate.acquire([q]))     # the real gate: returns at once, can_dispatch held
-                s = self.gate.s
-                self.max_in_window = max(self.max_in_window, s.in_flight + s.buffered)
-                self.max_spread = max(self.max_spread, q - s.min_uncompleted(q))
             self.env.process(self._block(block, worker))
 
     def _block(self, block: list[int], worker: int):
@@ -389,7 +384,6 @@ class SimResult:
         self.spans["t"] = self.spans["start"] - self.spans["start"].min()
         self.samples = [r for recs in sim.samples.values() for r in recs]
         self.dropped, self.trained = list(sim.dropped), list(sim.trained)
-        self.max_in_window, self.max_spread = sim.max_in_window, sim.max_spread
         self.engine_busy = {e.name: [tuple(b) for b in e.busy] for e in sim.engines}
         self.end_s = sim.env.now
 
