@@ -1,17 +1,14 @@
 """LoRA adapters (`trainer.lora`): what the trainer, the engines and export share, on peft.
 
 The trainer wraps its HF policy in peft's LoRA layers and trains only the adapters (output =
-W x + (alpha / r) B A x). A version is the adapter alone, under peft's saved-adapter names
-(`base_model.model.<module path>.lora_A.weight`), so what travels is a valid peft adapter and a
-checkpoint is one (adapter_model.safetensors + adapter_config.json naming the HF base).
+W x + (alpha / r) B A x). A version is the adapter alone under peft's saved-adapter names, so what
+travels, and what a checkpoint holds, is a valid peft adapter.
 
 Engines take a version one of two ways (LoraConfig.serve): merge writes W0 + (alpha / r) B A into
-the engine's own weights from a kept copy of the base (so replacing a version is a copy, never a
-subtraction, and decode runs at the base model's speed); peft wraps the engine's model in peft's
-layers too and copies the adapter into them (no merge work, two small matmuls more per layer).
+the engine's weights from a kept copy of the base (decode at the base model's speed); peft wraps the
+engine's model in peft's layers and copies the adapter into them (no merge work).
 
-Targets are matched by peft's own matcher on the model built on the meta device, so a recipe's
-targets are checked at start, before any actor loads a model.
+Targets are matched by peft's own matcher on the model built on the meta device, at start.
 """
 from __future__ import annotations
 
@@ -194,12 +191,9 @@ def write_adapter(named: dict[str, torch.Tensor], cfg: LoraConfig, base_path: st
 # ---- the engine's side ----------------------------------------------------------------
 
 class MergedAdapter:
-    """serve=merge: the engine's weights hold W0 + (alpha / r) B A for the current version.
-
-    `buffers` are the adapter matrices a version lands in (the Receiver copies buckets into
-    them); `apply()` then rewrites every targeted weight from its kept base copy, so each
-    version replaces the last exactly. Memory: one copy of the targeted layers' weights.
-    Modules trained in full (modules_to_save) land straight in the model's own parameters."""
+    """serve=merge: the engine's weights hold W0 + (alpha / r) B A for the current version. A version
+    lands in `buffers` (modules trained in full: straight in the model's parameters); `apply()` then
+    rewrites every targeted weight from its kept base copy, so each version replaces the last exactly."""
 
     def __init__(self, model, cfg: LoraConfig):
         self.model, self.scaling = model, cfg.scaling

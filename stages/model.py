@@ -11,7 +11,7 @@ import torch
 from stages.model_config import ModelConfig, validate_model_dir
 from stages.tokenizer import load_tokenizer  # noqa: F401 - engines, trainer and teachers load it from here
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(path: str, dtype: str = "float32"):
@@ -20,7 +20,7 @@ def load_model(path: str, dtype: str = "float32"):
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ValueError(f"model directory {p} has no config.json (not an HF model directory)")
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=_DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
     model.eval()
     return model
 

@@ -1,22 +1,16 @@
 """Log-probs, entropy and top-k of chosen positions only: the LM head applied chunk by chunk.
 
-A causal LM's forward returns [B, L, V] logits. On a 151k-token vocabulary one 19k-token agent
-prompt makes that 11 GB in float32, yet training and scoring need the distribution only where
-a response token is predicted. So (as verl and slime do, and HF's `logits_to_keep` hints at):
+A causal LM's [B, L, V] logits of one 19k-token prompt on a 151k vocabulary are 11 GB in float32,
+yet training and scoring need the distribution only where a response token is predicted. So:
 
     hidden = the base model's last hidden states        [B, L, H]   (H is small next to V)
     h      = hidden at the positions that predict a token [N, H]
     per chunk of `chunk` positions: z = head(h) / temperature -> log_softmax -> gather / entropy / top-k
 
-With gradients, each chunk runs under activation checkpointing: its [chunk, V] logits are
-recomputed in the backward instead of kept, so at most one chunk's logits exist at a time and
-the gradient is the full computation's. The per-position arithmetic is the full path's
-(the same head, the same float32 upcast and division, the same log_softmax), so the numbers
-equal it to float32 round-off.
-
-Models whose logits are not `head(last hidden state)` (soft-capping, logit scales, custom
-heads) are detected once, by comparing both ways on a two-token input, and fall back to the
-full forward: correct, only not memory-bounded.
+With gradients each chunk's [chunk, V] logits are recomputed in the backward (activation
+checkpointing), not kept. The arithmetic is the full path's, so the numbers equal it to float32
+round-off. Models whose logits are not `head(last hidden state)` (soft-capping, custom heads) are
+detected once, on a two-token input, and take the full forward: correct, only not memory-bounded.
 """
 from __future__ import annotations
 
@@ -73,10 +67,9 @@ def token_stats(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: 
 
 
 def split_model(model):
-    """(decoder, head) such that model(x).logits == head(decoder(x).last_hidden_state), or None
-    when this model's logits are made otherwise. A peft model is looked through to its HF model
-    (its adapter layers live inside decoder and head, so disable_adapter() still applies).
-    Checked once per model object, on a two-token input, in eval mode."""
+    """(decoder, head) such that model(x).logits == head(decoder(x).last_hidden_state), or None when
+    this model's logits are made otherwise; checked once per model. A peft model is looked through to
+    its HF model (its adapter layers live inside decoder and head)."""
     cached = getattr(model, "_loongsage_split", None)
     if cached is not None:
         return cached or None
@@ -114,9 +107,7 @@ def position_stats(model, targets: torch.Tensor, rows: torch.Tensor, positions: 
     describe (input_ids, and position_ids / attention_mask as the model takes them)."""
     split = split_model(model)
     if split is None:       # logits made otherwise: the full forward, then the same per-position math
-        logits = model(use_cache=False, **inputs).logits
-        return token_stats(logits[rows, positions], torch.nn.Identity(), targets, temperature, chunk, entropy,
-                           gather_ids, top_k)
-    decoder, head = split
-    hidden = decoder(use_cache=False, **inputs).last_hidden_state
-    return token_stats(hidden[rows, positions], head, targets, temperature, chunk, entropy, gather_ids, top_k)
+        states, head = model(use_cache=False, **inputs).logits, torch.nn.Identity()
+    else:
+        states, head = split[0](use_cache=False, **inputs).last_hidden_state, split[1]
+    return token_stats(states[rows, positions], head, targets, temperature, chunk, entropy, gather_ids, top_k)

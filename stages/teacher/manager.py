@@ -4,15 +4,12 @@
     for tid in mgr.order({"addition", "multiplication"}):   # resident teachers first
         model, swap = mgr.acquire(tid)                      # swaps in (evicting LRU) if needed
 
-Every teacher's module is built once at start and keeps its structure; "offloading" it
-swaps each parameter's storage for an empty placeholder, and "swapping it in" assigns
-the tensors its offload store fetches (offload.py: mmap'd safetensors on CPU hosts,
-pinned CPU memory on GPU hosts). Parameter objects never change, so tied weights stay
-tied and a swapped-out-and-back teacher computes bit-identical log-probs.
+Every teacher's module is built once at start; offloading it swaps each parameter's storage for
+an empty placeholder, swapping it in assigns the tensors its offload store fetches (offload.py).
+Parameter objects never change, so tied weights stay tied and log-probs stay bit-identical.
 
-The budget (`max_resident` teachers and/or `max_resident_bytes` of weights) is enforced
-before a swap-in: least recently used teachers are evicted until the newcomer fits, so
-the resident set never exceeds it, not even for the length of a swap.
+The budget (`max_resident` teachers and/or `max_resident_bytes`) is enforced before a swap-in:
+least recently used teachers are evicted until the newcomer fits, never exceeding it.
 """
 from __future__ import annotations
 
@@ -155,17 +152,12 @@ class TeacherManager:
         self.resident: OrderedDict[str, None] = OrderedDict()   # least recently used first
         self.stats = Swap()
 
-    def route(self, data_source: str) -> str:
-        return self.cfg.route(data_source)
-
     @property
     def resident_bytes(self) -> int:
         return sum(self.specs[t].nbytes for t in self.resident)
 
     def order(self, tids) -> list[str]:
-        """Visit order for one batch: resident teachers first (no swap), then the others.
-        Each teacher is visited once per batch, so a batch costs at most one swap-in per
-        non-resident teacher it needs."""
+        """Visit order for one batch: resident teachers first (no swap), then the others."""
         tids = list(dict.fromkeys(tids))
         return [t for t in self.resident if t in tids] + [t for t in tids if t not in self.resident]
 

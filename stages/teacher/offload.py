@@ -1,17 +1,12 @@
 """Where an offloaded teacher's weights wait, and how they come back: one class per host kind.
 
-Both stores have one method, `fetch() -> {name: tensor on the resident device}`; the
-manager assigns the tensors into the model and later drops them. What "offloaded" costs:
+Both stores have one method, `fetch() -> {name: tensor on the resident device}`:
 
-* CpuOffload (CPU hosts): nothing in the process. The weights stay in the teacher's
-  safetensors files; a swap-in memory-maps them (safe_open) and copies every tensor into
-  memory the process owns, in chunks. The copy is deliberate: a zero-copy mmap view would make
-  "resident" mean "whatever pages the OS kept", page faults would land inside the
-  forward pass, and RSS could not check the budget. The mapping is closed right after,
-  so a dropped teacher leaves at most reclaimable page cache behind.
-* PinnedOffload (GPU hosts): a pinned (page-locked) CPU copy of every tensor, made once at
-  start; a swap-in is one asynchronous host-to-device copy per tensor. Pinned memory is
-  what lets those copies run at full PCIe/NVLink-C2C bandwidth. Only exercised with CUDA.
+* CpuOffload (CPU hosts): the weights stay in the teacher's safetensors files; a swap-in maps them
+  and copies every tensor into memory the process owns, in chunks (a zero-copy mmap view would
+  make "resident" whatever pages the OS kept, fault inside the forward and escape the budget).
+* PinnedOffload (GPU hosts): a pinned CPU copy of every tensor, made once at start; a swap-in is
+  one asynchronous host-to-device copy per tensor, at full bus bandwidth.
 """
 from __future__ import annotations
 
@@ -21,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from stages.model import DTYPES
 from stages.teacher.config import TeacherError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLOATS = ("F", "BF")       # safetensors dtype names of floating tensors (cast to teacher.dtype when resident)
 
 
@@ -61,14 +56,13 @@ def read_header(tid: str, files: list[Path]) -> dict[str, tuple[list[int], str]]
 
 def resident_nbytes(header: dict[str, tuple[list[int], str]], dtype: str) -> int:
     """Bytes the teacher occupies when resident in `dtype` (floating tensors are cast to it)."""
-    size = _DTYPES[dtype].itemsize
+    size = DTYPES[dtype].itemsize
     return sum(math.prod(shape) * (size if kind.startswith(_FLOATS) else 1 if kind == "BOOL" else int(kind[1:]) // 8)
                for shape, kind in header.values())
 
 
-# A swap-in copies from the file's memory map; pages it has read stay in RSS until the map
-# closes. Reopening the file every CHUNK bytes bounds that transient to CHUNK instead of a
-# whole teacher, so the resident set measured by the OS stays close to the budget.
+# Pages a swap-in read from the file's map stay in RSS until the map closes: reopening the file
+# every CHUNK bytes bounds that transient to CHUNK instead of a whole teacher.
 CHUNK = 64 << 20
 
 
@@ -94,7 +88,7 @@ def _read(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 class CpuOffload:
     def __init__(self, files: list[Path], dtype: str, device: torch.device):
-        self.files, self.dtype = files, _DTYPES[dtype]
+        self.files, self.dtype = files, DTYPES[dtype]
 
     def fetch(self) -> dict[str, torch.Tensor]:
         return _read(self.files, self.dtype)
@@ -103,7 +97,7 @@ class CpuOffload:
 class PinnedOffload:
     def __init__(self, files: list[Path], dtype: str, device: torch.device):
         self.device = device
-        self.host = {name: t.pin_memory() for name, t in _read(files, _DTYPES[dtype]).items()}
+        self.host = {name: t.pin_memory() for name, t in _read(files, DTYPES[dtype]).items()}
 
     def fetch(self) -> dict[str, torch.Tensor]:
         out = {name: t.to(self.device, non_blocking=True) for name, t in self.host.items()}

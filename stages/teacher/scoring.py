@@ -3,21 +3,15 @@
 Input columns:  data_source, prompt_ids, response_ids, status, error
 Output columns: teacher_id, teacher_logprobs (aligned with response_ids), status, error,
                 teacher_topk_ids / teacher_topk_logprobs (per position, when teacher.top_k > 0),
-                teacher_swaps / teacher_swap_bytes / teacher_swap_s (what this row's teacher
-                group cost to swap in; on the group's first row, 0 elsewhere, so a sum over
-                any set of rows counts each swap once)
+                teacher_swaps / teacher_swap_bytes / teacher_swap_s (what the row's teacher group
+                cost to swap in, on the group's first row: a sum over rows counts each swap once)
 
-Why here and why in this actor: on-policy distillation needs the teachers' view of the
-tokens the student actually sampled, between rollout and the update. The teachers live
-in this stage's own actor pool (Ray Data actors), not behind separate teacher actors:
-teachers are frozen, so nothing ever needs to address them from outside (unlike engines,
-which receive weights), and scoring where the rows already are saves shipping every
-batch's token ids through one more actor hop. The budget is therefore per scoring actor.
+On-policy distillation needs the teachers' view of the tokens the student sampled, between rollout
+and the update. Teachers are frozen, so nothing addresses them from outside: they live in this
+stage's own actor pool (the budget is per scoring actor), where the rows already are.
 
-Rows are grouped by teacher and each teacher is visited once per batch, resident ones
-first, so a batch costs at most one swap-in per non-resident teacher it needs. A row that
-its teacher fails on (or that has no teacher) is marked failed with the error; the other
-rows of the batch are scored as usual.
+Each teacher is visited once per batch, resident ones first: at most one swap-in per teacher a
+batch needs. A row its teacher fails on (or with no teacher) is marked failed with the error.
 """
 from __future__ import annotations
 
@@ -35,10 +29,8 @@ ERROR_PREFIX = "teacher stage: "   # every error this stage writes starts so (me
 
 def score_rows(model, rows: list[dict], temperature: float, top_k: int, pad_id: int, device,
                chunk: int = 0) -> list[tuple]:
-    """(logprobs [T], topk ids [T,k] | None, topk logprobs [T,k] | None) per row, for the
-    response tokens given prompt + response. Sequences are right-padded: with a causal
-    mask, padding after a sequence cannot change its logits. The LM head runs on response
-    positions only, `chunk` of them at a time (stages/token_logprobs.py)."""
+    """(logprobs [T], topk ids [T,k] | None, topk logprobs [T,k] | None) of each row's response tokens,
+    right-padded (a causal mask keeps padding off the logits), `chunk` positions at a time."""
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in rows]
     n, L = len(seqs), max(map(len, seqs))
     ids = torch.full((n, L), pad_id, dtype=torch.long)
@@ -87,7 +79,7 @@ class TeacherScoring:
             if r["status"] in SKIP:
                 continue
             try:
-                groups.setdefault(self.manager.route(r["data_source"]), []).append(i)
+                groups.setdefault(self.cfg.route(r["data_source"]), []).append(i)
             except ValueError as e:
                 self._fail(out, i, str(e))
         for tid in self.manager.order(groups):

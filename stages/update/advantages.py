@@ -1,13 +1,9 @@
 """Advantage estimators: one outcome reward per response -> one advantage per token.
 
-Every estimator takes rewards [B], group ids [B] (the samples of one prompt share an id;
-groups may differ in size and need not be contiguous) and the loss mask [B,T], and
-returns advantages [B,T] that are zero on masked tokens. They are pure functions picked
-by name from `ESTIMATORS`; the update stage calls `compute_advantages`.
-
-A group of one sample has nothing to compare against, so the group-relative estimators
-(GRPO, Dr.GRPO, RLOO) give it zero advantage, as they do a group whose rewards are all
-equal: neither says which answer was better.
+Every estimator, a pure function in `ESTIMATORS`, takes rewards [B], group ids [B] (groups may
+differ in size and need not be contiguous) and the loss mask [B,T], and returns advantages [B,T],
+zero on masked tokens. The group-relative ones (GRPO, Dr.GRPO, RLOO) give zero advantage to a
+group of one sample or of equal rewards: neither says which answer was better.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Train-inference consistency: measure and correct the gap between engine and trainer.
 
-The engine samples with its own kernels, precision and (under async training) an older
-weight version, so the probability it recorded for a token differs from the one the
-trainer computes. `mismatch_metrics` measures that gap each step, split by token
-staleness. `is_weights` corrects for it with importance sampling from the old policy
-(trainer) to the behaviour policy (engine, whose recorded log-probs belong to the
-version that produced each token):
+The engine samples with its own kernels, precision and (async) an older weight version, so the
+probability it recorded for a token differs from the trainer's. `mismatch_metrics` measures that
+gap each step, split by token staleness; `is_weights` corrects for it with importance sampling
+from the old policy (trainer) to the behaviour policy (engine):
 
   TIS  token-level ratio truncated at tis_cap              (Yao et al. 2025)
   MIS  drop tokens / sequences whose ratio leaves a band   (token | sequence | geometric)
@@ -28,11 +26,8 @@ _MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: only guards against overflow, never a r
 
 def mismatch_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
                      stale_mask: torch.Tensor | None = None) -> dict[str, float]:
-    """Gap statistics on the trained tokens, overall and (with stale_mask) for fresh/stale ones.
-
-    k3_kl estimates KL(engine || trainer) from the engine's samples: r - 1 - log r with
-    r = pi_trainer / pi_engine. A subset with no tokens is left out rather than reported as 0.
-    """
+    """Gap statistics on the trained tokens, overall and (with stale_mask) for fresh/stale ones; a subset
+    with no tokens is left out. k3_kl estimates KL(engine || trainer): r - 1 - log r, r = pi_trainer / pi_engine."""
     valid = mask > 0
     delta = (trainer_logprobs - engine_logprobs).detach().double()
     subsets = {"": valid}

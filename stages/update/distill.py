@@ -1,23 +1,16 @@
 """On-policy distillation objectives: the teachers' scores of the student's tokens -> a signal.
 
-The student samples y ~ pi_S; a teacher scores the same tokens (stages/teacher). Two ways
-to learn from that, both pure functions of [B,T] tensors:
+The student samples y ~ pi_S; a teacher scores the same tokens (stages/teacher). Two ways to learn
+from that, both pure functions of [B,T] tensors:
 
-* pg (policy-gradient OPD): the per-token advantage is  log pi_T(y_t) - log pi_S(y_t),
-  minus the one-sample estimate of the reverse KL(pi_S || pi_T) at that token. Pushing up
-  log pi_S(y_t) in proportion to it descends the reverse KL: tokens the teacher likes more
-  than the student are reinforced, tokens it likes less are suppressed. Alone (task_coef 0)
-  it is pure distillation; with task_coef > 0 it is added to the task advantage.
-* gkd (generalised KD over the teacher's top-k): per token, the forward KL from the teacher's
-  k most likely tokens (renormalised) to the student's log-probs at those ids, added to the
-  loss with its gradient flowing through the student (GKD with beta = 0, on the student's
-  own samples).
+* pg (policy-gradient OPD): the per-token advantage log pi_T(y_t) - log pi_S(y_t), the one-sample
+  estimate of minus the reverse KL(pi_S || pi_T): pushing log pi_S(y_t) up in proportion to it
+  descends the reverse KL. Alone (task_coef 0) pure distillation, else added to the task advantage.
+* gkd (over the teacher's top-k): per token, the forward KL from the teacher's k most likely tokens
+  (renormalised) to the student's log-probs at those ids, added to the loss through the student.
 
-Rows without teacher scores (no teacher stage ran for them, or it failed) get no
-distillation signal; their task advantage is kept as is.
-
-`apply_distill` is the trainer's one call; `distill_metrics` reports, per data source, the
-reverse KL estimate and how much student and teacher agree.
+Rows without teacher scores get no distillation signal; their task advantage is kept as is.
+`apply_distill` is the trainer's one call.
 """
 from __future__ import annotations
 

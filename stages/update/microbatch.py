@@ -1,17 +1,13 @@
 """Micro-batches packed by tokens: one optimizer step's rows cut so that no forward pass holds
 more than `max_tokens` positions, their gradients accumulated into the one step.
 
-Rows are right-padded within a forward pass, so one 19k-token row among short ones would pad
-every row to 19k; cut by tokens, the long row runs alone (or with what fits beside it) and the
-short rows run together. Each micro-batch's loss is scaled by its share of the mini-batch's
-denominator (losses.policy_loss's `full_mask`): the aggregations are sums over rows divided by
-a count of tokens or sequences, so the shares add up to exactly the whole mini-batch's loss,
-and the accumulated gradient is the one-batch gradient up to float rounding.
+Rows are right-padded within a forward pass, so one long row would pad every short row beside
+it; cut by tokens, it runs alone. Each micro-batch's loss is its share of the mini-batch's
+(losses.policy_loss's `full_mask`), so the accumulated gradient is the one-batch gradient.
 
-The cost of a micro-batch is what its forward pass lays out: rows x the longest row, or with
-prompt sharing (trainer.share_prompts) sequences x the widest packed sequence (a prompt once,
-then each of its rows' responses). Rows of one prompt are kept next to each other, longest
-first, so sharing still pays.
+A micro-batch costs what its forward lays out: rows x the longest row, or with prompt sharing
+(trainer.share_prompts) sequences x the widest packed sequence. Rows of one prompt are kept
+together, longest first, so sharing still pays.
 """
 from __future__ import annotations
 

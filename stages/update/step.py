@@ -173,10 +173,35 @@ def step_metrics(metrics: dict, parts: list[dict], losses: list[float], gnorms: 
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
 
 
-def skipped_step(n: int, lr: float, version: int, skipped_steps: int, t0: float) -> dict:
-    """The metrics of a step with no trainable token (every row failed, or every token was masked
-    out): nothing to forward and no optimizer step. The caller still advances the version (the clock
-    counts steps), so the window and the lr schedule move on. `skipped_steps`: such steps over the run."""
-    return {"train/skipped_steps": skipped_steps, "train/tokens": 0, "train/samples": n,
+def skipped_step(trainer, n: int, lr: float, t0: float) -> dict:
+    """A step with no trainable token (every row failed, or every token was masked out): nothing to
+    forward and no optimizer step, but the version advances (the clock counts steps), so the window and
+    the lr schedule move on. Counted in the trainer's skipped_steps; returns the step's metrics."""
+    trainer.version, trainer.skipped_steps = trainer.version + 1, trainer.skipped_steps + 1
+    return {"train/skipped_steps": trainer.skipped_steps, "train/tokens": 0, "train/samples": n,
             "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
-            "train/lr": lr, "version": version}
+            "train/lr": lr, "version": trainer.version}
+
+
+def setup(trainer, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float, max_new_tokens: int) -> None:
+    """What both trainers set first: threads and seed, the algorithm for the generation limit, the
+    sampling temperature, the clock (version, steps skipped over the run) and the mini-batch RNG."""
+    torch.set_num_threads(max(1, cfg.num_threads))
+    torch.manual_seed(cfg.seed)
+    trainer.cfg, trainer.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)
+    trainer.temperature = temperature if temperature > 0 else 1.0
+    trainer.max_new_tokens, trainer.version, trainer.skipped_steps = max_new_tokens, 0, 0
+    trainer.mesh_endpoint, trainer.rng = None, np.random.default_rng(cfg.seed)
+
+
+def clock_state(trainer) -> dict:
+    """What a resume restores besides weights and optimizer: the RNGs and the clock."""
+    return {"torch_rng": torch.get_rng_state(), "np_rng": trainer.rng.bit_generator.state,
+            "version": trainer.version, "skipped_steps": trainer.skipped_steps}
+
+
+def restore_clock(trainer, state: dict) -> int:
+    torch.set_rng_state(state["torch_rng"])
+    trainer.rng.bit_generator.state = state["np_rng"]
+    trainer.version, trainer.skipped_steps = int(state["version"]), int(state.get("skipped_steps", 0))
+    return trainer.version

@@ -21,23 +21,13 @@ import torch
 from stages import lora as lora_lib
 from stages.model import load_model
 from stages.token_logprobs import position_stats, split_model
+from stages.update import step
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.correction import mismatch_metrics
 from stages.update.distill import apply_distill, gkd_term
 from stages.update.losses import policy_loss
 from stages.update.microbatch import merge_metrics, token_micro_batches
-from stages.update.step import (  # noqa: F401  (NonFiniteUpdate, lr_at, to_batch: read with the trainer)
-    Batch,
-    NonFiniteUpdate,
-    corrected,
-    lr_at,
-    mini_batches,
-    on_nonfinite,
-    skipped_step,
-    step_metrics,
-    task_advantages,
-    to_batch,
-)
+from stages.update.step import Batch, NonFiniteUpdate, lr_at, to_batch  # noqa: F401  (NonFiniteUpdate: read with the trainer)
 
 # Prompt packing needs a [G, 1, W, W] attention mask, which attention may widen to float: past this
 # many cells (a 8k-token packed sequence) the rows run padded, under the causal mask alone.
@@ -97,11 +87,9 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
 
 @contextlib.contextmanager
 def activation_checkpointing(model):
-    """HF activation checkpointing on `model` (a peft model: its base) while the block runs: each
-    decoder layer keeps its input only and runs again in the backward (which may come after the
-    block: torch holds the layer's function). Non-reentrant checkpoints need no gradient on their
-    inputs, so the embedding hook HF adds for them is taken off (it would pile up, one per call).
-    A model without HF's support runs as it is."""
+    """HF activation checkpointing on `model` (a peft model: its base) while the block runs; a model
+    without HF's support runs as it is. Non-reentrant checkpoints need no gradient on their inputs, so
+    the embedding hook HF adds for them is taken off (it would pile up, one per call)."""
     hf = model.get_base_model() if hasattr(model, "peft_config") else model
     if not getattr(hf, "supports_gradient_checkpointing", False):
         yield
@@ -131,11 +119,7 @@ class TorchTrainer:
 
     def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  max_new_tokens: int = 0, dtype: str = "float32"):
-        torch.set_num_threads(max(1, cfg.num_threads))
-        torch.manual_seed(cfg.seed)
-        self.cfg, self.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.max_new_tokens = max_new_tokens
+        step.setup(self, cfg, algo, temperature, max_new_tokens)
         self.lora = cfg.lora if cfg.lora.enabled else None
         self.model = load_model(model_path, dtype)
         self.pad_id = self.model.config.pad_token_id or 0
@@ -150,10 +134,6 @@ class TorchTrainer:
         # with LoRA only the adapters (and their Adam state)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-        self.version = 0
-        self.skipped_steps = 0      # steps with no trainable token over the run (step.skipped_step)
-        self.mesh_endpoint = None
-        self.rng = np.random.default_rng(cfg.seed)
 
     # ---- weights --------------------------------------------------------------------
     def published(self) -> dict:
@@ -187,9 +167,8 @@ class TorchTrainer:
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
     def _adopt_shared(self, views: dict) -> None:
-        """Keep the weights in the TransferMesh's shared segment (views hold their current values):
-        local engines then read each version in place and publishing copies nothing here.
-        Parameters stay the same objects, so the optimizer is unaffected."""
+        """Keep the weights in the TransferMesh's shared segment (the views hold their values), read in place
+        by local engines. Parameters stay the same objects, so the optimizer is unaffected."""
         m = self.model
         tensors = dict(self.adapter) if self.lora else \
             dict(m.named_parameters(remove_duplicate=False)) | dict(m.named_buffers(remove_duplicate=False))
@@ -199,19 +178,16 @@ class TorchTrainer:
                     tensors[name].data = view
 
     def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True, tokenizer_staged: str = "") -> str:
-        """HF-format weights (+ tokenizer_dir's tokenizer, copied from tokenizer_staged when this host has
-        it: stages/tokenizer.py save_tokenizer); with_state adds what resuming needs: optimizer, RNGs,
-        version. With LoRA: the adapter in peft's format (adapter_model.safetensors, adapter_config.json
-        whose base_model_name_or_path is the HF base it was trained on)."""
+        """HF-format weights (with LoRA the adapter in peft's format) and tokenizer_dir's tokenizer
+        (stages/tokenizer.py save_tokenizer); with_state adds what resuming needs: optimizer, RNGs, version."""
         self.model.save_pretrained(path)
         if tokenizer_dir:
             from stages.tokenizer import save_tokenizer
 
             save_tokenizer(path, tokenizer_dir, tokenizer_staged)
         if with_state:
-            torch.save({"optimizer": self.opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version,
-                        "skipped_steps": self.skipped_steps}, os.path.join(path, "trainer_state.pt"))
+            state = {"optimizer": self.opt.state_dict()} | step.clock_state(self)
+            torch.save(state, os.path.join(path, "trainer_state.pt"))
         return path
 
     def load_state(self, path: str) -> int:
@@ -232,18 +208,14 @@ class TorchTrainer:
                                          f"{tuple(p.shape)} (a different trainer.lora.rank?)")
                     p.copy_(saved[n])
         self.opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        self.rng.bit_generator.state = state["np_rng"]
-        self.version, self.skipped_steps = int(state["version"]), int(state.get("skipped_steps", 0))
-        return self.version
+        return step.restore_clock(self, state)
 
     # ---- the update -----------------------------------------------------------------
     def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False,
                  topk_ids: torch.Tensor | None = None):
-        """Log-probs of the sampled tokens [b,T], entropy [b,T] (or None) and, given teacher
-        top-k ids [b,T,K], the log-probs of those ids [b,T,K] (or None), all under `model`; 0 past
-        each row's response. The LM head runs on response positions only, trainer.logprob_chunk
-        of them at a time (stages/token_logprobs.py): no [T, V] tensor over whole sequences."""
+        """Log-probs of the sampled tokens [b,T], entropy [b,T] (or None) and, given teacher top-k ids
+        [b,T,K], their log-probs (or None) under `model`; 0 past each row's response. The LM head runs on
+        response positions only, trainer.logprob_chunk at a time (stages/token_logprobs.py)."""
         idx = torch.arange(len(b.input_ids))[rows]
         T = b.resp_pos.shape[1]
         real = torch.arange(T)[None, :] < b.lengths[idx][:, None]        # [b, T] response tokens
@@ -267,9 +239,8 @@ class TorchTrainer:
                                    self.cfg.max_tokens_per_microbatch, self.cfg.share_prompts)
 
     def _all_logprobs(self, b: Batch, reference: bool = False) -> torch.Tensor:
-        """Log-probs [B, T] of every row with no grad, micro-batch by micro-batch, of the policy the
-        engine samples (LoRA's dropout off), or of the reference: the frozen copy, or with LoRA the
-        base (adapter off)."""
+        """No-grad log-probs [B, T] of every row under the policy the engine samples (LoRA's dropout off),
+        or the reference: the frozen copy, or with LoRA the base (adapter off)."""
         model = self.ref if reference and not self.lora else self.model
         dropout = self.lora is not None and self.lora.dropout > 0
         out = torch.zeros(b.resp_ids.shape)
@@ -281,10 +252,9 @@ class TorchTrainer:
         return out
 
     def _forward_backward(self, b: Batch, rows: torch.Tensor, t: Terms):
-        """Forward and backward of one mini-batch's `rows`, micro-batch by micro-batch, gradients
-        accumulated: (loss value, loss metrics, log-probs [rows, T] detached).
-        Each micro-batch's loss is its share of the mini-batch's (policy_loss's full_mask), so the
-        accumulated gradient is the one-batch gradient. A non-finite loss is not backpropagated."""
+        """Forward and backward of a mini-batch's `rows` by micro-batch, each loss its share of the
+        mini-batch's (full_mask), so the accumulated gradient is the one-batch gradient; a non-finite
+        loss is not backpropagated. Returns (loss, loss metrics, log-probs [rows, T] detached)."""
         algo, parts, values, lps = self.algo, [], [], []
         micro = self._micro_batches(b, rows)
         for mrows in micro:
@@ -317,16 +287,15 @@ class TorchTrainer:
     def train_step(self, table: pa.Table) -> dict:
         t0, cfg, algo = time.time(), self.cfg, self.algo
         b = to_batch(table, self.pad_id)
-        adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        adv, mask = step.task_advantages(algo, b, self.max_new_tokens)
         lr, n = lr_at(cfg, self.version), len(b.rewards)
         if not mask.any():      # every row failed or was masked out: nothing to train on
-            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
-            return skipped_step(n, lr, self.version, self.skipped_steps, t0)
+            return step.skipped_step(self, n, lr, t0)
         # decoupled: no recompute pass; the gap is measured on the first mini-batch instead, whose
         # forward runs under the same weights the recompute would have used
         recomputed = None if algo.decoupled else self._all_logprobs(b)
         ref_lp = self._all_logprobs(b, reference=True) if algo.kl_coef > 0 else None
-        old, weights, mask, metrics = corrected(algo, b, recomputed, mask, self.version)
+        old, weights, mask, metrics = step.corrected(algo, b, recomputed, mask, self.version)
         adv, distill_m, tb = apply_distill(algo, table, adv, old, mask, b.resp_ids)   # on-policy distillation
         metrics |= distill_m
         terms = Terms(old, adv, mask, weights, ref_lp, tb)
@@ -334,7 +303,7 @@ class TorchTrainer:
             group["lr"] = lr
         losses, gnorms, parts, skipped, not_forwarded = [], [], [], 0, 0
         for _ in range(cfg.ppo_epochs):
-            for idx in mini_batches(cfg, self.rng, b):
+            for idx in step.mini_batches(cfg, self.rng, b):
                 rows = torch.as_tensor(idx)
                 self.opt.zero_grad(set_to_none=True)
                 if not mask[rows].any():    # no trained token (failed rows): a zero gradient, so no forward;
@@ -351,7 +320,7 @@ class TorchTrainer:
                 gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)) \
                     if math.isfinite(value) else math.nan   # the gradients of every micro-batch are in
                 if not math.isfinite(gnorm):    # never applied: weights and optimizer state stay as they were
-                    on_nonfinite(cfg, self.version, len(losses) + skipped + 1, f"non-finite loss {value}"
+                    step.on_nonfinite(cfg, self.version, len(losses) + skipped + 1, f"non-finite loss {value}"
                                  if not math.isfinite(value) else f"non-finite grad norm {gnorm} (loss {value})")
                     self.opt.zero_grad(set_to_none=True)
                     skipped += 1
@@ -361,7 +330,7 @@ class TorchTrainer:
                 gnorms.append(gnorm)
                 parts.append(m)
         self.version += 1
-        return step_metrics(metrics, parts, losses, gnorms, adv, mask, t0, lr, self.version, samples=n,
+        return step.step_metrics(metrics, parts, losses, gnorms, adv, mask, t0, lr, self.version, samples=n,
                             nonfinite_skipped=skipped, rows_not_forwarded=not_forwarded,
                             skipped_steps=self.skipped_steps)
 

@@ -1,19 +1,13 @@
 """Run megatron-core on a CPU-only torch: the one place that papers over its CUDA calls.
 
-megatron-core assumes a GPU in a few places that have nothing to do with the maths:
-buffers created with `device="cuda"` or `torch.cuda.current_device()` (the DDP grad
-buffer, the optimizer's loss-scale and grad-norm scalars, the schedules' token counter),
-an assert that grads are `torch.cuda.FloatTensor`, and its RNG tracker, which forks the
-CUDA generator. Used ONLY when the trainer runs on CPU (tests, laptops); on a GPU none
-of this is imported. What it does:
+megatron-core assumes a GPU where the maths does not: buffers made on `"cuda"` or
+`torch.cuda.current_device()`, an assert that grads are `torch.cuda.FloatTensor`, and an RNG
+tracker forking the CUDA generator. Used only when the trainer runs on CPU (tests, laptops):
 
-* `active()`: a TorchFunctionMode, entered around every trainer call, that maps a
-  CUDA device to the CPU in tensor factories and `.to()`/`.cuda()`, and lets
-  `Tensor.type()` report the CUDA type names megatron asserts on.
-* `install(seed)`: makes `torch.cuda.current_device()` answer "cpu" (and
-  `torch.cuda.synchronize()`, which the pipeline schedule calls, a no-op), and replaces the
-  RNG tracker with one that forks the CPU generator, seeded as
-  `model_parallel_cuda_manual_seed` seeds the CUDA one.
+* `active()`: a TorchFunctionMode, entered around every trainer call, mapping a CUDA device to
+  the CPU in tensor factories and `.to()`/`.cuda()`; `Tensor.type()` reports CUDA type names.
+* `install(seed)`: `torch.cuda.current_device()` answers "cpu", `torch.cuda.synchronize()` is a
+  no-op, and the RNG tracker forks the CPU generator, seeded as megatron seeds the CUDA one.
 
 Nothing here changes a result: the same kernels run on the same data, on the CPU.
 """

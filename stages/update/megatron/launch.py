@@ -3,10 +3,8 @@
     leader = launch(model_path, trainer_cfg, algo, mcfg, rank_options=placement.options("trainer"))
     leader.train_step.remote(table)      # the same calls as on a TorchTrainer actor
 
-Every rank is created first, then all join one process group at once (rank 0's
-address), then the leader learns its peers. `rank_options` are the Ray actor options
-of each rank (resources, placement-group bundle), one dict per rank in rank order;
-pipeline/placement.py builds them so that each TP group shares a node.
+Every rank is created, all join one process group at rank 0's address, then the leader learns its
+peers. `rank_options`: each rank's Ray actor options in rank order (pipeline/placement.py).
 """
 from __future__ import annotations
 

@@ -55,12 +55,10 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def defer_head(gpt):
-    """Make `gpt` return its last hidden states [b, s, H] instead of logits (its output layer
-    passes them through) and return head(h [N, H]) -> this rank's logits [N, V/tp], which applies
-    the real layer with the weight megatron handed it (tied or not). The loss then runs the head
-    on response positions only, in chunks (chunked_token_logprobs). None where the layer cannot be
-    deferred: no output layer (not the last pipeline stage) or sequence parallel (the states are
-    split along the sequence there)."""
+    """Make `gpt` return its last hidden states [b, s, H] instead of logits and return head(h [N, H])
+    -> this rank's logits [N, V/tp] (the real layer, with the weight megatron hands it), for the loss
+    to run on response positions only, in chunks. None without an output layer (not the last pipeline
+    stage) or with sequence parallel (the states are split along the sequence)."""
     layer = getattr(gpt, "output_layer", None)
     if layer is None or getattr(layer, "sequence_parallel", False):
         return None

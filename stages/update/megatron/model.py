@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .convert import Arch
+from stages.model import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .convert import Arch
 
 
 def transformer_config(arch: Arch, tp: int, pp: int, dtype: str, on_cpu: bool, recompute: bool = False):

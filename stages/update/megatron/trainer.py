@@ -1,20 +1,14 @@
 """Megatron-core trainer: the same update as the torch trainer, on a TP x PP x DP model.
 
-Every rank is a Ray actor running this class. Rank 0, the leader, is the handle the
-controller and the TransferMesh hold; each of its public methods (train_step,
-state_dict, save, mesh, info) runs the matching `rank_*` method on every peer and on
-itself, since all ranks must join the same collectives. With one rank it is a drop-in
-for TorchTrainer.
+Every rank is a Ray actor running this class. Rank 0, the leader, is the handle the controller
+and the TransferMesh hold; its public methods run the matching `rank_*` method on every rank,
+since all ranks join the same collectives. With one rank it is a drop-in for TorchTrainer.
 
-One train_step, on every rank (TorchTrainer's algorithm box, item for item):
-  rewards -> overlong shaping -> advantages (whole step, every rank)
-  -> recomputed old / reference log-probs (each DP rank its rows; all-gathered)
-  -> IS correction -> per mini-batch: megatron's forward-backward schedule over
-  micro-batches -> megatron's optimizer (grad clipping over all model-parallel ranks).
-The loss of a micro-batch is returned to the schedule as (loss x n, n), n being the
-count the loss aggregation divides by (tokens for token_mean, sequences otherwise);
-with calculate_per_token_loss megatron sums these over micro-batches and DP ranks and
-divides the gradients by the total n, which is the mini-batch loss TorchTrainer takes.
+A step is TorchTrainer's, item for item; the old / reference log-probs are computed by each DP
+rank for its rows and all-gathered, and each mini-batch runs megatron's forward-backward schedule
+and optimizer. A micro-batch's loss goes to the schedule as (loss x n, n), n what the loss
+aggregation divides by; with calculate_per_token_loss megatron divides the gradients by the total
+n over micro-batches and DP ranks: TorchTrainer's mini-batch loss.
 """
 from __future__ import annotations
 
@@ -28,19 +22,10 @@ import pyarrow as pa
 import ray
 import torch
 
+from stages.update import step
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.losses import policy_loss
-from stages.update.step import (
-    Batch,
-    corrected,
-    lr_at,
-    mini_batches,
-    on_nonfinite,
-    skipped_step,
-    step_metrics,
-    task_advantages,
-    to_batch,
-)
+from stages.update.step import Batch, lr_at, to_batch
 
 from . import parallel
 from .config import MegatronConfig
@@ -52,20 +37,12 @@ from .model import HFReader, build_gpt, hf_config, layer_index, transformer_conf
 class MegatronTrainer:
     def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  max_new_tokens: int = 0, dtype: str = "float32", mcfg: MegatronConfig | None = None):
-        torch.set_num_threads(max(1, cfg.num_threads))
-        torch.manual_seed(cfg.seed)
-        self.model_path, self.cfg, self.mcfg, self.dtype = model_path, cfg, mcfg or MegatronConfig(), dtype
-        self.algo = algo.resolved().for_generation_limit(max_new_tokens)
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.max_new_tokens = max_new_tokens
+        step.setup(self, cfg, algo, temperature, max_new_tokens)
+        self.model_path, self.mcfg, self.dtype = model_path, mcfg or MegatronConfig(), dtype
         self.hf = hf_config(model_path)
         self.arch = Arch.from_hf(self.hf)
         self.pad_id = self.hf.pad_token_id or 0
-        self.version = 0
-        self.skipped_steps = 0      # steps with no trainable token over the run (trainer.skipped_step)
         self.peers: list = []
-        self.mesh_endpoint = None
-        self.rng = np.random.default_rng(cfg.seed)
 
     # ---- start-up (launch.py calls these on every rank) -----------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -135,9 +112,8 @@ class MegatronTrainer:
 
     # ---- the leader's interface (same as TorchTrainer's) ----------------------------
     def _everywhere(self, method: str, *args, peer_args: tuple | None = None):
-        """Run `method` on every rank (peers through Ray with `peer_args`, default `args`);
-        this rank's result first. When this rank fails, the peers' errors (they fail too,
-        at the latest on the collective timeout) are named with it: one is usually the cause."""
+        """Run `method` on every rank (peers with `peer_args`, default `args`); this rank's result first.
+        When this rank fails, the peers' errors (by the collective timeout at the latest) are named too."""
         refs = [getattr(p, method).remote(*(args if peer_args is None else peer_args)) for p in self.peers]
         try:
             mine = getattr(self, method)(*args)
@@ -175,9 +151,8 @@ class MegatronTrainer:
         return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
     def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True, tokenizer_staged: str = "") -> str:
-        """HF format (config, safetensors with shared tensors once, tokenizer); with_state
-        adds what resuming needs: every rank's optimizer shard and RNGs, and the version
-        (trainer_state.pt, the file the controller looks for). Resume needs the same layout."""
+        """HF format (config, safetensors with shared tensors once, tokenizer); with_state adds what
+        resuming (with the same layout) needs: every rank's optimizer shard and RNGs, and the version."""
         from huggingface_hub import save_torch_state_dict
 
         state = self._hf_state()
@@ -218,18 +193,14 @@ class MegatronTrainer:
         return list(getattr(self.opt, "chained_optimizers", [self.opt]))
 
     def rank_save_state(self, path: str) -> None:
-        """This rank's shard of the optimizer, as its torch optimizer holds it: the state
-        (step, moments) and the fp32 main parameters it updates (with the distributed
-        optimizer, this rank's slice of them). Exact for a resume with the same layout;
-        no gather, no resharding."""
+        """This rank's optimizer shard as its torch optimizer holds it: state (step, moments) and the fp32
+        main parameters it updates (its slice, with the distributed optimizer). No gather, no resharding."""
         with self._ctx():
             shards = [{"inner": o.optimizer.state_dict(),
                        "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]],
                        "scaler": o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None}
                       for o in self._inner_optimizers()]
-            torch.save({"optimizer": shards, "torch_rng": torch.get_rng_state(),
-                        "np_rng": self.rng.bit_generator.state, "version": self.version,
-                        "skipped_steps": self.skipped_steps}, self._state_file(path))
+            torch.save({"optimizer": shards} | step.clock_state(self), self._state_file(path))
 
     def rank_load_state(self, path: str) -> int:
         with self._ctx(), torch.no_grad():      # fp32 main params may be views of the (grad-requiring) weights
@@ -241,11 +212,7 @@ class MegatronTrainer:
                     p.copy_(saved)
                 if shard["scaler"] is not None:
                     o.grad_scaler.load_state_dict(shard["scaler"])
-        torch.set_rng_state(state["torch_rng"])
-        self.rng.bit_generator.state = state["np_rng"]
-        self.version = int(state["version"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        return self.version
+        return step.restore_clock(self, state)
 
     def shutdown(self) -> None:
         """Leader only: stop the peer ranks (their actors hold no state worth keeping)."""
@@ -265,26 +232,26 @@ class MegatronTrainer:
     def _train_step(self, table: pa.Table) -> dict | None:
         t0, cfg, algo = time.time(), self.cfg, self.algo
         b = to_batch(table, self.pad_id)
-        adv, mask = task_advantages(algo, b, self.max_new_tokens)
+        adv, mask = step.task_advantages(algo, b, self.max_new_tokens)
         lr, reports = lr_at(cfg, self.version), self.last and self.tp_rank == 0 and self.dp_rank == 0
         if not mask.any():      # every rank holds the same table, so every rank skips it
-            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
-            return skipped_step(len(b.rewards), lr, self.version, self.skipped_steps, t0) if reports else None
+            m = step.skipped_step(self, len(b.rewards), lr, t0)
+            return m if reports else None
         recomputed = None if algo.decoupled else self.logprobs(self.module, b)
         ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
         metrics, fields = {}, self._inputs(b)
         if self.last:     # only the last stage sees logits, so only it computes the loss
-            old, weights, mask, metrics = corrected(algo, b, recomputed, mask, self.version)
+            old, weights, mask, metrics = step.corrected(algo, b, recomputed, mask, self.version)
             fields |= {"old": old, "adv": adv, "mask": mask, "weights": weights, "ref": ref_lp}
         for o in self._inner_optimizers():      # the same schedule as TorchTrainer's, set on every rank
             for group in o.optimizer.param_groups:
                 group["lr"] = lr
         parts, gnorms, skipped = [], [], 0
         for _ in range(cfg.ppo_epochs):
-            for idx in mini_batches(cfg, self.rng, b):
+            for idx in step.mini_batches(cfg, self.rng, b):
                 part, gnorm = self._optimizer_step(idx, fields)
                 if gnorm is None:   # every rank agrees: the decision was all-reduced
-                    on_nonfinite(cfg, self.version, len(parts) + skipped + 1,
+                    step.on_nonfinite(cfg, self.version, len(parts) + skipped + 1,
                                  f"a non-finite loss or gradient (loss {part.get('loss', 'on the last stage')})")
                     skipped += 1
                     continue
@@ -293,7 +260,7 @@ class MegatronTrainer:
         self.version += 1
         if not reports:
             return None
-        return step_metrics(metrics, parts, [p["loss"] for p in parts], gnorms, adv, mask, t0, lr, self.version,
+        return step.step_metrics(metrics, parts, [p["loss"] for p in parts], gnorms, adv, mask, t0, lr, self.version,
                             samples=len(b.rewards), nonfinite_skipped=skipped, skipped_steps=self.skipped_steps)
 
     def _inputs(self, b: Batch) -> dict:
@@ -303,9 +270,8 @@ class MegatronTrainer:
 
     # ---- forward / backward through megatron's schedules ------------------------------
     def _micro_batches(self, rows: list[int], fields: dict) -> list[dict]:
-        """This DP rank's share of `rows`, cut into micro-batches. Pipeline stages exchange
-        fixed-shape activations, so with PP every micro-batch is padded to the same size
-        with copies of a row whose mask is zero (they add nothing to loss or counts)."""
+        """This DP rank's share of `rows` in micro-batches. With PP (fixed-shape activations) each is padded
+        to the same size with copies of a row whose mask is zero (adding nothing to loss or counts)."""
         mine = rows[self.dp_rank::self.dp]
         size = self.mcfg.micro_batch_size or max(len(mine), 1)
         chunks = [mine[i:i + size] for i in range(0, len(mine), size)] or [[]]
@@ -337,9 +303,8 @@ class MegatronTrainer:
             seq_length=L, micro_batch_size=items[0]["ids"].shape[0], forward_only=forward_only)
 
     def _token_lp(self, out: torch.Tensor, item: dict, with_entropy: bool = False, model=None):
-        """Log-probs [m, T] (and entropy) of the response tokens. `out` is the model's output: its
-        last hidden states when its head was deferred (the head then runs on response positions
-        only, trainer.logprob_chunk at a time), else full logits [m, L, V/tp] (sequence parallel)."""
+        """Log-probs [m, T] (and entropy) of the response tokens from the model's output: hidden states when
+        its head was deferred (run on response positions, trainer.logprob_chunk at a time), else logits."""
         pos = item["resp_pos"]
         picked = out.gather(1, pos[..., None].expand(-1, -1, out.shape[-1]))   # [m, T, H] or [m, T, V/tp]
         head = self._heads.get(id(model if model is not None else self.module))
@@ -351,8 +316,7 @@ class MegatronTrainer:
         return lp.view(m, T), None if ent is None else ent.view(m, T)
 
     def logprobs(self, model, b: Batch) -> torch.Tensor | None:
-        """No-grad log-probs [B, T] of every row, on the last stage (None elsewhere): each
-        DP rank computes its rows, then the DP ranks swap them."""
+        """No-grad log-probs [B, T] of every row on the last stage (None elsewhere), all-gathered over DP."""
         rows = list(range(b.input_ids.shape[0]))
         items = self._micro_batches(rows, self._inputs(b))
 
@@ -382,8 +346,8 @@ class MegatronTrainer:
         return full
 
     def _optimizer_step(self, rows: np.ndarray, fields: dict) -> tuple[dict, float | None]:
-        """One mini-batch: forward-backward, then the optimizer step unless a loss or gradient is
-        NaN / inf on any rank (grad norm None: nothing was applied)."""
+        """One mini-batch: forward-backward, then the optimizer step unless a loss or gradient is NaN / inf
+        on any rank (grad norm None: nothing applied)."""
         items = self._micro_batches(rows.tolist(), fields)
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
@@ -397,8 +361,8 @@ class MegatronTrainer:
         return part, float(gnorm if gnorm is not None else 0.0)
 
     def _nonfinite(self, part: dict) -> bool:
-        """Any NaN / inf in this rank's gradient buffers or (last stage) the loss, on any rank. The
-        gradients are checked before megatron's step, which with fp32 or bf16 would apply them."""
+        """Any NaN / inf in a rank's gradient buffers or loss, checked before megatron's step (which with
+        fp32 or bf16 would apply them)."""
         bad = torch.zeros(1, dtype=torch.float32, device=self.device)
         for buf in getattr(self.model, "buffers", []) + getattr(self.model, "expert_parallel_buffers", []):
             bad += (~torch.isfinite(buf.grad_data)).any()
