@@ -1,4 +1,4 @@
-"""Environments for white-box agents: `step(action text) -> Step`.
+"""Environments for white-box agents: `step(action text) -> Step` (or an awaitable of one).
 
 An environment is built per trajectory from its sample and answers each action with an
 observation, a reward and whether the episode is over. A white-box agent drives it with
@@ -9,7 +9,6 @@ uses instead of its reward function.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Awaitable, Protocol
 
 
 @dataclass
@@ -18,10 +17,6 @@ class Step:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
-
-
-class Env(Protocol):
-    def step(self, action: str) -> Step | Awaitable[Step]: ...
 
 
 class RetryEnv:
