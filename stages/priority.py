@@ -5,12 +5,9 @@ import os
 
 
 def lower_priority(nice: int) -> None:
-    """Raise this actor process's niceness to `nice` (once: repeated calls do not add up).
-
-    `rollout.nice`: engines and rollout/reward workers yield the CPU to the trainer, which is
-    the bottleneck of an async run on few cores: measured +6% async quickstart throughput
-    with 5 on 2 cores. Only inside a Ray actor (a test or notebook building a stage in its
-    own process keeps its priority); a platform without `os.nice` is left as it is."""
+    """Raise this actor process's niceness to `nice` (once: repeated calls do not add up), so it yields
+    the CPU to the trainer, the bottleneck of an async run on few cores. Only inside a Ray actor (a stage
+    built in a test's own process keeps its priority); a platform without `os.nice` is left as it is."""
     if nice <= 0 or not hasattr(os, "nice"):
         return
     try:

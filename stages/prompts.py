@@ -104,11 +104,8 @@ class PromptSource:
                          "data_source": rows["data_source"], "prompt": rows["prompt"], "answer": rows["answer"]})
 
     def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
-        """A Ray Dataset of `num_groups` groups from `start`, one block per `groups_per_block` groups.
-
-        Blocks are cut on group boundaries and each becomes exactly one rollout call: a call
-        that blocks on the window gate never holds finished groups of an earlier batch.
-        """
+        """A Ray Dataset of `num_groups` groups from `start`, one block (one rollout call) per
+        `groups_per_block` groups: a call blocked at the window gate holds no finished groups."""
         import ray
 
         seqs = [g for g in range(start, start + num_groups) if g not in skip]   # skip: settled before a resume

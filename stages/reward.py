@@ -4,28 +4,21 @@ Input columns:  prompt, answer, response_ids, status
                 (optional, from AgentFlow: agent_reward, agent_info, transcript)
 Output columns: reward, reward_info, status, error
 
-User reward functions plug in by dotted path (`reward.fn: mypkg.rewards:score`) with the
-signature
+User reward functions plug in by dotted path (`reward.fn: mypkg.rewards:score`):
 
     def score(prompt: str, response: str, answer: str, row: dict) -> float | dict
-        # dict form: {"reward": float, ...anything else goes to reward_info}
+        # dict form: {"reward": float, ...anything else goes to reward_info}; `async def` works too
 
-(`async def` works too). A function that draws random numbers (a sampled judge) seeds them
-from `row["seed"]`: a function of run.seed, the row's group and sample (pipeline/seeds.py).
+A function that draws random numbers seeds them from `row["seed"]` (run.seed, the row's group and
+sample). It runs in worker processes (stages/reward_pool.py), each row within `reward.timeout_s`: an
+exception, a non-finite reward or a timeout marks only that row `failed` (reward 0), and a hung call
+has its worker killed and replaced. The built-in rules are pure and run in this process.
 
-A user function runs in worker processes (stages/reward_pool.py, `reward.workers` of them), each
-row with `reward.timeout_s`: an exception, a non-finite reward (NaN, inf) or a timeout marks only
-that row `failed`, with the error and reward 0, and a hung call has its worker killed and replaced
-(the function's module must import in a fresh interpreter: each worker imports it by its dotted
-path, with this process's sys.path). The built-in rules are pure and run in this process.
-
-Agents: when agent code set a (finite) reward itself (a white-box environment's rewards, an in-process
-agent's return value) the row's `agent_reward` is the reward and reward.fn is not called; reward_info
-is {"source": "agent", ...the agent's info}. A subprocess agent never sets one: it has no answer, and
-its last stdout line is a report in `row["agent_info"]` for reward.fn to grade (`agent_answers`
-grades the reports of the shipped examples). Otherwise, for rows with
-a transcript, `response` is the final model turn's text and `row["transcript"]` the whole
-final transcript as a list of {role, content} (chat messages for black-box agents).
+When agent code set a finite reward itself (an environment's, an in-process agent's return value),
+the row's `agent_reward` is the reward and reward.fn is not called. A subprocess agent never sets one:
+its last stdout line is a report in `row["agent_info"]` for reward.fn to grade (`agent_answers`).
+For rows with a transcript, `response` is the final model turn's text and `row["transcript"]` the
+whole final transcript as a list of {role, content}.
 """
 from __future__ import annotations
 
@@ -121,9 +114,8 @@ class Reward:
 
     def __init__(self, cfg: RewardConfig, model_path: str = "", nice: int = 0, tokenizer_class: str = "",
                  tokenizer=None):
-        """tokenizer_class: the class AutoTokenizer picks for model_path (stages/tokenizer.py), so that
-        this worker loads it without importing torch. tokenizer: model_path's, already loaded in this
-        process (the driver's), used instead of loading another."""
+        """tokenizer_class: the class AutoTokenizer picks for model_path, loaded without importing torch;
+        tokenizer: model_path's, already loaded in this process."""
         from stages.priority import lower_priority
         from stages.tokenizer import load_tokenizer
 
@@ -142,19 +134,11 @@ class Reward:
         rows = batch.to_pylist()
         todo = [i for i, r in enumerate(rows) if r["status"] not in ("failed", "aborted") and not _has_agent_reward(r)]
         scored = dict(zip(todo, self._score([self._args(rows[i]) for i in todo])))
-        out = {k: [] for k in self.outputs}
+        out = []        # per row: reward, reward_info, status, error
         for i, r in enumerate(rows):
             ok, value = _agent_reward(r) if _has_agent_reward(r) else scored.get(i, (True, (0.0, "{}")))
-            reward, info, status, error = 0.0, "{}", r["status"], r.get("error") or ""
-            if ok:
-                reward, info = value
-            else:
-                status, error = "failed", value
-            out["reward"].append(reward)
-            out["reward_info"].append(info)
-            out["status"].append(status)
-            out["error"].append(error)
-        return with_columns(batch, out)
+            out.append((*value, r["status"], r.get("error") or "") if ok else (0.0, "{}", "failed", value))
+        return with_columns(batch, {k: [o[j] for o in out] for j, k in enumerate(self.outputs)})
 
     def _score(self, calls: list[tuple]) -> list[tuple[bool, object]]:
         if self.pool is not None:

@@ -1,16 +1,13 @@
 """Worker processes for user reward functions: a call that hangs is killed, not waited on.
 
-A user's `reward.fn` may block for ever (a network call, a deadlock, a sleep). In a thread it can
-be neither stopped nor kept from holding the interpreter at exit, so each call runs in one of a
-few worker subprocesses instead: up to `workers` rows run at the same time, one per worker, and a
-row past its timeout has its worker killed (with its process group) and replaced. A batch with k
-hanging rows therefore costs about ceil(k / workers) timeouts, not k.
+A user's `reward.fn` may block for ever; in a thread it could be neither stopped nor kept from holding
+the interpreter at exit. So each call runs in one of `workers` subprocesses, and a row past its
+timeout has its worker killed (with its process group) and replaced: k hanging rows cost about
+ceil(k / workers) timeouts, not k.
 
 The workers are plain `python -m stages.reward_pool` children speaking pickled messages over a
-socket pair, not multiprocessing ones: nothing of the parent (its `__main__`, a Ray worker's state)
-is re-imported, a user's prints go to the inherited stdout, and each worker exits by itself when
-its parent dies (a Ray actor killed with SIGKILL runs no atexit). This module imports only the
-standard library, so a worker's start-up is the user module's own imports.
+socket pair: nothing of the parent is re-imported, and each exits by itself when its parent dies
+(a Ray actor killed with SIGKILL runs no atexit). This module imports only the standard library.
 """
 from __future__ import annotations
 

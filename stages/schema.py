@@ -80,25 +80,24 @@ def field(name: str) -> pa.Field:
     return _BY_NAME[name]
 
 
+def _column(name: str, values: list) -> tuple[pa.Field, pa.Array]:
+    """A known column with the schema's type, an unknown one with the type inferred."""
+    f = _BY_NAME.get(name)
+    arr = pa.array(values, type=f.type if f is not None else None)
+    return (f if f is not None else pa.field(name, arr.type)), arr
+
+
 def table_from_columns(columns: dict[str, list]) -> pa.Table:
-    """Build a table whose known columns carry the schema's types (unknown ones are inferred)."""
-    arrays, fields = [], []
-    for name, values in columns.items():
-        f = _BY_NAME.get(name)
-        arr = pa.array(values, type=f.type if f is not None else None)
-        arrays.append(arr)
-        fields.append(f if f is not None else pa.field(name, arr.type))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+    cols = [_column(n, v) for n, v in columns.items()]
+    return pa.Table.from_arrays([a for _, a in cols], schema=pa.schema([f for f, _ in cols]))
 
 
 def with_columns(table: pa.Table, columns: dict[str, list]) -> pa.Table:
     """Return `table` with `columns` set (replaced if present, appended otherwise)."""
     for name, values in columns.items():
-        f = _BY_NAME.get(name)
-        arr = pa.array(values, type=f.type if f is not None else None)
+        f, arr = _column(name, values)
         idx = table.schema.get_field_index(name)
-        new_field = f if f is not None else pa.field(name, arr.type)
-        table = table.set_column(idx, new_field, arr) if idx >= 0 else table.append_column(new_field, arr)
+        table = table.set_column(idx, f, arr) if idx >= 0 else table.append_column(f, arr)
     return table
 
 
