@@ -141,5 +141,7 @@ class TrackedMetrics:
 
 
 def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> TrackedMetrics:
-    """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers."""
-    return TrackedMetrics(MetricsWriter(run_dir), open_sinks(run_dir, cfg, config, log))
+    """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers (opened
+    first: a tracker refused at start leaves no file open)."""
+    sinks = open_sinks(run_dir, cfg, config, log)
+    return TrackedMetrics(MetricsWriter(run_dir), sinks)

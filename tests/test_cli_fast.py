@@ -100,6 +100,7 @@ def test_a_run_dir_in_use_is_refused_before_torch_and_ray(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     assert got["code"] == 2 and got["loaded"] == [] and f"is in use by pid {holder.pid}" in err, (got, err)
 
 

@@ -11,6 +11,7 @@ import asyncio
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -184,7 +185,7 @@ def test_run_needs_the_services_key_and_sessions_keep_trajectories_apart():
 
     svc = ToolService(ToolServiceConfig(p50_s=0.01, p99_s=0.02, seed=3), sandbox=SandboxConfig(workers=1))
     svc.start()
-    assert svc.key and svc.key not in " ".join(open(f"/proc/{svc.proc.pid}/cmdline").read().split("\0"))
+    assert svc.key and svc.key not in " ".join(Path(f"/proc/{svc.proc.pid}/cmdline").read_text().split("\0"))
 
     async def go():
         cfg = ToolServiceConfig(timeout_s=10)

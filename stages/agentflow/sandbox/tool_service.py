@@ -272,6 +272,8 @@ class ToolService:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        if self.proc is not None:
+            self.proc.stdout.close()
 
 
 # ---- client -------------------------------------------------------------------------------
