@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.register_assert_rewrite("tests.support")     # the shared checks' asserts report like a test's own
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

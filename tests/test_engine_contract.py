@@ -3,7 +3,7 @@
 Without vLLM or SGLang installed: every engine class answers each method of the contract with the
 contract's arguments (the library engines import their library lazily), the pieces they share
 behave (the hold/update gate with real threads, sampling settings, statistics, LoRA adapter slots), and the HF engine
-passes the contract's checks (tests/engine_contract.py). vLLM passes them in the `vllm` tier and
+passes the contract's checks (tests/support/engine_checks.py). vLLM passes them in the `vllm` tier and
 SGLang in benchmarks/gpu/sglang_check.py.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.sampling import Sampling, sampling_of
 from stages.agentflow.sglang_engine import SGLangEngine
 from stages.agentflow.vllm_engine import VLLMEngine
-from tests.engine_contract import check_generation, check_refusals, check_resume
+from tests.support.engine_checks import check_generation, check_refusals, check_resume
 
 METHODS = [n for n, f in vars(contract.RolloutEngine).items() if callable(f) and not n.startswith("_")]
 

@@ -27,7 +27,8 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.engine_contract import RESTART_WAIT_S
 from stages.agentflow.proxy import Proxy
 from stages.model import load_tokenizer
-from tests.test_proxy import LoopThread
+from tests.support.proxy import LoopThread
+from tests.support.runs import served_weights
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0}
 
@@ -91,7 +92,7 @@ def test_an_engine_killed_while_it_starts_is_sent_the_weights_and_serves_the_tra
         # it serves the trainer's version, with the trainer's weights
         assert summary["version"] == 3 and ray.get(ctl.engines[0].weight_version.remote()) == 3
         trained = ray.get(ctl.trainer.state_dict.remote())
-        served = ray.get(ctl.engines[0].state_dict_ref.remote())
+        served = ray.get(served_weights(ctl.engines[0]))
         assert all(torch.equal(trained[n], served[n]) for n in trained)
     finally:
         ctl.stop()

@@ -11,6 +11,7 @@ from stages.schema import table_from_columns
 from stages.update.losses import AlgorithmConfig
 from stages.update.step import mini_batches
 from stages.update.trainer import TorchTrainer, TrainerConfig, lr_at, to_batch
+from tests.support.runs import served_weights
 
 
 def _requests(eng, prompts, **kw):
@@ -291,7 +292,7 @@ def test_trainer_keeps_its_weights_in_the_shared_segment(ray_session, tiny_model
     assert second["transfer/zero_copy"] == 1.0 and "transfer/zero_copy" in first
     after = ray.get(trainer.state_dict.remote())
     assert any(not torch.equal(before[n], t) for n, t in after.items())      # the step changed weights
-    served = ray.get(engine.state_dict_ref.remote())
+    served = ray.get(served_weights(engine))
     assert all(torch.equal(after[n], served[n]) for n in after)
     assert ray.get(engine.weight_version.remote()) == 2
     p = mesh.publish_begin(3)       # engines read the trainer's own weights: it must not step yet

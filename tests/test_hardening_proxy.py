@@ -26,20 +26,9 @@ from stages.agentflow.proxy import Proxy
 from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
 from stages.model import load_tokenizer
 from stages.schema import table_from_columns
-from tests.test_proxy import LoopThread  # the proxy's event loop on a thread, as on a rollout worker
+from tests.support.proxy import GREEDY, CrashingEngine, LoopThread
 
-GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
 USER = [{"role": "user", "content": "37+48="}]
-
-
-
-
-@ray.remote(num_cpus=0)
-class CrashingEngine:
-    """A fault injected behind the proxy: an engine whose generate raises (a real Ray task error)."""
-
-    def generate(self, requests):
-        raise RuntimeError("boom: secret engine internals")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from stages.tasks.models import build_char_tokenizer
 from stages.update.losses import AlgorithmConfig
 from stages.update.megatron.config import MegatronConfig
 from stages.update.trainer import TorchTrainer, TrainerConfig
+from tests.support.runs import served_weights
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 ray = pytest.importorskip("ray")
@@ -281,7 +282,7 @@ def test_tp2_leader_publishes_hf_weights_through_the_transfer_mesh(models, ray_l
     metrics = mesh.publish(1)
     assert metrics["transfer/receivers"] == 1.0
     assert ray.get(engine.weight_version.remote()) == 1
-    sent, landed = ray.get([leader.state_dict.remote(), engine.state_dict_ref.remote()])
+    sent, landed = ray.get([leader.state_dict.remote(), served_weights(engine)])
     assert all(torch.equal(landed[n], sent[n]) for n in landed)
     assert not torch.equal(landed["model.norm.weight"], hf_state(path)["model.norm.weight"])
     mesh.close()

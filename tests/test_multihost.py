@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.resume_checks import assert_stream_resumed
+from tests.support.runs import assert_stream_resumed
 
 pytestmark = pytest.mark.multihost
 

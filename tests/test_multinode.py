@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.controller import Controller
-from tests.resume_checks import assert_stream_resumed
+from tests.support.runs import assert_stream_resumed, served_weights
 
 OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
 
@@ -61,7 +61,7 @@ def test_quickstart_trains_on_one_node_and_serves_from_another(cluster, tiny_mod
             return
         engine = ctl.engines[0]
         before = ray.get(engine.weight_version.remote())
-        state = ray.get(engine.state_dict_ref.remote())
+        state = ray.get(served_weights(engine))
         if ray.get(engine.weight_version.remote()) == before:
             served[before] = state
 
@@ -72,7 +72,7 @@ def test_quickstart_trains_on_one_node_and_serves_from_another(cluster, tiny_mod
         trainer_node = ctl.mesh.sender_party.node_id
         engine_node = ctl.mesh.parties["engine0"].node_id
         trained = ray.get(ctl.trainer.state_dict.remote())
-        final = ray.get(ctl.engines[0].state_dict_ref.remote())
+        final = ray.get(served_weights(ctl.engines[0]))
     finally:
         ctl.stop()
 

@@ -11,12 +11,7 @@ import torch
 from pipeline.config import ConfigError, load_config
 from pipeline.controller import Controller
 from pipeline.metrics import read_metrics
-
-FAST = ["run.steps=3", "batcher.groups_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=5",
-        "eval.every=2", "eval.num_prompts=16", "rollout.num_engines=2",
-        # partial credit: the barely-warmed test model rarely gets an exact answer, and a step whose
-        # rewards are all equal has zero advantage (no update)
-        "reward.fn=stages.tasks.rewards:digit_match", "trainer.lr=0.001", "trainer.mini_batch_size=0"]
+from tests.support.runs import FAST, served_weights
 
 
 def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
@@ -28,7 +23,7 @@ def test_three_steps_end_to_end(ray_session, tiny_model_dir, tmp_path):
         # every engine serves the trainer's last version, with the trainer's exact weights
         assert ray.get([e.weight_version.remote() for e in ctl.engines]) == [3, 3]
         trained = ray.get(ctl.trainer.state_dict.remote())
-        served = ray.get(ctl.engines[1].state_dict_ref.remote())
+        served = ray.get(served_weights(ctl.engines[1]))
         assert all(torch.equal(trained[n], served[n]) for n in trained)
         initial = ray.get(ray.remote(lambda p: __import__("stages.model", fromlist=["x"]).load_model(p).state_dict())
                           .remote(tiny_model_dir))
@@ -300,7 +295,7 @@ def test_megatron_recipe_trains_through_the_same_pipeline(ray_session, tiny_mode
         assert ctl.run()["version"] == 2
         assert ray.get(ctl.engines[0].weight_version.remote()) == 2
         trained = ray.get(ctl.trainer.state_dict.remote())
-        served = ray.get(ctl.engines[0].state_dict_ref.remote())
+        served = ray.get(served_weights(ctl.engines[0]))
         assert set(trained) == set(served) and all(torch.equal(trained[n], served[n]) for n in trained)
         ranks = ray.get(ctl.trainer.info.remote())
     finally:
@@ -330,7 +325,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_its_groups_rerun(ray_session,
         assert ctl.faults.restarts >= 1 and any("engine1 restarted" in str(x) for x in logs), logs
         assert ray.get([e.weight_version.remote() for e in ctl.engines]) == [4, 4]
         trained = ray.get(ctl.trainer.state_dict.remote())
-        served = ray.get(ctl.engines[1].state_dict_ref.remote())
+        served = ray.get(served_weights(ctl.engines[1]))
         assert all(torch.equal(trained[n], served[n]) for n in trained)
     finally:
         ctl.stop()

@@ -1,15 +1,13 @@
 """The black-box proxy over real HTTP, with the real `openai` client, against a real HFEngine actor.
 
 The proxy runs on its own event-loop thread (as it runs on a rollout worker's loop);
-the tests call it synchronously like any agent program would. `RecordingClient` is the
-real EngineClient that also keeps what the engine returned, so the proxy's records can be
-compared with the engine's own output token for token.
+the tests call it synchronously like any agent program would. `RecordingClient`
+(tests/support/proxy.py) is the real EngineClient that also keeps what the engine returned, so
+the proxy's records can be compared with the engine's own output token for token.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -18,7 +16,6 @@ import pytest
 import ray
 
 from stages.agentflow.chat import FALLBACK_TEMPLATE, encode, parse_tool_calls, render
-from stages.agentflow.client import EngineClient
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.openai_api import finish_reason
 from stages.agentflow.protocol import read_generation
@@ -26,35 +23,7 @@ from stages.agentflow.proxy import Proxy
 from stages.agentflow.session import Choice, assistant_message
 from stages.agentflow.stream import TokenStream
 from stages.model import load_tokenizer
-
-GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0}
-
-
-class RecordingClient(EngineClient):
-    """The real client; also keeps every (requests, results) pair the engine answered."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.calls: list[tuple[list[dict], list[dict]]] = []
-
-    async def generate(self, requests):
-        out = await super().generate(requests)
-        self.calls.append((requests, out))
-        return out
-
-
-class LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+from tests.support.proxy import GREEDY, LoopThread, RecordingClient
 
 
 @pytest.fixture(scope="module")

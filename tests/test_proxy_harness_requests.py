@@ -27,8 +27,8 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.proxy import PROTOCOLS, Proxy
 from stages.model import load_tokenizer
-from tests.test_proxy import LoopThread, RecordingClient
-from tests.test_proxy_protocols import ADD_TOOL_ANT, ADD_TOOL_OAI, GREEDY, build_scripted_model
+from tests.support.proxy import LoopThread, RecordingClient
+from tests.support.scripted import ADD_TOOL_ANT, ADD_TOOL_OAI, GREEDY, build_qwen_scripted_model, build_scripted_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness_requests"
 SERVED = ["claude_code_small_messages.json", "claude_code_small_messages_turn2.json", "pi_chat.json",
@@ -81,7 +81,6 @@ def test_every_captured_request_is_accepted_and_rendered(name, qwen_tok):
 def qwen_server(ray_session, tmp_path_factory, qwen_tok):
     from stages.agentflow.chat import tool_call_opening
     from stages.tasks import qwen_vocab
-    from tests.test_proxy_protocols import build_qwen_scripted_model
 
     path = build_qwen_scripted_model(tmp_path_factory.mktemp("qwen"), qwen_tok, tool_call_opening(qwen_tok))
     eng = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=16).remote(path)

@@ -20,7 +20,7 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.harness import AGENT_HEADER, KIND_HEADER
 from stages.agentflow.proxy import Proxy
 from stages.model import load_tokenizer
-from tests.test_proxy import GREEDY, LoopThread, RecordingClient
+from tests.support.proxy import GREEDY, LoopThread, RecordingClient
 
 # the addition model's alphabet is digits, '+' and '='. This template adds an opener ("+=") after the
 # last message, as reasoning templates open a <think> block in the generation prompt, and renders an

@@ -29,7 +29,7 @@ from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
 from stages.transfer_config import TransferConfig  # noqa: E402
 from stages.update.losses import AlgorithmConfig  # noqa: E402
 from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch  # noqa: E402
-from tests.engine_contract import check_generation, check_refusals, check_resume  # noqa: E402
+from tests.support.engine_checks import check_generation, check_refusals, check_resume  # noqa: E402
 
 CFG = VLLMConfig(kv_cache_mb=64)
 PROMPTS = ["12+7=", "3+45=", "99+9=", "40+2=", "5+5=", "61+30=", "8+88=", "23+23="]
@@ -69,7 +69,7 @@ def rows_of(requests, outs) -> pa.Table:
 
 
 def test_generation_follows_the_engine_contract(engine, tok, tiny_model_dir):
-    """The contract's checks (tests/engine_contract.py), as the HF engine passes them: token ids in; ids,
+    """The contract's checks (tests/support/engine_checks.py), as the HF engine passes them: token ids in; ids,
     log-probs and versions out; stop on eos or budget; a seeded sample draws the same tokens whatever it is
     batched with; n samples of one prompt; rows that cannot be served fail alone; resumed rows keep their
     prefix. And vLLM's own refusal: temperatures above 2 fail the row alone."""

@@ -13,7 +13,7 @@ import ray  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.controller import Controller  # noqa: E402
 from pipeline.metrics import read_metrics  # noqa: E402
-from tests.test_pipeline import FAST  # noqa: E402
+from tests.support.runs import FAST  # noqa: E402
 
 
 def test_quickstart_steps_on_the_vllm_engine(ray_session, tiny_model_dir, tmp_path):

@@ -1,9 +1,10 @@
 """The proxy's four endpoints (Chat Completions, Completions, Responses, Messages) served by vLLM.
 
-The proxy tests' scripted model (tests/test_proxy_protocols.py: a real Qwen2 whose weights follow a
-script, 2 heads of 64) behind a VLLMEngine actor instead of the HF engine: the same fixtures and some
-of the same tests, collected here with this module's `engine`, plus a Chat Completions and a
-Completions call. Every recorded token, log-prob and version must be the engine's own.
+The proxy tests' scripted model (tests/support/scripted.py: a real Qwen2 whose weights follow a
+script, 2 heads of 64) behind a VLLMEngine actor instead of the HF engine: the same fixtures and the
+checks tests/test_proxy_protocols.py runs on the HF engine, here with this module's `engine`, plus a
+Chat Completions and a Completions call. Every recorded token, log-prob and version must be the
+engine's own.
 """
 from __future__ import annotations
 
@@ -14,19 +15,28 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vll
 
 import ray  # noqa: E402
 
-import tests.test_proxy_protocols as protocols  # noqa: E402
 from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
-from tests.test_proxy_protocols import END, HELLO, MORE, R_HI, assert_recorded_exactly, engine_call, oai  # noqa: E402
+from tests.support import scripted  # noqa: E402
+from tests.support.scripted import END, HELLO, MORE, R_HI, assert_recorded_exactly, engine_call, oai  # noqa: E402
 
-# the proxy tests' fixtures, and some of their tests, collected here: they take this module's `engine`
-model_dir, tok, server, ep = protocols.model_dir, protocols.tok, protocols.server, protocols.ep
-test_responses_reasoning_and_text_are_recorded_exactly = \
-    protocols.test_responses_reasoning_and_text_are_recorded_exactly
-test_responses_function_call_loop_extends_the_recorded_stream = \
-    protocols.test_responses_function_call_loop_extends_the_recorded_stream
-test_messages_thinking_text_and_stop_sequences = protocols.test_messages_thinking_text_and_stop_sequences
-test_messages_stream_tool_use_and_tool_result_round_trip = \
-    protocols.test_messages_stream_tool_use_and_tool_result_round_trip
+# the scripted model and its proxy, in front of this module's `engine`
+model_dir, tok, server, ep = scripted.model_dir, scripted.tok, scripted.server, scripted.ep
+
+
+def test_responses_reasoning_and_text_are_recorded_exactly(ep, tok):
+    scripted.responses_reasoning_and_text_are_recorded_exactly(ep, tok)
+
+
+def test_responses_function_call_loop_extends_the_recorded_stream(ep, tok):
+    scripted.responses_function_call_loop_extends_the_recorded_stream(ep, tok)
+
+
+def test_messages_thinking_text_and_stop_sequences(ep, tok):
+    scripted.messages_thinking_text_and_stop_sequences(ep, tok)
+
+
+def test_messages_stream_tool_use_and_tool_result_round_trip(ep, tok):
+    scripted.messages_stream_tool_use_and_tool_result_round_trip(ep, tok)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 On a CUDA machine (one GPU is enough): starts an SGLangEngine actor and a GPU policy
 actor that holds the same HF weights, both on the one GPU, so the TransferMesh routes
 CUDA IPC. Then
-  0. the engine contract's checks (tests/engine_contract.py), the ones the HF engine passes in
+  0. the engine contract's checks (tests/support/engine_checks.py), the ones the HF engine passes in
      the default test run and vLLM in the `vllm` tier: rows aligned, seeds, greedy, refusals, resume;
   1. greedy generation: every token tagged version 0; the engine's log-probs agree with
      the HF model's own (teacher-forced, same tokens);
@@ -86,7 +86,7 @@ def main() -> int:
         return 1
     import ray
 
-    import tests.engine_contract as contract
+    import tests.support.engine_checks as contract
     from stages.agentflow.limits import model_limits
     from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine
     from stages.model import ModelConfig, load_tokenizer, resolve_model_path

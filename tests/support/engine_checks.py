@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable
 
 Generate = Callable[[list[dict]], list[dict]]
-STATUSES = ("completed", "truncated", "aborted", "failed")
 
 
 def rows(prompts: list[list[int]], **kw) -> list[dict]:
