@@ -15,11 +15,9 @@ loaded into the running engine (`load_weights`, as the TransferMesh does after a
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
@@ -139,24 +137,6 @@ def _greedy_ok(model, pairs, window: int) -> bool:
         if model.lm_head(hidden).argmax(-1).tolist() != t:
             return False
     return True
-
-
-CACHE = Path("~/.cache/loongsage/harness-warm").expanduser()
-
-
-def teach_cached(model_dir: str, pairs: list, log=print, **kw):
-    """teach(), its result kept on disk under the hash of the model and the pairs: the same harness prompt
-    (a rerun after a proxy change) is not warmed again (each warm costs minutes on a shared 2-core machine)."""
-    key = hashlib.sha256(json.dumps([Path(model_dir).name, pairs, sorted(kw.items())]).encode()).hexdigest()[:24]
-    path = CACHE / f"{key}.pt"
-    if path.is_file():
-        log(f"warmed weights from {path}", flush=True)
-        return torch.load(path)
-    state = teach(model_dir, pairs, log=log, **kw)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-    return state
 
 
 def main_prompt(tok, prompts: list[list[int]]) -> list[int]:
