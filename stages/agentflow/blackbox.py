@@ -140,7 +140,7 @@ class SubprocessAgent:
         self.jail: Jail | None = None
         self.env_names: tuple[str, ...] = ()
         self._running: asyncio.Semaphore | None = None
-        self._configured = False
+        self.limit: int | None = None       # agents alive at once: set by configure
         if preload:
             if self.argv[0] != sys.executable or len(self.argv) < 2 or not self.argv[1].endswith(".py"):
                 raise ValueError(f"agent.preload needs a 'cmd:python SCRIPT.py ...' agent, got {cmd!r}")
@@ -163,7 +163,6 @@ class SubprocessAgent:
         from stages.agentflow.config import AgentConfig
 
         cfg = agent or AgentConfig()
-        self._configured = True
         if self.jail is not None:
             self.jail.close()
         self.jail = make_jail(cfg)
@@ -194,7 +193,7 @@ class SubprocessAgent:
             stderr=asyncio.subprocess.PIPE, start_new_session=True)   # own group: killable as one
 
     async def run(self, ctx, sample: dict) -> None:
-        if not self._configured:
+        if self.limit is None:
             self.configure(None)
         self._running = self._running or asyncio.Semaphore(self.limit)
         async with self._running:
