@@ -1,9 +1,8 @@
 """Checkpoints you can trust: written atomically with a manifest, verified before a resume.
 
-RUN/checkpoints/step_N is written into a new hidden directory beside it (owner-only, a random name:
-nothing planted is written into); every file is fsynced, `manifest.json` records each file's size
-and xxh3-128 checksum, then the directory is renamed into place. A crash or a full disk mid-write
-leaves at most a `.step_N.tmp-XXXXXXXX-PID` directory, never a half-written step_N.
+RUN/checkpoints/step_N is written into a new owner-only hidden directory beside it; every file is
+fsynced, `manifest.json` records each file's size and xxh3-128 checksum, then the directory is
+renamed into place: a crash or a full disk mid-write never leaves a half-written step_N.
 
 `verify` checks the manifest (every file present, same size, same checksum) and that every weight
 is finite; `resolve` finds what `run.resume_from` names (`latest`: the newest that verifies).

@@ -37,15 +37,9 @@ def _code_roots() -> list[str]:
 
 @contextlib.contextmanager
 def ray_output_to(path: str | Path):
-    """While the block runs, what Ray itself prints goes to the file `path`, not the terminal.
-
-    Three channels reach a driver's terminal, and each is moved: Python loggers under `ray` (their
-    console handlers give way to one on the file); the C++ core worker writing straight to fd 2
-    (fd 2 points at the file, while `sys.stderr`, the project's own output, keeps the terminal
-    through a copy of the old descriptor); errors the cluster pushes to the driver, printed by a Ray
-    thread (its printer logs to the file instead). Ray is shut down before the block ends, so what
-    it prints while stopping lands there too.
-    """
+    """While the block runs, what Ray itself prints goes to the file `path`, not the terminal: its Python
+    loggers, its C++ core writing to fd 2 (`sys.stderr` keeps the terminal through a copy of the old fd)
+    and the errors the cluster pushes to the driver. Ray is shut down before the block ends."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     importlib.import_module("ray.data")     # configures its logger, with a console handler, on import

@@ -3,12 +3,10 @@
 * An engine whose process died is restarted by Ray. A weight publish leaves it out; a watch
   thread sees the new process (a new incarnation id, or, restarted while the run started, an
   engine awaiting weights) and re-sends it the current weights before it serves again.
-* A lost Ray node: Ray marks a node dead (after 5 failed health checks 3 s apart: ~15 s for a host
-  whose processes are gone, 5 x (3 + 10) = 65 s for one cut off; the head's settings,
-  docs/scale-out.md), while the run only sees calls to its actors hang. A second thread reads the
-  node table once a second, says which node and what ran there, and waits `run.node_wait_s` for its
-  engines to be restarted elsewhere; if they are not back, or the trainer was there (its optimizer
-  state went with it), the run stops (`on_lost`).
+* A lost Ray node (Ray declares it dead after ~15 s, 65 s for a host cut off: docs/scale-out.md;
+  until then calls to its actors hang): a second thread reads the node table once a second, says
+  which node and what ran there, and waits `run.node_wait_s` for its engines to be restarted
+  elsewhere; if they are not back, or the trainer was there, the run stops (`on_lost`).
 * SIGINT / SIGTERM (`interrupts`) end the run after the step in hand; a second one exits at once.
 
 Weight publishes and re-sends take one lock, which the step loop holds from update to checkpoint.
@@ -150,10 +148,8 @@ class Faults:
         return set().union(*(names for _, names in self.lost.values()))
 
     def trainer_lost(self, wait_s: float = 90.0) -> bool:
-        """A call to the trainer failed: True once the node watch has found the trainer's node lost. Until
-        Ray declares a host dead, calls to an actor there fail with ActorUnavailableError or hang; then
-        with ActorDiedError. False when the trainer answers, when it died on a node that lives, or after
-        `wait_s` (past Ray's 65 s for a host cut off)."""
+        """A call to the trainer failed: True once the node watch has found the trainer's node lost; False
+        when the trainer answers, when it died on a node that lives, or after `wait_s` (past Ray's 65 s)."""
         deadline = time.monotonic() + wait_s
         while "trainer" not in self.reason and time.monotonic() < deadline:
             try:
@@ -172,11 +168,9 @@ def interrupts(stop: threading.Event, announce: Callable[[int], None]):
     """SIGINT / SIGTERM end the run after the step in hand (the caller checkpoints); a second one
     exits at once. Yields the signals received. Outside the main thread signals stay as they are.
 
-    The second is counted by a thread of its own, off the signal wakeup fd (a byte per signal): a
-    Python handler runs in the main thread between bytecodes, and the main thread sits in C calls
-    (ray.get looks for signals once a second, Ray's shutdown retries EINTR), where two signals make one
-    call of it. After a stop the count goes on through what follows (the checkpoint, Ray's shutdown in
-    the CLI), unless the caller had a SIGINT handler of its own: then everything is put back."""
+    The second is counted off the signal wakeup fd by a thread of its own: the main thread sits in C
+    calls (ray.get, Ray's shutdown), where two signals make one call of a Python handler. The count
+    goes on after the block (checkpoint, shutdown) unless the caller had a SIGINT handler of its own."""
     got: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield got

@@ -8,11 +8,9 @@
         checkpoint, when due
         record(step, batch, metrics)              (deferred: runs during the next update)
 
-What overlaps what: the next batch is taken on a thread (`Ahead`) while the trainer works; the
-previous step's bookkeeping runs after this step's update was submitted; and with `queue_next`
-(async mode) the next update is submitted right after the weight send started, when the sender is
-free by then and the next batch is there, so the trainer starts it while the engines still land
-the weights. Not on a checkpoint's step or the final one, whose weights must stay put.
+The next batch is taken on a thread (`Ahead`) while the trainer works; with `queue_next` (async
+mode) the next update is submitted as soon as the sender is free and its batch is there, while the
+engines still land the weights (not on a checkpoint's step or the last, whose weights must stay put).
 """
 from __future__ import annotations
 
@@ -172,9 +170,8 @@ def _get(ref) -> dict:
 
 
 class Ahead(threading.Thread):
-    """The next step's table, taken off the window on a thread of its own while the trainer works, so
-    no window work sits between one update and the next submit. One table ahead at most, taken at the
-    version it will be trained at: the staleness bound holds as if taken just in time."""
+    """The next step's table, taken off the window on a thread while the trainer works; one table ahead
+    at most, taken at the version it will be trained at, so the staleness bound holds."""
 
     def __init__(self, window, version: int):
         super().__init__(name="prefetch", daemon=True)

@@ -11,10 +11,9 @@ A span is one piece of work on one actor:
     wait_s    how long the actor sat idle before this span began
     overhead_s the profiler's own time spent recording this actor's previous span
 
-Recording stays on: a stage call costs two clock reads, a few Arrow reductions and one
-fire-and-forget call to a `SpanSink` actor (num_cpus=0), which writes a Parquet part every few
-seconds, whole or not at all; `close()` marks the session complete with `_complete-*.json`.
-Reading the spans back (tables, plots, `loongsage profile`) is pipeline/planner/spans.py.
+Recording stays on: a stage call costs two clock reads, a few Arrow reductions and a fire-and-forget
+call to a `SpanSink` actor, which writes a Parquet part every few seconds; `close()` marks the session
+complete with `_complete-*.json`. Reading spans back is pipeline/planner/spans.py.
 """
 from __future__ import annotations
 
@@ -118,9 +117,8 @@ def _counts(batch, out) -> dict:
 
 
 def profiled(cls: type, profiler: "Profiler | None") -> type:
-    """`cls` as a map stage that records a span per call (`cls` itself when profiler is None): a subclass
-    with the same constructor and columns. Ray pickles it with the sink's handle, so each actor of a
-    pool sends its own spans."""
+    """`cls` as a map stage recording a span per call (`cls` itself without a profiler): a subclass with
+    the same constructor and columns, pickled with the sink's handle so each actor sends its own spans."""
     if profiler is None:
         return cls
     name, call, send = getattr(cls, "__name__", "stage"), cls.__call__, profiler.send

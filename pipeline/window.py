@@ -8,13 +8,12 @@ dispatched and whether a finished group may be collected:
 * `window-gated`   also seq - oldest_uncollected_seq < C (a slow group holds the window)
 * `windowed-fifo`  collect only groups with seq - min_uncompleted_seq < B
 
-Two halves. The `Gate` is a small async Ray actor: rollout workers await `acquire` before they
-generate a group and get back the weight version they generate under. The `Window` is the
-driver's side and the one place that knows a step's groups: it reads the stream, keeps rows until
-their group is whole, drops groups older than the bound (or, with dynamic sampling, of equal
-rewards), hands the step loop B groups a step (`next_step(version)`) and, told they were trained
-(`consumed`), settles them and moves the gate on. `settled` (trained or dropped) is what a
-checkpoint saves: a resumed run streams every other group, and none of those again.
+The `Gate` is a small async Ray actor: rollout workers await `acquire` before they generate a
+group and get back the weight version they generate under. The `Window` is the driver's side, the
+one place that knows a step's groups: it keeps streamed rows until their group is whole, drops
+groups older than the bound (or, with dynamic sampling, of equal rewards), hands the step loop B
+groups a step and, told they were trained (`consumed`), settles them and moves the gate on.
+`settled` (trained or dropped) is what a checkpoint saves: a resumed run never streams those again.
 `stale_steps = 0` gives C = B, the synchronous on-policy baseline.
 """
 from __future__ import annotations
@@ -128,16 +127,14 @@ class Gate:
 
     async def expect(self, seqs: list[int]) -> None:
         """The stream will ask for these seqs: dispatch them in this order, whichever worker asks first
-        (rollout workers pick up blocks concurrently; unordered, a step would train on other groups
-        from run to run)."""
+        (workers pick up blocks concurrently; unordered, a step would train other groups each run)."""
         async with self._cond:
             self._order = dict.fromkeys(q for q in seqs if q not in self.s.dispatched)
             self._cond.notify_all()
 
     async def _wait_turn(self, seq: int) -> bool:
-        """Wait until `seq` may go (False: the gate closed). The stream order is kept unless the
-        head group has not been asked for within TURN_TIMEOUT_S (its block is stuck upstream):
-        then `seq` goes out of order, counted, rather than never."""
+        """Wait until `seq` may go (False: the gate closed), in stream order unless the head group was
+        not asked for within TURN_TIMEOUT_S (stuck upstream): then `seq` goes out of order, counted."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + TURN_TIMEOUT_S
         while not self.s.closed:
@@ -376,7 +373,7 @@ def trajectories(t: pa.Table) -> list[tuple[float, int, int]]:
 
 class Tally:
     """Running sums and a wall-time histogram of trajectories: constant work per summary however
-    long the run (a list of every trajectory made each summary re-read the whole run)."""
+    long the run."""
 
     def __init__(self):
         self.n, self.wall, self.turns, self.tokens = 0, 0.0, 0, 0
@@ -402,10 +399,9 @@ class Tally:
 
 @dataclass
 class Fairness:
-    """What the window saw complete against what it handed to the trainer, per trajectory, over the
-    run: the staleness bound, the window and dynamic sampling must not bias training toward fast
-    trajectories. `completed`: every group that arrived whole (trained, dropped or still waiting);
-    `long`: a wall time above LONG_QUANTILE of the completed ones (to the tally's 1.2% bins)."""
+    """What the window saw complete (trained, dropped or waiting) against what it handed the trainer,
+    per trajectory over the run: the window must not bias training toward fast trajectories. `long`:
+    a wall time above LONG_QUANTILE of the completed ones."""
     completed: Tally = field(default_factory=Tally)
     trained: Tally = field(default_factory=Tally)
     groups: dict = field(default_factory=lambda: {"completed": 0, "trained": 0, "dropped_stale": 0,
