@@ -28,7 +28,7 @@ STREAMS = {     # name -> what draws from it
 _KEYS = {name: zlib.crc32(name.encode()) for name in STREAMS}
 assert len(set(_KEYS.values())) == len(_KEYS), "two stream names hash alike: rename one"
 
-# (config path of a stage's seed field, the stream it takes)
+# (the section holding a stage's seed field, the stream it takes)
 DERIVED = (("data", "data"), ("sampling", "rollout"), ("tool_service", "tool_service"),
            ("trainer", "trainer"), ("reward", "reward"))
 
@@ -46,32 +46,21 @@ def derive(run_seed: int, stream: str, *index: int) -> int:
     return int(seq.generate_state(1)[0] >> 1)
 
 
-def _get(cfg, path: str):
-    for k in path.split("."):
-        cfg = getattr(cfg, k)
-    return cfg
-
-
-def _set(cfg, path: str, seed: int):
-    head, _, rest = path.partition(".")
-    inner = getattr(cfg, head)
-    inner = _set(inner, rest, seed) if rest else dataclasses.replace(inner, seed=seed)
-    return dataclasses.replace(cfg, **{head: inner})
+def _get(cfg, section: str):
+    return getattr(cfg, section)
 
 
 def resolve(cfg):
     """`cfg` with every DERIVED seed set from cfg.run.seed (idempotent)."""
-    for path, stream in DERIVED:
+    for section, stream in DERIVED:
         seed = derive(cfg.run.seed, stream)
-        if _get(cfg, path).seed != seed:
-            cfg = _set(cfg, path, seed)
+        if _get(cfg, section).seed != seed:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(_get(cfg, section), seed=seed)})
     return cfg
 
 
-def _section(tree: dict, path: str) -> dict:
-    for k in path.split("."):
-        tree = tree.get(k) if isinstance(tree, dict) else None
-    return tree if isinstance(tree, dict) else {}
+def _section(tree: dict, section: str) -> dict:
+    return tree[section] if isinstance(tree.get(section), dict) else {}
 
 
 def reject_set(tree: dict, where: str = "") -> None:

@@ -13,8 +13,6 @@ import pyarrow as pa
 SCHEMA_VERSION = 3   # 2: optional agent and teacher top-k columns (a v1 recording reads as v2 with nulls)
                      # 3: optional segment columns (a trajectory may make several rows; v1/v2 read with nulls)
 
-STATUSES = ("completed", "truncated", "aborted", "failed")
-
 _i64 = pa.int64()
 _i32_list = pa.list_(pa.int32())
 _f32_list = pa.list_(pa.float32())
@@ -48,7 +46,7 @@ FIELDS: list[pa.Field] = [
     pa.field("token_versions", _i32_list),    # weight version that produced each response token
     pa.field("version_start", _i64),
     pa.field("version_end", _i64),
-    pa.field("status", pa.string()),
+    pa.field("status", pa.string()),          # completed | truncated | aborted | failed
     pa.field("error", pa.string()),
     # scoring
     pa.field("reward", pa.float32()),
