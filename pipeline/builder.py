@@ -26,13 +26,11 @@ TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prom
            "response_logprobs", "loss_mask")
 
 
-# Ray Data's streaming executor (on the driver) waits for its running tasks with ray.wait(all of
-# them, timeout=0.1 s) each loop: while one stage holds a long call (a rollout waiting at the gate),
-# a block another stage has finished sits there until the timeout, on the path from rollout to
-# trainer. With run.data_wake=event (the default) each wait sleeps until the first task has output
-# (at most 0.1 s) and takes every ready one, so the executor wakes per hand-off. Ray Data has no
-# public setting for it: compat/ray_api.py swaps what its executor calls `ray` (benchmarks/vs_commit.py,
-# quickstart_async, against run.data_wake=ray).
+# Ray Data's streaming executor waits for its running tasks with ray.wait(all of them, timeout=0.1 s)
+# each loop: while one stage holds a long call (a rollout waiting at the gate), a block another stage
+# finished sits there until the timeout. With run.data_wake=event (the default) each wait sleeps until
+# the first task has output and takes every ready one, so the executor wakes per hand-off. Ray Data
+# has no public setting for it: compat/ray_api.py swaps what its executor calls `ray`.
 
 
 def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:

@@ -1,10 +1,9 @@
 """A run directory is owned by one run at a time.
 
 `RUN/.lock` names its holder (pid, host, start time) and is held with `flock` while the run lives:
-the kernel drops the lock when the holder dies, so a lock left by a dead run on this host is taken
-over (said in one line). A lock written on another host cannot be checked from here: it is refused,
-naming the host. Nested use within one process shares the lock (the CLI takes it, the controller's
-run inside it finds it held). The lock file is owner-only and never opened through a symlink.
+a lock left by a dead run on this host is taken over (said in one line); one written on another host
+cannot be checked from here and is refused, naming the host. Nested use within one process shares
+the lock. The lock file is owner-only and never opened through a symlink.
 
 `claim` adds the rule for a directory holding an earlier run: a new run into it is refused unless it
 resumes (run.resume_from, --resume) or overwrites (--overwrite: the earlier run's files go).

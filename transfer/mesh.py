@@ -6,9 +6,8 @@
     metrics = mesh.publish(step)    # after every optimizer step
 
 The driver holds no weights. It learns the topology once, plans one route per receiver, and for
-each version asks the sender to prepare (snapshot + layout) and then to send while every receiver
-receives, all at once, each wait bounded by cfg.timeout_s. Receivers behind the published version
-are the ones sent to, so one that missed a version (failed, added late, restarted) catches up."""
+each version has the sender prepare (snapshot + layout), then send while every receiver receives,
+each wait bounded by cfg.timeout_s. A receiver that missed a version (failed, restarted) catches up."""
 from __future__ import annotations
 
 import dataclasses
