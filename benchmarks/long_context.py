@@ -11,8 +11,9 @@ Workload, per cell (P prompt tokens, N trajectories):
   context less room for the answer);
 * run: `python -m pipeline.cli run RECIPE` with the recipe below, in a fresh process, 1 step:
   one group of N samples (single_turn agent, 16 new tokens, T=1), exact_match reward (0: the
-  random model never says the answer), GRPO (the update runs its forward and backward over every
-  row although the advantages are 0), torch trainer, one HF engine, no eval, the final checkpoint written;
+  random model never says the answer), GRPO with trainer.skip_zero_advantage=false (so the
+  update runs its forward and backward over every row although the advantages are 0), torch
+  trainer, one HF engine, no eval, the final checkpoint written;
 * memory: every 100 ms, psutil walks the run's process tree (the CLI driver and all below it:
   Ray's GCS and raylet, the engine, trainer, rollout and reward workers) and sums RSS and PSS
   (PSS splits shared pages, such as torch's libraries, between the processes that map them,
@@ -61,7 +62,7 @@ engine: {{count: 1}}
 batcher: {{groups_per_step: 1}}
 reward: {{fn: exact_match}}
 algorithm: {{name: grpo}}
-trainer: {{mini_batch_size: {n}}}
+trainer: {{mini_batch_size: {n}, skip_zero_advantage: false}}
 eval: {{every: 0}}
 """
 

@@ -14,8 +14,11 @@ the same recorded steps (after one untimed warm-up update each), in alternating 
 
     bare        a plain loop written here: the step's tensors built once beforehand; per
                 mini-batch (the trainer's own split and order) forward over the padded rows, or
-                packed by prompt under trainer.share_prompts, as the trainer), the sampled tokens'
-                log-probs, the clipped policy-gradient loss (decoupled: the engine's
+                packed by prompt under trainer.share_prompts (only those with a nonzero advantage,
+                under trainer.skip_zero_advantage and no entropy term on the others, as the trainer;
+                every row on a decoupled update's first mini-batch, which the trainer forwards whole
+                to measure the engine/trainer mismatch), the
+                sampled tokens' log-probs, the clipped policy-gradient loss (decoupled: the engine's
                 log-probs are the old policy), the entropy term of algorithm.entropy_coef, backward,
                 grad clip, AdamW (the recipe's settings)
     in-process  TorchTrainer.train_step(table) called directly: Arrow -> tensors, advantages,
@@ -110,12 +113,19 @@ class Bare:
         lo, hi = 1 - self.algo.clip_low, 1 + self.algo.clip_high
         live = ((adv * mask) != 0).any(1)
         ent_coef = self.algo.entropy_coef
-        trained_only = self.algo.entropy_rows == "trained"    # the entropy term on rows with a nonzero advantage
-        for idx in mini_batches(self.cfg, self.rng, b):
-            rows = torch.as_tensor(np.sort(idx))
-            denom = mask[rows].sum().clamp(min=1)
+        # as the trainer: an entropy term reaches every row, so none is skipped then, unless
+        # algorithm.entropy_rows=trained keeps it to the rows with a nonzero advantage
+        trained_only = self.algo.entropy_rows == "trained"
+        skip = self.cfg.skip_zero_advantage and (ent_coef == 0 or trained_only)
+        for i, idx in enumerate(mini_batches(self.cfg, self.rng, b)):
+            full = torch.as_tensor(np.sort(idx))
+            # trainer.skip_zero_advantage: rows whose advantage is 0 everywhere add no gradient; their
+            # tokens stay in the denominator. As the trainer, not on the first mini-batch of a decoupled
+            # update: it forwards every row there, to measure the engine/trainer mismatch on them
+            rows = full[live[full]] if skip and not (i == 0 and self.algo.decoupled) else full
+            denom = mask[full].sum().clamp(min=1)
             self.opt.zero_grad(set_to_none=True)
-            if not mask[rows].any():
+            if len(rows) == 0:
                 for q in self.params:
                     q.grad = torch.zeros_like(q)
                 self.opt.step()
@@ -176,7 +186,7 @@ def main() -> None:
     equal = [_equal_reward_rows(t) for t in tables]
     print(f"{len(tables)} recorded steps: {[t.num_rows for t in tables]} rows, {tokens} tokens, {equal} rows in "
           f"groups of equal rewards; mini_batch_size {tcfg.mini_batch_size} ({tcfg.mini_batch_split}), "
-          f"share_prompts {tcfg.share_prompts}, "
+          f"skip_zero_advantage {tcfg.skip_zero_advantage}, share_prompts {tcfg.share_prompts}, "
           f"torch threads {threads} (pipeline/resources.py)", flush=True)
 
     init_ray(load_config(None, ["run.ray_num_cpus=2"]), 2)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.rollout import AgentFlowRollout
 from stages.schema import table_from_columns
 from stages.update.losses import AlgorithmConfig
 from stages.update.step import mini_batches
@@ -96,6 +97,57 @@ def test_decoupled_trainer_skips_the_recompute_and_still_measures_the_gap(tiny_m
         assert calls.count(True) == 2                               # one forward per mini-batch
     for m in out.values():   # engine and trainer sample the same distribution: the measured gap is numerics
         assert 0 <= m["mismatch/abs_diff_max"] < 1e-4 and m["mismatch/stale_frac"] == 0
+
+
+@pytest.mark.parametrize("loss_agg,extra", [
+    ("token_mean", {}), ("seq_mean_token_mean", {}), ("seq_mean_token_sum_norm", {}),
+    # an entropy penalty kept to the trained rows reaches no zero-advantage row either
+    ("token_mean", {"entropy_coef": -0.05, "entropy_rows": "trained"})])
+def test_rows_with_zero_advantage_are_not_forwarded_and_the_update_is_the_same(tiny_model_dir, loss_agg, extra):
+    eng = HFEngine(tiny_model_dir, seed=4)
+    reqs = _requests(eng, ["12+7=", "3+45=", "99+9=", "8+8="] * 4)
+    # groups of 4: group 0 all rewarded 1, group 1 all 0 (zero advantage); groups 2, 3 mixed
+    reward = lambda i: 1.0 if i < 4 else 0.0 if i < 8 else float(i % 2)  # noqa: E731
+    rows = [{"prompt_ids": r["prompt_ids"], "response_ids": o["response_ids"], "response_logprobs": o["logprobs"],
+             "loss_mask": [1] * len(o["response_ids"]), "token_versions": o["versions"], "reward": reward(i),
+             "group_id": i // 4, "status": o["status"]} for i, (r, o) in enumerate(zip(reqs, eng.generate(reqs)))]
+    table = pa.Table.from_pylist(rows)
+    out, weights, forwards = {}, {}, {}
+    for skip in (False, True):
+        tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4, lr=1e-3, share_prompts=False,
+                                                        skip_zero_advantage=skip),
+                          AlgorithmConfig(decoupled=True, loss_agg=loss_agg, **extra))
+        rows_seen = []
+        # the base model's forward (the LM head then runs on response positions only)
+        tr.model.model.register_forward_pre_hook(
+            lambda _m, _a, kw, seen=rows_seen: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+        out[skip] = [tr.train_step(table) for _ in range(2)]
+        weights[skip], forwards[skip] = tr.model.state_dict(), sum(rows_seen)
+    assert forwards[False] == 32 and forwards[True] < 32          # 16 rows x 2 steps; fewer with the skip
+    assert out[True][0]["train/rows_not_forwarded"] == 32 - forwards[True] - out[True][1]["train/rows_not_forwarded"]
+    # the same update: zero-advantage rows add no gradient. (The key biases' true gradient is 0 -- softmax
+    # ignores a shift shared by all keys -- so AdamW turns both runs' float noise in it into ~1e-6 steps.)
+    for name, t in weights[False].items():
+        torch.testing.assert_close(weights[True][name], t, rtol=1e-5, atol=1e-5 if "k_proj.bias" in name else 1e-6,
+                                   msg=name)
+    for a, b in zip(out[False], out[True]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5, abs=1e-7)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+        # measured on every row of the first mini-batch, as without the skip
+        assert a["mismatch/abs_diff_max"] == pytest.approx(b["mismatch/abs_diff_max"], rel=1e-5)
+        if extra:       # the term was there (the same loss and weights, above, with or without the skip)
+            assert a["train/entropy"] > 0 and b["train/entropy"] > 0
+    if extra:
+        return
+    # a term that reaches zero-advantage rows (entropy) turns the skip off
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
+                      AlgorithmConfig(decoupled=True, entropy_coef=0.01))
+    assert tr.train_step(table)["train/rows_not_forwarded"] == 0
+    # an entropy penalty (entropy_coef < 0) is a term too: computed, and the skip off
+    tr = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, mini_batch_size=4),
+                      AlgorithmConfig(decoupled=True, entropy_coef=-0.01))
+    m = tr.train_step(table)
+    assert m["train/rows_not_forwarded"] == 0 and m["train/entropy"] > 0
 
 
 def test_a_groups_prompt_packed_once_gives_the_padded_batchs_logprobs_and_gradients(tiny_model_dir):
@@ -241,8 +293,8 @@ def test_rollout_stage_on_a_hand_made_batch(ray_session, tiny_model_dir):
     eng = ray.remote(HFEngine).options(num_cpus=0.1, max_concurrency=4).remote(tiny_model_dir)
     batch = table_from_columns({"prompt_id": ["p0"] * 3, "group_id": [0, 0, 0], "sample_idx": [0, 1, 2],
                                 "prompt": ["12+30="] * 3})
-    stage = AgentFlowRollout(RolloutConfig(n_samples=3, max_new_tokens=4, agent="tests.test_engine_trainer.Exploding"),
-                             [eng], None, tiny_model_dir)
+    stage = AgentFlowRollout([eng], None, tiny_model_dir, sampling=SamplingConfig(max_new_tokens=4),
+                             agent=AgentConfig(name="tests.test_engine_trainer.Exploding"))
     out = stage(batch)
     assert set(AgentFlowRollout.outputs) <= set(out.column_names)
     rows = out.to_pylist()
@@ -257,7 +309,7 @@ def test_rollout_stage_on_a_hand_made_batch(ray_session, tiny_model_dir):
 def test_bad_agent_path_fails_at_start():
     from stages.agentflow.rollout import load_agent
 
-    with pytest.raises(ValueError, match="rollout.agent 'no.such:Agent' does not import"):
+    with pytest.raises(ValueError, match="agent.name 'no.such:Agent' does not import"):
         load_agent("no.such:Agent")
 
 

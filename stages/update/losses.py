@@ -119,9 +119,9 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
                 full_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss and its metrics. All tensors are [B,T]; only `logprobs` (and `entropy`)
     carry gradients. `is_weights` (correction.is_weights) scale each token's surrogate.
-    `full_mask`: the mini-batch's mask when these rows are one micro-batch of it: the loss is scaled
-    to its share of the mini-batch's denominator, so the micro-batches' losses add up to the
-    mini-batch's; clipfrac and approx_kl are over the given rows' tokens."""
+    `full_mask`: the mini-batch's mask when these rows are a subset of it whose left-out rows add
+    0 to every term (zero advantage, no KL or entropy): the loss is the full mini-batch's (their
+    tokens stay in the denominator); clipfrac and approx_kl are over the given rows' tokens."""
     cfg = cfg.resolved()
     mask = mask.to(logprobs.dtype)
     old, adv = old_logprobs.detach(), advantages.detach()

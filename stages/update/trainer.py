@@ -133,7 +133,13 @@ class TorchTrainer:
                 split_model(m)
         # with LoRA only the adapters (and their Adam state)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        # torch's fused AdamW (one kernel per step, CPU included): ~10% of a quickstart update
+        # (benchmarks/trainer_vs_commit.py against the loop); the loop where no fused kernel covers the device
+        kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        try:
+            self.opt = torch.optim.AdamW(self.params, fused=True, **kw)
+        except (RuntimeError, ValueError):
+            self.opt = torch.optim.AdamW(self.params, **kw)
 
     # ---- weights --------------------------------------------------------------------
     def published(self) -> dict:
@@ -251,9 +257,9 @@ class TorchTrainer:
         self.model.train()
         return out
 
-    def _forward_backward(self, b: Batch, rows: torch.Tensor, t: Terms):
-        """Forward and backward of a mini-batch's `rows` by micro-batch, each loss its share of the
-        mini-batch's (full_mask), so the accumulated gradient is the one-batch gradient; a non-finite
+    def _forward_backward(self, b: Batch, rows: torch.Tensor, full: torch.Tensor, t: Terms):
+        """Forward and backward of `rows` (of mini-batch `full`) by micro-batch, each loss its share of
+        the mini-batch's (full_mask), so the accumulated gradient is the one-batch gradient; a non-finite
         loss is not backpropagated. Returns (loss, loss metrics, log-probs [rows, T] detached)."""
         algo, parts, values, lps = self.algo, [], [], []
         micro = self._micro_batches(b, rows)
@@ -261,13 +267,13 @@ class TorchTrainer:
             with self._checkpointing(b, mrows):
                 lp, ent, top = self.logprobs(self.model, b, mrows, with_entropy=algo.entropy_coef != 0,
                                              topk_ids=None if t.tb is None else t.tb.topk_ids[mrows])
-            whole = mrows is rows
+            whole = mrows is full
             loss, m = policy_loss(algo, lp, t.old[mrows], t.adv[mrows], t.mask[mrows],
                                   ref_logprobs=None if t.ref is None else t.ref[mrows], entropy=ent,
-                                  is_weights=t.weights[mrows], full_mask=None if whole else t.mask[rows])
+                                  is_weights=t.weights[mrows], full_mask=None if whole else t.mask[full])
             if t.tb is not None:      # GKD: the top-k KL to the teacher, through the student
                 loss, m = gkd_term(algo, loss, m, top, t.tb, mrows, t.mask[mrows],
-                                   full=None if whole else (rows, t.mask[rows]))
+                                   full=None if whole else (full, t.mask[full]))
             values.append(loss.item())
             if math.isfinite(values[-1]):
                 loss.backward()
@@ -301,21 +307,30 @@ class TorchTrainer:
         terms = Terms(old, adv, mask, weights, ref_lp, tb)
         for group in self.opt.param_groups:
             group["lr"] = lr
+        # rows with no gradient: every trained token's advantage is 0 and no other term reaches them
+        # (the entropy term reaches every row unless algorithm.entropy_rows=trained keeps it to the others)
+        live = ((adv * mask) != 0).any(1) if cfg.skip_zero_advantage and ref_lp is None and tb is None and \
+            (algo.entropy_coef == 0 or algo.entropy_rows == "trained") else None
         losses, gnorms, parts, skipped, not_forwarded = [], [], [], 0, 0
         for _ in range(cfg.ppo_epochs):
             for idx in step.mini_batches(cfg, self.rng, b):
-                rows = torch.as_tensor(idx)
+                rows = full = torch.as_tensor(idx)
+                measure = recomputed is None and not losses and not skipped   # decoupled: the gap, on every row
+                if live is not None and not measure:
+                    rows = full[live[full]]
+                if not mask[rows].any():    # no live row or no trained token: a zero gradient, so no forward;
+                    rows = rows[:0]         # AdamW still steps, as the full update would
+                not_forwarded += len(full) - len(rows)
                 self.opt.zero_grad(set_to_none=True)
-                if not mask[rows].any():    # no trained token (failed rows): a zero gradient, so no forward;
-                    not_forwarded += len(rows)      # AdamW still steps, as the full update would
+                if len(rows) == 0:
                     for p in self.params:
                         p.grad = torch.zeros_like(p)
                     self.opt.step()
                     losses.append(0.0)
                     gnorms.append(0.0)
                     continue
-                value, m, lp = self._forward_backward(b, rows, terms)
-                if recomputed is None and not losses and not skipped:   # decoupled: the gap, on every row
+                value, m, lp = self._forward_backward(b, rows, full, terms)
+                if measure:
                     metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], b.stale(self.version)[rows])
                 gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)) \
                     if math.isfinite(value) else math.nan   # the gradients of every micro-batch are in
