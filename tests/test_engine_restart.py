@@ -75,7 +75,7 @@ def test_an_engine_killed_while_it_starts_is_sent_the_weights_and_serves_the_tra
     every call waited 120 s for them and failed."""
     cfg = load_config("configs/quickstart.yaml", [
         f"model.path={tiny_model_dir}", "run.steps=3", "batcher.groups_per_step=2", "rollout.n_samples=4",
-        "rollout.max_new_tokens=4", "eval.num_prompts=0", "rollout.num_engines=1", "trainer.mini_batch_size=0",
+        "sampling.max_new_tokens=4", "eval.num_prompts=0", "engine.count=1", "trainer.mini_batch_size=0",
         "reward.fn=stages.tasks.rewards:digit_match", "trainer.lr=0.001"])
     killer = KillOnce("ray::HFEngine.__init__")
     logs: list[str] = []

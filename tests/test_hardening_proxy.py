@@ -23,7 +23,8 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.engine_contract import plan_rows
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.proxy import Proxy
-from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.rollout import AgentFlowRollout
 from stages.model import load_tokenizer
 from stages.schema import table_from_columns
 from tests.support.proxy import GREEDY, CrashingEngine, LoopThread
@@ -153,7 +154,7 @@ def test_rollout_max_prompt_tokens_bounds_proxy_prompts(server, engine, tiny_mod
         client = oai(e)
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="m", messages=USER)     # 6 tokens
-        assert err.value.code == "context_length_exceeded" and "rollout.max_prompt_tokens" in err.value.message
+        assert err.value.code == "context_length_exceeded" and "sampling.max_prompt_tokens" in err.value.message
         assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}]).choices
     finally:
         proxy.close(e)
@@ -239,8 +240,10 @@ class ObserveAlot:
         await ctx.generate()
 
 
-def _rollout(engine, model_dir, prompts: list[str], **cfg):
-    stage = AgentFlowRollout(RolloutConfig(max_new_tokens=4, temperature=0.0, **cfg), [engine], None, model_dir)
+def _rollout(engine, model_dir, prompts: list[str], max_prompt_tokens: int = 0, **agent):
+    stage = AgentFlowRollout([engine], None, model_dir, agent=AgentConfig(**agent),
+                             sampling=SamplingConfig(max_new_tokens=4, temperature=0.0,
+                                                     max_prompt_tokens=max_prompt_tokens))
     n = len(prompts)
     batch = table_from_columns({"prompt_id": [f"p{i}" for i in range(n)], "group_id": list(range(n)),
                                 "sample_idx": [0] * n, "data_source": ["addition"] * n, "prompt": prompts,
@@ -266,6 +269,6 @@ def test_a_white_box_turn_over_the_context_fails_its_trajectory_and_the_batch_go
 def test_white_box_limits_follow_rollout_max_prompt_tokens_and_cover_added_text(engine, tiny_model_dir):
     short, long = _rollout(engine, tiny_model_dir, ["1+1=", "37+48="], max_prompt_tokens=5)
     assert short["status"] in ("completed", "truncated")
-    assert long["status"] == "failed" and "rollout.max_prompt_tokens" in long["error"]
-    (row,) = _rollout(engine, tiny_model_dir, ["1+1="], agent=f"{__name__}.ObserveAlot")
+    assert long["status"] == "failed" and "sampling.max_prompt_tokens" in long["error"]
+    (row,) = _rollout(engine, tiny_model_dir, ["1+1="], name=f"{__name__}.ObserveAlot")
     assert row["status"] == "failed" and "ContextLengthExceeded" in row["error"]

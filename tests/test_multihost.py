@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 A_IP, B_IP, PORT = "10.231.0.1", "10.231.0.2", 6379
 WAIT_S = 10             # run.node_wait_s
-FAST = ["batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=4", "eval.num_prompts=0",
+FAST = ["batcher.groups_per_step=2", "rollout.n_samples=4", "sampling.max_new_tokens=4", "eval.num_prompts=0",
         "trainer.mini_batch_size=0", "trainer.lr=0.001", "trackers.tensorboard=false",
         "reward.fn=stages.tasks.rewards:digit_match", f"run.node_wait_s={WAIT_S}",
         f"run.ray_address={A_IP}:{PORT}",

@@ -26,7 +26,7 @@ from tests.support.runs import assert_stream_resumed, served_weights
 OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
 
 STEPS = 3
-FAST = [f"run.steps={STEPS}", "batcher.groups_per_step=2", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+FAST = [f"run.steps={STEPS}", "batcher.groups_per_step=2", "rollout.n_samples=4", "sampling.max_new_tokens=4",
         "eval.num_prompts=0", "trainer.mini_batch_size=0", "trainer.lr=0.001", "trackers.tensorboard=false",
         "reward.fn=stages.tasks.rewards:digit_match",     # partial credit: a step with equal rewards has no update
         "run.checkpoint_every=1"]                         # the trainer's weights of every version, on disk

@@ -67,7 +67,7 @@ def test_a_run_whose_every_trajectory_fails_skips_every_step_and_goes_on_to_its_
     """`cmd:false` exits before its first model call: no row has a token. Each step is skipped and
     counted (never a crash in the trainer), the version and the window still move on, the run ends."""
     cfg = load_config("configs/agent_blackbox.yaml", [
-        f"model.path={tiny_model_dir}", "rollout.agent=cmd:false", "run.steps=3", "batcher.groups_per_step=2",
+        f"model.path={tiny_model_dir}", "agent.name=cmd:false", "run.steps=3", "batcher.groups_per_step=2",
         "rollout.n_samples=2", "trainer.mini_batch_size=0", "eval.every=0", "eval.num_prompts=0"])
     ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
     try:
@@ -117,7 +117,7 @@ def test_cli_run_and_unknown_key(ray_session, tiny_model_dir, tmp_path, capsys):
 
     assert main(["run", "configs/quickstart.yaml", "rollout.n_sample=3"]) == 2
     assert "valid keys of rollout" in capsys.readouterr().err
-    rc = main(["run", "configs/quickstart.yaml", *FAST, "run.steps=1", "rollout.num_engines=1",
+    rc = main(["run", "configs/quickstart.yaml", *FAST, "run.steps=1", "engine.count=1",
                f"model.path={tiny_model_dir}", "--run-dir", str(tmp_path / "cli")])
     assert rc == 0
     assert "eval/accuracy:" in capsys.readouterr().out
@@ -151,7 +151,7 @@ def test_bad_input_fails_at_start(tmp_path, tiny_model_dir, override, match):
 @pytest.mark.e2e
 def test_async_run_keeps_staleness_bound_and_trains_each_group_once(ray_session, tiny_model_dir, tmp_path):
     cfg = load_config("configs/quickstart_async.yaml", FAST + [
-        f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "rollout.num_engines=1",
+        f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "engine.count=1",
         "rollout.groups_per_batch=1", "rollout.partial_mask_old=true"])
     ctl = Controller(cfg, tmp_path / "async", log=lambda *_: None)
     try:
@@ -181,7 +181,7 @@ def _trained_prompts(run_dir, steps):
 
 @pytest.mark.e2e
 def test_resume_continues_the_data_stream_without_loss(ray_session, tiny_model_dir, tmp_path):
-    base = FAST + [f"model.path={tiny_model_dir}", "eval.num_prompts=0", "rollout.num_engines=1",
+    base = FAST + [f"model.path={tiny_model_dir}", "eval.num_prompts=0", "engine.count=1",
                    "batcher.groups_per_step=2", "data.train_size=5",   # 5 prompts: the stream crosses epochs
                    "trainer.lr_schedule=cosine", "trainer.lr_decay_steps=4", "trainer.lr_min_ratio=0.5"]
     full = Controller(load_config("configs/quickstart.yaml", base + ["run.steps=4"]), tmp_path / "full",
@@ -251,7 +251,7 @@ def test_opd_recipe_scores_with_the_routed_teacher_and_trains_on_the_signal(ray_
         make_teacher(task, tmp_path / name, **small)
     write_prompts(["addition", "multiplication"], tmp_path / "data", train_size=40, test_size=8)
     cfg = load_config("configs/opd_multi_teacher.yaml", [
-        "run.steps=2", "batcher.groups_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=4",
+        "run.steps=2", "batcher.groups_per_step=4", "rollout.n_samples=2", "sampling.max_new_tokens=4",
         "eval.num_prompts=4", "eval.every=0", f"model.path={tmp_path / 'student'}",
         f"data.path={tmp_path / 'data' / 'train.jsonl'}", f"data.test_path={tmp_path / 'data' / 'test.jsonl'}",
         f"teacher.teachers.addition={tmp_path / 'teacher-addition'}",
@@ -289,7 +289,7 @@ def test_megatron_recipe_trains_through_the_same_pipeline(ray_session, tiny_mode
     trainer; the leader gathers HF weights and the engines serve exactly them."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
     cfg = load_config("configs/megatron_cpu_tiny.yaml", FAST + [
-        f"model.path={tiny_model_dir}", "run.steps=2", "eval.num_prompts=0", "rollout.num_engines=1"])
+        f"model.path={tiny_model_dir}", "run.steps=2", "eval.num_prompts=0", "engine.count=1"])
     ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
     try:
         assert ctl.run()["version"] == 2
@@ -310,7 +310,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_its_groups_rerun(ray_session,
     """ray.kill one of two engines after step 1: Ray restarts it, the controller re-sends the
     current weights, the trajectories it was generating run again; no group lost or doubled."""
     cfg = load_config("configs/quickstart.yaml", FAST + [
-        f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "rollout.num_engines=2"])
+        f"model.path={tiny_model_dir}", "run.steps=4", "eval.num_prompts=0", "engine.count=2"])
     killed = []
 
     def kill_after_first(line):

@@ -176,7 +176,7 @@ def test_a_seeded_trajectory_gives_every_call_and_choice_its_own_stream(server, 
 
 
 def test_forced_sampling_takes_the_rollouts_seeds_over_an_agents_own(server, engine, model_path):
-    """proxy_force_sampling: an agent's fixed seed (and temperature) would give every sample of a group the
+    """proxy.force_sampling: an agent's fixed seed (and temperature) would give every sample of a group the
     same answer and ignore run.seed; the trajectory's own per-call seeds are used instead."""
     from stages.agentflow.session import turn_seed
 

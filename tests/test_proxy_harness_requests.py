@@ -328,7 +328,7 @@ def test_a_completion_cut_by_the_rollout_cap_reads_as_finished_and_is_recorded_t
         for (req,), (out,) in ep.client.calls:
             assert req["max_new_tokens"] == 2 and out["status"] == "truncated"
         assert ep.session.status == "truncated"          # the truth stays with the trajectory
-        assert any("cut at 2 tokens by rollout.max_new_tokens" in n for n in ep.session.notes)
+        assert any("cut at 2 tokens by sampling.max_new_tokens" in n for n in ep.session.notes)
         # the harness's own limit: its cut is reported as such
         c = oai(ep).chat.completions.create(model="m", messages=HI, max_tokens=1)
         assert c.choices[0].finish_reason == "length"
@@ -347,7 +347,7 @@ def test_the_trajectory_token_budget_ends_it_cleanly(server):
             oai(ep).chat.completions.create(model="m", messages=HI)
         assert e.value.code == "trajectory_budget_spent"
         assert ep.session.truncated and ep.session.status == "truncated" and ep.session.calls == 1
-        assert any("rollout.max_trajectory_tokens" in n for n in ep.session.notes)
+        assert any("agent.max_trajectory_tokens" in n for n in ep.session.notes)
     finally:
         server[1].close(ep)
 

@@ -159,11 +159,13 @@ async def compacting(base_url, api_key, sample):
 
 
 def test_the_rollout_makes_a_row_per_trained_segment(ray_session, engine, tiny_model_dir):
-    from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+    from stages.agentflow.config import AgentConfig, SamplingConfig
+    from stages.agentflow.rollout import AgentFlowRollout
     from stages.schema import table_from_columns
 
-    cfg = RolloutConfig(n_samples=2, max_new_tokens=4, temperature=0.0, agent="tests.test_segments.compacting")
-    rollout = AgentFlowRollout(cfg, [engine], model_path=tiny_model_dir)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    agent = AgentConfig(name="tests.test_segments.compacting")
+    rollout = AgentFlowRollout([engine], model_path=tiny_model_dir, sampling=sampling, agent=agent)
     batch = table_from_columns({"prompt_id": ["p", "p"], "group_id": [0, 0], "sample_idx": [0, 1],
                                 "prompt": ["37+48=", "37+48="]})
     out = rollout(batch)
@@ -174,8 +176,8 @@ def test_the_rollout_makes_a_row_per_trained_segment(ray_session, engine, tiny_m
     assert stats["main"] == 1 and stats["compaction"] == 1 and stats["reused_tokens"] > 0
     assert set(out.column("status").to_pylist()) == {"completed"}
 
-    only_main = AgentFlowRollout(RolloutConfig(**{**cfg.__dict__, "train_segments": ("main",)}), [engine],
-                                 model_path=tiny_model_dir)
+    only_main = AgentFlowRollout([engine], model_path=tiny_model_dir, sampling=sampling,
+                                 agent=AgentConfig(name=agent.name, train_segments=("main",)))
     out = only_main(batch)
     assert out.num_rows == 2 and [g["kind"] for g in out.column("segment").to_pylist()] == ["main", "main"]
     rollout.close()
@@ -193,18 +195,19 @@ async def until_refused(base_url, api_key, sample):
 
 
 def test_the_trajectory_token_budget_ends_a_trajectory_cleanly(ray_session, engine, tiny_model_dir):
-    from stages.agentflow.rollout import AgentFlowRollout, RolloutConfig
+    from stages.agentflow.config import AgentConfig, SamplingConfig
+    from stages.agentflow.rollout import AgentFlowRollout
     from stages.schema import table_from_columns
 
-    cfg = RolloutConfig(n_samples=1, max_new_tokens=4, temperature=0.0, max_turns=0, max_trajectory_tokens=5,
-                        agent="tests.test_segments.until_refused")
-    rollout = AgentFlowRollout(cfg, [engine], model_path=tiny_model_dir)
+    agent = AgentConfig(name="tests.test_segments.until_refused", max_turns=0, max_trajectory_tokens=5)
+    rollout = AgentFlowRollout([engine], model_path=tiny_model_dir,
+                               sampling=SamplingConfig(max_new_tokens=4, temperature=0.0), agent=agent)
     out = rollout(table_from_columns({"prompt_id": ["p"], "group_id": [0], "sample_idx": [0], "prompt": ["37+48="]}))
     rollout.close()
     (row,) = out.to_pylist()
     assert row["status"] == "truncated" and "token budget spent" in row["error"]
     assert sum(row["loss_mask"]) <= 5 and row["agent_stats"]["turns"] >= 2       # up to 4, then what was left
-    assert any("rollout.max_trajectory_tokens" in n for n in row["proxy_notes"])
+    assert any("agent.max_trajectory_tokens" in n for n in row["proxy_notes"])
 
 
 def test_a_sample_of_several_rows_counts_once_in_its_group():

@@ -1,4 +1,4 @@
-"""The quickstart recipe with rollout.engine=vllm: the rollout stage and the controller drive a vLLM
+"""The quickstart recipe with engine.kind=vllm: the rollout stage and the controller drive a vLLM
 engine actor exactly as they drive the embedded one (a few steps on the tiny built-in model)."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tests.support.runs import FAST  # noqa: E402
 
 
 def test_quickstart_steps_on_the_vllm_engine(ray_session, tiny_model_dir, tmp_path):
-    cfg = load_config("configs/quickstart.yaml", FAST + [f"model.path={tiny_model_dir}", "rollout.engine=vllm",
-                                                         "rollout.num_engines=1", "vllm.kv_cache_mb=64"])
+    cfg = load_config("configs/quickstart.yaml", FAST + [f"model.path={tiny_model_dir}", "engine.kind=vllm",
+                                                         "engine.count=1", "vllm.kv_cache_mb=64"])
     ctl = Controller(cfg, tmp_path / "run", log=lambda *_: None)
     try:
         summary = ctl.run()
