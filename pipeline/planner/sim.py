@@ -16,7 +16,7 @@
 
 Everything the window decides (who may be dispatched, collected, trained, or dropped as too
 stale) is decided by the real objects; the simulation only supplies time. Its record is in
-the profiler's span schema, so profile.plot_gantt / bubbles read it as they read a real run.
+the profiler's span schema, so spans.plot_gantt / bubbles read it as they read a real run.
 """
 from __future__ import annotations
 
@@ -388,7 +388,7 @@ class SimResult:
         self.end_s = sim.env.now
 
     def rollouts(self):
-        """Trained samples as profile.bubbles reads a recording: step, t_dispatch, t_done."""
+        """Trained samples as spans.bubbles reads a recording: step, t_dispatch, t_done."""
         import pandas as pd
 
         rows = [{"step": r.step, "t_dispatch": r.t_dispatch, "t_done": r.t_done, "group_id": r.group,
