@@ -1,4 +1,4 @@
-"""The core's size: lines of Python in pipeline/ + stages/ + transfer/ + compat/, the RL core without the optional
+"""The core's size: lines of Python in pipeline/ + stages/ + transfer/, the RL core without the optional
 subpackages (planner, sandbox, tasks), per part, and every file over the per-file limit.
 
     python benchmarks/core_size.py [--base COMMIT]      # --base: the same table at COMMIT, beside it
@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("pipeline", "stages", "transfer", "compat")
+LAYERS = ("pipeline", "stages", "transfer")
 OPTIONAL = ("planner", "sandbox", "tasks")
 GOALS = {"all": 19_000, "RL core": 14_000}
 FILE_LIMIT = 500

@@ -3,7 +3,7 @@ transformers' build copies (`_vocab`, `_merges`) on and off, in one invocation.
 
 Each round starts two fresh processes (on, then off) that import AutoTokenizer, load the tokenizer
 of `builtin:qwen-vocab-tiny` (Qwen's vocabulary) with `load_tokenizer`, and report their RSS; the
-switch is compat.transformers_api.BUILD_COPIES (() keeps them). Prints each round and the medians: the
+switch is transfer.compat.transformers_api.BUILD_COPIES (() keeps them). Prints each round and the medians: the
 resident memory of every run process that holds the tokenizer (rollout and reward workers, the driver).
 
     python benchmarks/tokenizer_memory.py [--rounds 3]
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = """\
 import json, sys
 import psutil
-import compat.transformers_api as C
+import transfer.compat.transformers_api as C
 import stages.tokenizer as T
 from transformers import AutoTokenizer  # noqa: F401 - what a loading process imports
 if sys.argv[2] == "off":

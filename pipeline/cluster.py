@@ -111,7 +111,7 @@ def _fd2_to(path: Path):
 
 def _pushed_errors_to(logger: logging.Logger):
     """While the block runs, the errors the cluster pushes to this driver are logged, not printed."""
-    from compat.ray_api import pushed_errors_to
+    from transfer.compat.ray_api import pushed_errors_to
 
     def to_log(data: dict, ignore_prefix: bool = False) -> None:
         for line in data.get("lines", []):

@@ -4,7 +4,7 @@ Every process of a run that encodes or decodes loads the tokenizer through `load
 they agree on it. What makes it cheaper than a plain `AutoTokenizer.from_pretrained`:
 
 * transformers 5's BPE tokenizers keep the vocabulary and merges they were built from as Python
-  objects next to the Rust tokenizer that serves every call; they are let go (compat/transformers_api.py),
+  objects next to the Rust tokenizer that serves every call; they are let go (transfer/compat/transformers_api.py),
   and the parse's freed heap is handed back: a process holding Qwen's 151k-token
   tokenizer holds ~105 MB (26%) less (benchmarks/tokenizer_memory.py).
 * `AutoTokenizer` reads the model's config to pick the class, and that import pulls in torch
@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from compat.transformers_api import drop_build_copies
+from transfer.compat.transformers_api import drop_build_copies
 
 # tokenizer files larger than this are parsed one process at a time on a host (a 151k-token BPE: 18.6 MB)
 LARGE_TOKENIZER_BYTES = 4 * 2 ** 20

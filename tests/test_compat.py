@@ -1,4 +1,4 @@
-"""What compat/ relies on in each foreign library, checked on the installed release: the internals it
+"""What transfer/compat/ relies on in each foreign library, checked on the installed release: the internals it
 reads or replaces are there and behave as its functions assume. pyproject.toml pins the releases
 they were read against; an upgrade that changes one fails here, not in a run. Real objects, no
 mocks. vLLM's checks run in the vLLM tier (`-m vllm`, its own venv); SGLang's where it is installed
@@ -33,7 +33,7 @@ def test_the_installed_releases_are_the_pinned_ones():
 def test_torch_native_thread_setter_sets_the_thread_count():
     import torch
 
-    from compat.torch_api import set_native_threads
+    from transfer.compat.torch_api import set_native_threads
 
     before = torch.get_num_threads()
     try:
@@ -48,7 +48,7 @@ def test_torch_gloo_group_bound_to_an_address_broadcasts():
     import torch
     import torch.distributed as dist
 
-    from compat.torch_api import gloo_group
+    from transfer.compat.torch_api import gloo_group
 
     td = timedelta(seconds=30)
     master = dist.TCPStore("127.0.0.1", 0, None, True, td, wait_for_workers=False)
@@ -72,7 +72,7 @@ def test_torch_gloo_group_bound_to_an_address_broadcasts():
 def test_torch_device_constructors_are_the_tensor_factories():
     import torch
 
-    from compat.torch_api import device_constructors
+    from transfer.compat.torch_api import device_constructors
 
     assert {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor} <= device_constructors()
 
@@ -81,7 +81,7 @@ def test_torch_device_constructors_are_the_tensor_factories():
 def test_ray_pushed_errors_reach_the_callback_while_the_block_runs():
     from ray._private import worker
 
-    from compat.ray_api import pushed_errors_to
+    from transfer.compat.ray_api import pushed_errors_to
 
     printer = worker.print_to_stdstream
     # Ray's error listener looks the printer up in its module at each call, and calls it with (data, ignore_prefix)
@@ -95,13 +95,13 @@ def test_ray_pushed_errors_reach_the_callback_while_the_block_runs():
 
 # ---- transformers ------------------------------------------------------------------------------
 def transformers_checks(model_dir: str, tmp_path: Path) -> None:
-    """Everything compat/transformers_api.py relies on, on a tiny Qwen2 (also run by the vLLM tier,
+    """Everything transfer/compat/transformers_api.py relies on, on a tiny Qwen2 (also run by the vLLM tier,
     whose venv has the oldest transformers the pin admits)."""
     import tokenizers
     import torch
     from transformers import AutoTokenizer
 
-    from compat.transformers_api import attn_implementation, cache_kv, drop_build_copies, forward_kwargs, set_cache_kv
+    from transfer.compat.transformers_api import attn_implementation, cache_kv, drop_build_copies, forward_kwargs, set_cache_kv
     from stages.model import load_model
 
     model = load_model(model_dir, "float32")
@@ -145,7 +145,7 @@ def test_megatron_rng_tracker_names_and_setter():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the `megatron` extra)")
     from megatron.core.tensor_parallel import random as mrandom
 
-    from compat.megatron_api import rng_state_names, set_rng_tracker
+    from transfer.compat.megatron_api import rng_state_names, set_rng_tracker
 
     data, model, expert = rng_state_names()
     assert len({data, model, expert}) == 3 and all(isinstance(n, str) for n in (data, model, expert))
@@ -171,7 +171,7 @@ def test_vllm_internals(raw_model_dir, tmp_path):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from compat.vllm_api import salted_prompt
+    from transfer.compat.vllm_api import salted_prompt
 
     assert {"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND",
             "VLLM_CPU_NUM_OF_RESERVED_CPU"} <= set(envs.environment_variables)
@@ -198,9 +198,9 @@ def _fields(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> set[str]:
 
 
 def sglang_drift(root: Path) -> list[str]:
-    """What compat/sglang_api.py uses that the SGLang source at `root` (the `sglang` package directory)
+    """What transfer/compat/sglang_api.py uses that the SGLang source at `root` (the `sglang` package directory)
     lacks: routes, their request fields, sampling fields, meta_info keys, launch flags, the serializer."""
-    from compat.sglang_api import META_FIELDS, ROUTES, SAMPLING_FIELDS, SERVER_FLAGS
+    from transfer.compat.sglang_api import META_FIELDS, ROUTES, SAMPLING_FIELDS, SERVER_FLAGS
 
     srt = root / "srt"
     missing = []
@@ -245,7 +245,7 @@ def test_sglang_server_api():
 
 
 def test_the_sglang_engine_sends_only_what_the_tables_name():
-    from compat.sglang_api import ROUTES, SAMPLING_FIELDS, SERVER_FLAGS, launch_command, request
+    from transfer.compat.sglang_api import ROUTES, SAMPLING_FIELDS, SERVER_FLAGS, launch_command, request
     from stages.agentflow.sglang_engine import SGLangEngine, lora_server_args
     from stages.lora_config import LoraConfig
 
@@ -253,6 +253,6 @@ def test_the_sglang_engine_sends_only_what_the_tables_name():
     assert set(lora_server_args(LoraConfig(enabled=True), ["q_proj"])) <= set(SERVER_FLAGS)
     assert launch_command({"port": 1, "enable-lora": True, "lora-target-modules": ["q", "v"], "dtype": None})[3:] == [
         "--port", "1", "--enable-lora", "--lora-target-modules", "q", "v"]
-    with pytest.raises(ValueError, match="not in compat"):
+    with pytest.raises(ValueError, match="not in transfer/compat"):
         request("POST", "http://127.0.0.1:9", "/generate", {"text": "x"}, 1)
     assert "/generate" in ROUTES

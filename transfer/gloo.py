@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from compat.torch_api import gloo_group
+from transfer.compat.torch_api import gloo_group
 
 from .layout import landing_buffer, stream_buckets
 

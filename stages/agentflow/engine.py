@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compat.transformers_api import cache_kv, forward_kwargs, set_cache_kv
+from transfer.compat.transformers_api import cache_kv, forward_kwargs, set_cache_kv
 from stages.agentflow.engine_contract import EngineBase, VersionGate, identity
 from stages.agentflow.limits import room
 from stages.agentflow.sampling import sample, seeded_uniform

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-from compat.sglang_api import launch_command, request, serialize_tensors
+from transfer.compat.sglang_api import launch_command, request, serialize_tensors
 from stages.agentflow.engine_config import SGLangConfig
 from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
 from stages.agentflow.limits import model_limits

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compat.torch_api import set_native_threads
-from compat.vllm_api import in_process_env, reload_weights, salted_prompt
+from transfer.compat.torch_api import set_native_threads
+from transfer.compat.vllm_api import in_process_env, reload_weights, salted_prompt
 from stages.agentflow.engine_config import VLLMConfig
 from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
 from stages.agentflow.limits import failed_row, model_limits

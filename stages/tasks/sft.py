@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from compat.transformers_api import attn_implementation
+from transfer.compat.transformers_api import attn_implementation
 
 
 def encode_sft_rows(tok, rows: list[dict]) -> list[tuple[list[int], list[int]]]:

@@ -18,8 +18,8 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from compat.megatron_api import rng_state_names, set_rng_tracker
-from compat.torch_api import device_constructors
+from transfer.compat.megatron_api import rng_state_names, set_rng_tracker
+from transfer.compat.torch_api import device_constructors
 
 _CPU = torch.device("cpu")
 _FACTORIES = device_constructors()      # the tensor factories that take device=

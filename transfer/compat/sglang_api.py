@@ -50,7 +50,7 @@ def request(method: str, url: str, route: str, payload: dict | None, timeout: fl
     """One call of a native route (a `requests` response); ValueError for a route or field not in ROUTES."""
     extra = set(payload or {}) - set(ROUTES[route][1])
     if extra:
-        raise ValueError(f"SGLang {route}: {sorted(extra)} not in compat/sglang_api.py's ROUTES")
+        raise ValueError(f"SGLang {route}: {sorted(extra)} not in transfer/compat/sglang_api.py's ROUTES")
     import requests
 
     return requests.request(method, url + route, json=payload, timeout=timeout)
