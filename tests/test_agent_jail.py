@@ -20,8 +20,8 @@ import time
 import pytest
 import ray
 
-from stages.agentflow.engine import HFEngine
 from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.agentflow.sandbox import jail
 from stages.schema import table_from_columns

@@ -101,8 +101,14 @@ def transformers_checks(model_dir: str, tmp_path: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from transfer.compat.transformers_api import attn_implementation, cache_kv, drop_build_copies, forward_kwargs, set_cache_kv
     from stages.model import load_model
+    from transfer.compat.transformers_api import (
+        attn_implementation,
+        cache_kv,
+        drop_build_copies,
+        forward_kwargs,
+        set_cache_kv,
+    )
 
     model = load_model(model_dir, "float32")
     cache_kw, last_only = forward_kwargs(model)
@@ -245,9 +251,9 @@ def test_sglang_server_api():
 
 
 def test_the_sglang_engine_sends_only_what_the_tables_name():
-    from transfer.compat.sglang_api import ROUTES, SAMPLING_FIELDS, SERVER_FLAGS, launch_command, request
     from stages.agentflow.sglang_engine import SGLangEngine, lora_server_args
     from stages.lora_config import LoraConfig
+    from transfer.compat.sglang_api import ROUTES, SAMPLING_FIELDS, SERVER_FLAGS, launch_command, request
 
     assert set(SGLangEngine._sampling({"prompt_ids": [1], "seed": 3}, 4)) <= set(SAMPLING_FIELDS)
     assert set(lora_server_args(LoraConfig(enabled=True), ["q_proj"])) <= set(SERVER_FLAGS)

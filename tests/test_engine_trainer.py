@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stages.agentflow.engine import HFEngine
 from stages.agentflow.config import AgentConfig, SamplingConfig
+from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.schema import table_from_columns
 from stages.update.losses import AlgorithmConfig

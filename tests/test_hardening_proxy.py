@@ -19,11 +19,11 @@ import pytest
 import ray
 
 from stages.agentflow.client import EngineClient
+from stages.agentflow.config import AgentConfig, SamplingConfig
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.engine_contract import plan_rows
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.proxy import Proxy
-from stages.agentflow.config import AgentConfig, SamplingConfig
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.model import load_tokenizer
 from stages.schema import table_from_columns

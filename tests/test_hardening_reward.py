@@ -24,9 +24,9 @@ import pytest
 import ray
 import torch
 
+from stages.agentflow.config import AgentConfig, SamplingConfig
 from stages.agentflow.engine import HFEngine
 from stages.agentflow.envs import Step
-from stages.agentflow.config import AgentConfig, SamplingConfig
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.reward import Reward, RewardConfig
 from stages.schema import table_from_columns

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transfer.compat.transformers_api import cache_kv, forward_kwargs, set_cache_kv
 from stages.agentflow.engine_contract import EngineBase, VersionGate, identity
 from stages.agentflow.limits import room
 from stages.agentflow.sampling import sample, seeded_uniform
 from stages.lora import SERVERS, LoraConfig
 from stages.model import load_model, load_tokenizer
 from stages.priority import lower_priority
+from transfer.compat.transformers_api import cache_kv, forward_kwargs, set_cache_kv
 
 IDLE_EXIT_S = 1.0                    # the decode thread ends after this long with nothing to do (restarted on demand)
 KV_CACHE_MB = 1024.0                 # default engine.kv_cache_mb

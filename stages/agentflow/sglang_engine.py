@@ -33,13 +33,13 @@ from contextlib import contextmanager
 
 import torch
 
-from transfer.compat.sglang_api import launch_command, request, serialize_tensors
 from stages.agentflow.engine_config import SGLangConfig
 from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
 from stages.agentflow.limits import model_limits
 from stages.agentflow.sampling import sampling_of
 from stages.lora import LoraConfig, meta_model, write_adapter
 from stages.model import load_tokenizer
+from transfer.compat.sglang_api import launch_command, request, serialize_tensors
 
 
 def versions_of(meta: dict, n: int) -> list[int]:

@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transfer.compat.torch_api import set_native_threads
-from transfer.compat.vllm_api import in_process_env, reload_weights, salted_prompt
 from stages.agentflow.engine_config import VLLMConfig
 from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
 from stages.agentflow.limits import failed_row, model_limits
 from stages.agentflow.sampling import sampling_of
 from stages.lora import LoraConfig, write_adapter
 from stages.model import load_tokenizer
+from transfer.compat.torch_api import set_native_threads
+from transfer.compat.vllm_api import in_process_env, reload_weights, salted_prompt
 
 IDLE_WAIT_S = 0.5           # the step thread sleeps this long at most when there is nothing to do
 

@@ -134,10 +134,10 @@ class TrainerConfig:
     lr_warmup_steps: int = key(0, "training steps of linear warm-up from lr / lr_warmup_steps to lr", NONNEG)
     lr_min_ratio: float = key(0.0, "where linear / cosine decay ends, as a fraction of lr", UNIT)
     lr_decay_steps: int = key(0, "the step the decay ends at (0 = run.steps, the run's last step)", NONNEG)
-    skip_zero_advantage: bool = key(True, "no forward/backward for rows whose every trained token has advantage 0 (a "
-                                          "group of equal rewards): they add nothing to the gradient and the loss keeps "
-                                          "their tokens in its denominator, so the update is the same with less compute. "
-                                          "Off by itself with a KL-to-reference, entropy or distillation term")
+    skip_zero_advantage: bool = key(True, "no forward/backward for rows whose every trained token has advantage 0 "
+                                          "(a group of equal rewards): they add nothing to the gradient and the loss "
+                                          "keeps their tokens in its denominator, so the update is the same with less "
+                                          "compute. Off by itself with a KL-to-reference, entropy or distillation term")
     share_prompts: bool = key(True, "rows of a mini-batch with the same prompt (a group's samples) run as one "
                                     "sequence: the prompt once, each response attending to it and to itself (the same "
                                     "log-probs; the prompt's compute paid once, not per sample)")
