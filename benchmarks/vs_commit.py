@@ -17,7 +17,7 @@ override to one recipe's runs in both trees (add_tiny needs its benchmark folder
 `--set-old` to one tree's only, so `--ref HEAD --set-old RECIPE:key=value` measures a switch against
 itself in one invocation:
 
-    python benchmarks/vs_commit.py --ref HEAD --recipes quickstart_async --set-new quickstart:engine.threads=1
+    python benchmarks/vs_commit.py --ref HEAD --recipes quickstart_async --set-old quickstart_async:run.data_wake=ray
 """
 from __future__ import annotations
 

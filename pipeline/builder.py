@@ -26,6 +26,59 @@ TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prom
            "response_logprobs", "loss_mask")
 
 
+# Ray Data's streaming executor waits for its running tasks with ray.wait(all of them, timeout=0.1 s)
+# each loop: while one stage holds a long call (a rollout waiting at the gate), a block another stage
+# finished sits there until the timeout. With run.data_wake=event (the default) each wait sleeps until
+# the first task has output and takes every ready one, so the executor wakes per hand-off. Ray Data
+# has no public setting for it: compat/ray_api.py swaps what its executor calls `ray`.
+
+
+def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
+    """`wake="event"`: Ray Data's executor waits as above; a task that stays ready without its output
+    being taken (Ray's output budget) makes that wait poll every `seconds` instead, so it never spins.
+    `wake="ray"`: Ray's own wait. Takes effect for streams already open. False (nothing changed) with
+    "ray" or on a Ray Data without these internals."""
+    from compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
+
+    if wake not in ("event", "ray"):
+        raise ValueError(f"run.data_wake must be event or ray, got {wake!r}")
+    if executor_wait_internals():
+        return False
+    real = executor_ray()
+    real = real._ray if isinstance(real, _WakeOnOutput) else real
+    set_executor_wait(_WakeOnOutput(real) if wake == "event" else real,
+                      float(seconds) if wake == "event" else _WakeOnOutput.MAX_SLEEP_S)
+    return wake == "event"
+
+
+class _WakeOnOutput:
+    """Stands in for the `ray` module inside Ray Data's executor state module: `wait` for all of a
+    list with a timeout becomes "sleep until the first is ready (at most MAX_SLEEP_S), then take every
+    ready one"; everything else is the real module."""
+
+    MAX_SLEEP_S = 0.1       # Ray's own loop period: nothing waits longer than it did
+
+    def __init__(self, real):
+        self._ray, self._last = real, frozenset()
+
+    def __getattr__(self, name):
+        return getattr(self._ray, name)
+
+    def wait(self, refs, *, num_returns=1, timeout=None, fetch_local=True):
+        ray = self._ray
+        if num_returns != len(refs) or timeout is None:
+            return ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
+        ready, _ = ray.wait(refs, num_returns=1, timeout=self.MAX_SLEEP_S, fetch_local=fetch_local)
+        if ready and frozenset(ready) <= self._last:
+            # ready before we slept and ready still: output the executor did not take. Poll as
+            # Ray does (timeout `timeout`) so a stuck-ready task cannot make this loop spin.
+            ready, rest = ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
+        else:
+            ready, rest = ray.wait(refs, num_returns=num_returns, timeout=0, fetch_local=fetch_local)
+        self._last = frozenset(ready)
+        return ready, rest
+
+
 class PipelineError(ValueError):
     pass
 
@@ -132,6 +185,7 @@ def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int,
     What started is stopped again when a later part fails."""
     import ray
 
+    from compat.ray_api import executor_wait_internals
     from pipeline.cluster import init_ray, on_driver_node
     from pipeline.placement import Placement, plan_pools
     from pipeline.resources import plan_resources
@@ -140,6 +194,9 @@ def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int,
 
     res = plan_resources(c)
     init_ray(c, res.ray_num_cpus)
+    if not set_stream_poll(c.run.data_wake) and c.run.data_wake != "ray":
+        log(f"run.data_wake={c.run.data_wake}: not applied on this Ray Data, which changed what it relies on "
+            f"({'; '.join(executor_wait_internals())}); block hand-offs wait up to Ray's own 0.1 s")
     lora, megatron = c.trainer.lora.enabled, c.trainer.backend == "megatron"
     a = Actors([], None, None, None, None, [], res, megatron)
     try:

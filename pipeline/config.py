@@ -29,7 +29,7 @@ from stages.agentflow.engine_config import EngineConfig, SGLangConfig, VLLMConfi
 from stages.agentflow.sandbox.pool import SandboxConfig
 from stages.agentflow.sandbox.tool_service import ToolServiceConfig
 from stages.batcher_config import BatcherConfig
-from stages.keys import NONNEG, POSITIVE, check_fields, check_of, key, problem
+from stages.keys import NONNEG, POSITIVE, check_fields, check_of, key, one_of, problem
 from stages.model_config import ModelConfig
 from stages.prompts_config import DataConfig
 from stages.reward_config import RewardConfig
@@ -61,6 +61,8 @@ class RunConfig:
     checkpoint_every: int = key(0, "write a checkpoint every N steps (0 = only at the end)", NONNEG)
     resume_from: str = key("", "a checkpoint dir (RUN/checkpoints/step_N) to continue from, or latest: the run dir's "
                                "newest intact one")
+    data_wake: str = key("event", "Ray Data's executor wakes when a task has output (event), or as Ray ships it "
+                                  "(ray: every 0.1 s, no patch of its internals)", one_of("event", "ray"))
     node_wait_s: float = key(120.0, "a Ray node holding engines died: seconds to wait for them to be restarted "
                                     "elsewhere before the run stops with a resumable checkpoint", NONNEG)
 

@@ -78,6 +78,24 @@ def test_torch_device_constructors_are_the_tensor_factories():
 
 
 # ---- Ray ---------------------------------------------------------------------------------------
+def test_ray_data_executor_waits_through_the_globals_that_are_swapped():
+    from ray.data._internal.execution import streaming_executor_state as state
+
+    from compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
+
+    assert executor_wait_internals() == []
+    # process_completed_tasks looks both names up in its module at each call: a swap takes effect at once
+    fn = state.process_completed_tasks
+    assert fn.__globals__ is vars(state) and {"ray", "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"} <= set(fn.__code__.co_names)
+    real, timeout = executor_ray(), state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S
+    stand_in = type("StandIn", (), {"wait": staticmethod(lambda *a, **k: ([], []))})()
+    try:
+        set_executor_wait(stand_in, 0.5)
+        assert state.ray is stand_in and state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == 0.5
+    finally:
+        set_executor_wait(real, timeout)
+
+
 def test_ray_pushed_errors_reach_the_callback_while_the_block_runs():
     from ray._private import worker
 

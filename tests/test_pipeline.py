@@ -158,6 +158,9 @@ def test_async_run_keeps_staleness_bound_and_trains_each_group_once(ray_session,
         assert ctl.run()["version"] == 4
     finally:
         ctl.stop()
+    from ray.data._internal.execution import streaming_executor_state
+
+    assert type(streaming_executor_state.ray).__name__ == "_WakeOnOutput"       # the executor wakes on output
     lines = [m for m in read_metrics(tmp_path / "async") if "train/loss" in m]
     assert all(m["staleness/max"] <= 1 for m in lines)
     assert all(m["pipeline_buf_size"] <= 8 for m in lines)          # C = B * (1 + stale_steps)
@@ -333,3 +336,42 @@ def test_an_engine_killed_mid_run_is_restarted_and_its_groups_rerun(ray_session,
         assert all(r["status"] != "failed" for r in rows), [r["error"] for r in rows if r["status"] == "failed"]
         assert all(v == k - 1 for r in rows for v in r["token_versions"])   # synchronous: all on-policy
     assert seen == list(range(16))
+
+
+def test_the_executor_wakes_on_the_first_output_and_never_spins_on_one_left_unread(ray_session):
+    import time
+
+    from ray.data._internal.execution import streaming_executor_state as state
+
+    from pipeline.builder import set_stream_poll
+
+    @ray_session.remote(num_cpus=0)
+    def nap(s):
+        time.sleep(s)
+        return s
+
+    try:
+        assert set_stream_poll("event", 1.0)
+        wait = state.ray.wait         # what Ray Data's executor calls, with its own arguments
+        ray_session.get([nap.remote(0.01), nap.remote(0.01)])    # two warm workers
+        t = time.monotonic()
+        quick, slow = nap.remote(0.3), nap.remote(30)
+        calls, ready = 0, []
+        while not ready and calls < 20:     # each call returns within MAX_SLEEP_S (0.1 s)
+            ready, rest = wait([quick, slow], num_returns=2, fetch_local=False, timeout=1.0)
+            calls += 1
+        # woken by the first task's output, not at the end of the poll period (1 s)
+        assert ready == [quick] and rest == [slow] and 0.25 < time.monotonic() - t < 0.45 and calls <= 5
+        t = time.monotonic()
+        ready, _ = wait([quick, slow], num_returns=2, fetch_local=False, timeout=1.0)
+        # the executor left `quick` unread: this loop polls (1 s) instead of returning at once
+        assert ready == [quick] and 0.9 < time.monotonic() - t < 1.6
+        t = time.monotonic()
+        assert wait([slow], num_returns=1, fetch_local=False, timeout=5)[0] == []
+        assert time.monotonic() - t < 0.5     # nothing ready: back within MAX_SLEEP_S, as Ray's loop would be
+        assert not set_stream_poll("ray") and state.ray is ray_session     # the real module again
+        assert state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == 0.1
+        with pytest.raises(ValueError, match="data_wake"):
+            set_stream_poll("sometimes")
+    finally:
+        set_stream_poll("event")

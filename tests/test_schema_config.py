@@ -74,6 +74,7 @@ def test_a_moved_key_is_refused_naming_its_new_place(tmp_path):
     ("rollout.n_samples=-1", "rollout.n_samples"),
     ("trainer.mini_batch_size=-4", "trainer.mini_batch_size"),
     ("rollout.stale_steps=-1", "rollout.stale_steps"),
+    ("run.data_wake=sometimes", "run.data_wake"),
     ("rollout.nice=20", "rollout.nice"),
 ])
 def test_bad_sizes_fail_with_key(override, key):
