@@ -30,7 +30,7 @@ TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prom
 # each loop: while one stage holds a long call (a rollout waiting at the gate), a block another stage
 # finished sits there until the timeout. With run.data_wake=event (the default) each wait sleeps until
 # the first task has output and takes every ready one, so the executor wakes per hand-off. Ray Data
-# has no public setting for it: compat/ray_api.py swaps what its executor calls `ray`.
+# has no public setting for it: transfer/compat/ray_api.py swaps what its executor calls `ray`.
 
 
 def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
@@ -38,7 +38,7 @@ def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
     being taken (Ray's output budget) makes that wait poll every `seconds` instead, so it never spins.
     `wake="ray"`: Ray's own wait. Takes effect for streams already open. False (nothing changed) with
     "ray" or on a Ray Data without these internals."""
-    from compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
+    from transfer.compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
 
     if wake not in ("event", "ray"):
         raise ValueError(f"run.data_wake must be event or ray, got {wake!r}")
@@ -185,12 +185,12 @@ def start_actors(c, model_path: str, special_ids: tuple[int, int], version: int,
     What started is stopped again when a later part fails."""
     import ray
 
-    from compat.ray_api import executor_wait_internals
     from pipeline.cluster import init_ray, on_driver_node
     from pipeline.placement import Placement, plan_pools
     from pipeline.resources import plan_resources
     from pipeline.window import Gate
     from transfer import TransferMesh
+    from transfer.compat.ray_api import executor_wait_internals
 
     res = plan_resources(c)
     init_ray(c, res.ray_num_cpus)

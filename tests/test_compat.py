@@ -81,7 +81,7 @@ def test_torch_device_constructors_are_the_tensor_factories():
 def test_ray_data_executor_waits_through_the_globals_that_are_swapped():
     from ray.data._internal.execution import streaming_executor_state as state
 
-    from compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
+    from transfer.compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
 
     assert executor_wait_internals() == []
     # process_completed_tasks looks both names up in its module at each call: a swap takes effect at once
