@@ -29,7 +29,8 @@ from stages.schema import table_from_columns
 JAILS = not jail.probe()
 needs_jail = pytest.mark.skipif(not JAILS, reason=f"no bubblewrap jail here: {jail.probe()}")
 needs_cgroups = pytest.mark.skipif(bool(jail.Cgroup.available()), reason=f"no cgroups: {jail.Cgroup.available()}")
-MODES = pytest.mark.parametrize("preload", [(), ("json", "urllib.request")], ids=["spawned", "forked"])
+# forked: the zygote preloads a module of the standard library and one of the environment's packages (yaml)
+MODES = pytest.mark.parametrize("preload", [(), ("json", "urllib.request", "yaml")], ids=["spawned", "forked"])
 CALL = textwrap.dedent('''
     import json, os, urllib.error, urllib.request
 

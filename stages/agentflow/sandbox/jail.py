@@ -230,8 +230,9 @@ def zygote_argv(argv: list[str], ctl_fd: int, seccomp: int | None, home: str | N
                 tmp_bytes: int, modules: tuple[str, ...]) -> list[str]:
     """bwrap + the zygote (stages/agentflow/sandbox/zygote.py) that forks `argv`'s agents; it builds each agent's
     namespaces itself, so it keeps CAP_SYS_ADMIN and CAP_NET_ADMIN in this jail and applies the seccomp
-    filter (read from the fd `seccomp`) to each agent."""
-    return [*_agent_jail(argv, home, binds, tmp_bytes, None, zygote=True), _python(), "-s", f"{IN_JAIL}/zygote.py",
+    filter (read from the fd `seccomp`) to each agent. It runs the worker's own interpreter path (a virtual
+    environment's python, not the file it links to), so what it preloads comes from the worker's packages."""
+    return [*_agent_jail(argv, home, binds, tmp_bytes, None, zygote=True), sys.executable, "-s", f"{IN_JAIL}/zygote.py",
             str(ctl_fd), str(-1 if seccomp is None else seccomp), str(tmp_bytes), *modules]
 
 
