@@ -26,6 +26,7 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.proxy import Proxy
 from stages.model import load_tokenizer
 from stages.reward import agent_answers
+from tests.support.proxy import LoopThread
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = {"anthropic": str(ROOT / "examples/agents/anthropic_tools.py"),
@@ -33,27 +34,6 @@ AGENTS = {"anthropic": str(ROOT / "examples/agents/anthropic_tools.py"),
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0}
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
 BROKEN = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+30"}</tool_call>'   # one brace short
-
-
-class LoopThread:
-    """The proxy's event loop on a thread of its own, as on a rollout worker."""
-
-    def __init__(self):
-        import asyncio
-        import threading
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        import asyncio
-
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 def tool_model(out: Path) -> str:
