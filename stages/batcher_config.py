@@ -4,12 +4,10 @@ Apart from the window, which imports pyarrow and numpy, so a recipe is checked i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import POSITIVE, check_fields, key, one_of
+from stages.keys import POSITIVE, key, one_of, section
 
 
-@dataclass(frozen=True)
+@section("batcher")
 class BatcherConfig:
     groups_per_step: int = key(8, "B: prompt groups per training step", POSITIVE)
     filter_equal_rewards: bool = key(False, "dynamic sampling: drop groups whose rewards are all equal")
@@ -17,6 +15,3 @@ class BatcherConfig:
                                     "tokens older than the bound leave the loss, kept as context; the group is dropped"
                                     " only when none is left: long trajectories are not starved)",
                                     one_of("drop", "wait", "mask"))
-
-    def __post_init__(self):
-        check_fields(self, "batcher")

@@ -10,6 +10,7 @@ This module imports nothing from the project: every stage's config imports it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Any, Callable
 
@@ -106,3 +107,24 @@ def check_fields(cfg, section: str) -> None:
         why = None if dataclasses.is_dataclass(value) else problem(value, check_of(f))
         if why:
             raise ValueError(f"{section}.{f.name} must be {why}, got {value!r}")
+
+
+def section(name: str):
+    """A frozen config dataclass for the recipe section `name`: built, it runs check_fields, then
+    the class's own __post_init__ (if any) for what one key's check cannot say."""
+    def make(cls):
+        own = cls.__dict__.get("__post_init__")
+
+        def __post_init__(self):
+            check_fields(self, name)
+            if own is not None:
+                own(self)
+        cls.__post_init__ = __post_init__
+        return dataclasses.dataclass(frozen=True)(cls)
+    return make
+
+
+def import_object(path: str):
+    """The object a dotted path names: `pkg.module:attr` or `pkg.module.attr`."""
+    module, _, attr = path.replace(":", ".").rpartition(".")
+    return getattr(importlib.import_module(module), attr)

@@ -5,15 +5,14 @@ Apart from stages/lora.py, which needs torch, so a recipe is checked without tor
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
-from stages.keys import POSITIVE, between, check_fields, key, one_of
+from stages.keys import POSITIVE, between, key, one_of, section
 
 SERVE = ("merge", "peft")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@dataclass(frozen=True)
+@section("trainer.lora")
 class LoraConfig:
     """The `trainer.lora:` recipe section."""
     enabled: bool = key(False, "train LoRA adapters instead of the full model")
@@ -29,7 +28,6 @@ class LoraConfig:
     serve: str = key("merge", "how the HF engine applies a version: merge | peft (see stages/lora.py)", one_of(*SERVE))
 
     def __post_init__(self):
-        check_fields(self, "trainer.lora")
         if self.target_regex:
             try:
                 re.compile(self.target_regex)

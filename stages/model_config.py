@@ -4,13 +4,12 @@ Apart from stages/model.py (which loads models with torch) so a recipe is checke
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from stages.keys import NONNEG, POSITIVE, between, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, between, key, one_of, section
 
 
-@dataclass(frozen=True)
+@section("model")
 class ModelConfig:
     path: str = key("", 'local HF dir; "" = the built-in tiny model (builtin_* keys below); builtin:NAME '
                         "(builtin_model_dir)")
@@ -28,9 +27,6 @@ class ModelConfig:
     cache_dir: str = key("~/.cache/loongsage/models", "where built-in tiny models are cached")
     seed: int = key(0, "picks the built-in model (its init and warm-up), as path picks a checkpoint: not run.seed, so "
                         "every run seed starts from one cached model (docs/seeds.md)", NONNEG)
-
-    def __post_init__(self):
-        check_fields(self, "model")
 
 
 def validate_model_dir(path: str, check_tokenizer: bool = True, key: str = "model.path") -> None:

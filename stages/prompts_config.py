@@ -4,12 +4,10 @@ Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import NONNEG, POSITIVE, check_fields, key
+from stages.keys import NONNEG, POSITIVE, key, section
 
 
-@dataclass(frozen=True)
+@section("data")
 class DataConfig:
     path: str = key("builtin:addition", ".parquet / .jsonl / .json file, a directory of Parquet, or builtin:TASK")
     test_path: str = key("", "held-out prompts for eval; \"\" = the built-in task's test split")
@@ -22,6 +20,3 @@ class DataConfig:
     train_size: int = key(0, "training prompts to use (0 = every row)", NONNEG)
     shuffle: bool = key(True, "shuffle prompts, one seeded permutation per epoch")
     seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: the prompt order", NONNEG)
-
-    def __post_init__(self):
-        check_fields(self, "data")

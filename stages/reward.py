@@ -22,7 +22,6 @@ whole final transcript as a list of {role, content}.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -30,6 +29,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
+from stages.keys import import_object
 from stages.reward_config import RewardConfig
 from stages.reward_pool import RewardPool, call_reward, error_text
 from stages.schema import with_columns
@@ -83,11 +83,10 @@ BUILTIN = {"exact_match": exact_match, "numeric": numeric, "agent_answers": agen
 def load_reward_fn(name: str):
     if name in BUILTIN:
         return BUILTIN[name]
-    mod, sep, attr = name.replace(":", ".").rpartition(".")
-    if not sep or not mod:
+    if not name.replace(":", ".").rpartition(".")[0]:
         raise ValueError(f"reward.fn {name!r}: not a built-in ({', '.join(BUILTIN)}) nor a dotted path")
     try:
-        fn = getattr(importlib.import_module(mod), attr)
+        fn = import_object(name)
     except Exception as e:      # the user's module may raise anything while it imports
         raise ValueError(f"reward.fn {name!r} does not import: {type(e).__name__}: {e}") from e
     if not callable(fn):

@@ -4,17 +4,12 @@ Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import NONNEG, POSITIVE, at_least, check_fields, key
+from stages.keys import NONNEG, POSITIVE, at_least, key, section
 
 
-@dataclass(frozen=True)
+@section("reward")
 class RewardConfig:
     fn: str = key("exact_match", "exact_match | numeric | dotted path `pkg.module:function`")
     timeout_s: float = key(10.0, "seconds per row of a user fn, from when a worker starts it", POSITIVE)
     workers: int = key(4, "worker processes for a user fn (k hung rows cost ~ceil(k / workers) timeouts)", at_least(1))
     seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key: row[\"seed\"] for a user fn", NONNEG)
-
-    def __post_init__(self):
-        check_fields(self, "reward")

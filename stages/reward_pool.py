@@ -7,7 +7,7 @@ ceil(k / workers) timeouts, not k.
 
 The workers are plain `python -m stages.reward_pool` children speaking pickled messages over a
 socket pair: nothing of the parent is re-imported, and each exits by itself when its parent dies
-(a Ray actor killed with SIGKILL runs no atexit). This module imports only the standard library.
+(a Ray actor killed with SIGKILL runs no atexit). This module imports only the standard library and keys.py.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ import time
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
+
+from stages.keys import import_object
 
 START_TIMEOUT_S = 120.0     # a worker's start-up (the user module's imports), before any row is timed
 PARENT_POLL_S = 0.5         # how often a worker checks that its parent is alive
@@ -202,13 +204,10 @@ def _exit_with_parent() -> None:
 
 
 def _serve(fd: int, fn_path: str) -> None:
-    import importlib
-
     conn = Connection(fd)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     try:
-        mod, _, attr = fn_path.replace(":", ".").rpartition(".")
-        fn = getattr(importlib.import_module(mod), attr)
+        fn = import_object(fn_path)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the rows
         conn.send(("load_error", f"{type(e).__name__}: {e}"))
         return

@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import importlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from stages.keys import import_object
 from transfer.compat.transformers_api import drop_build_copies
 
 # tokenizer files larger than this are parsed one process at a time on a host (a 151k-token BPE: 18.6 MB)
@@ -44,7 +44,7 @@ def load_tokenizer(path: str, cls: str = ""):
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise ValueError(f"model directory {p} has no tokenizer (expected tokenizer.json or tokenizer_config.json)")
     try:
-        klass = _tokenizer_class(cls)       # its imports outside the lock: they take no tokenizer-sized memory
+        klass = import_object(cls or "transformers:AutoTokenizer")    # outside the lock: imports hold no tokenizer
     except Exception as e:  # noqa: BLE001 - a bad class name; the message names the directory
         raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
     with one_load_at_a_time(p):
@@ -108,15 +108,6 @@ def save_tokenizer(dst: str | Path, model_dir: str, staged: str = "") -> None:
 def tokenizer_class_of(tok) -> str:
     """"module:Class" of a loaded tokenizer, for load_tokenizer(path, cls=...) in another process."""
     return f"{type(tok).__module__}:{type(tok).__qualname__}"
-
-
-def _tokenizer_class(cls: str):
-    if not cls:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer
-    module, _, name = cls.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def release_build_copies(tok) -> None:

@@ -1,15 +1,13 @@
 """TransferConfig: the `transfer:` section of a recipe, one field per YAML key (transfer/ reads it, imports none)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import NONNEG, POSITIVE, Check, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, Check, key, one_of, section
 from transfer.config import BLOCK_BYTES, TRANSPORTS
 
 _BUCKET = Check(f"a positive multiple of {BLOCK_BYTES}", lambda n: n > 0 and n % BLOCK_BYTES == 0)
 
 
-@dataclass(frozen=True)
+@section("transfer")
 class TransferConfig:
     transport: str = key("auto", '"auto" picks the fastest transport per receiver; any name in TRANSPORTS forces it '
                                  "for every receiver (planning fails loudly if it cannot reach one)",
@@ -29,6 +27,3 @@ class TransferConfig:
                                          "shared segment when they are at least this big, so publishing copies "
                                          "nothing; below it the copy is cheap and private weights let the trainer "
                                          "start its next step while local engines still read the version", NONNEG)
-
-    def __post_init__(self) -> None:
-        check_fields(self, "transfer")
