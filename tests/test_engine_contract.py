@@ -54,9 +54,9 @@ def test_the_hf_engine_keeps_the_contract(hf, prompts):
     check_resume(hf.generate, hf.eos_id, prompts)
     info = hf.info()
     assert info["engine"] == "hf" and info["version"] == 0 and info["incarnation"] == hf.incarnation
-    assert contract.identity(hf, engine="vllm", server="x")["engine"] == "vllm"
     st = hf.pop_stats()
-    assert st.keys() == contract.summarize_stats(contract.fresh_stats()).keys()
+    assert set(st) == {"requests", "tokens", "busy_s", "decode_steps", "running_rows_mean", "running_rows_max",
+                       "queue_wait_s_mean", "queue_wait_s_max"}
     assert st["requests"] > 0 and st["tokens"] > 0
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.engine_contract import weight_specs_of
+from stages.agentflow.engine_contract import published_specs
 from stages.agentflow.sglang_engine import SGLangConfig, SGLangEngine, parse_output, versions_of
 from stages.model import ModelConfig, resolve_model_path
 
@@ -33,8 +33,8 @@ def model_path(tmp_path_factory) -> str:
 def test_weight_specs_are_the_hf_engines(model_path):
     """The mesh checks a receiver's specs name by name: an SGLang engine must expect what
     an HF engine of the same model expects (lm_head listed even though it is tied)."""
-    assert weight_specs_of(model_path, "float32") == HFEngine(model_path).weight_specs()
-    assert {d for _, d in weight_specs_of(model_path, "bfloat16").values()} == {torch.bfloat16}
+    assert published_specs(model_path, "float32") == HFEngine(model_path).weight_specs()
+    assert {d for _, d in published_specs(model_path, "bfloat16").values()} == {torch.bfloat16}
 
 
 def test_version_spans_expand_to_one_version_per_token():

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stages.agentflow.engine_contract import EngineBase, VersionGate, identity
+from stages.agentflow.engine_contract import EngineBase, VersionGate
 from stages.agentflow.limits import room
 from stages.agentflow.sampling import sample, seeded_uniform
 from stages.lora import SERVERS, LoraConfig
@@ -111,6 +111,7 @@ class HFEngine(EngineBase):
             raise ValueError(f"kv_cache_mb (engine.kv_cache_mb) must be > 0, got {kv_cache_mb}")
         lower_priority(nice)
         self.threads = max(1, num_threads)
+        self.about = {"threads": self.threads, "engine": "hf"}
         torch.set_num_threads(self.threads)
         self._start(engine_id)
         self.model = load_model(model_path, dtype)
@@ -143,10 +144,7 @@ class HFEngine(EngineBase):
             o = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True, **self._last_only)
         return max(1, sum(t.numel() * t.element_size() for kv in cache_kv(o[self._cache_kw]) for t in kv))
 
-    # ---- identity / weights --------------------------------------------------------
-    def info(self) -> dict:
-        return identity(self, threads=self.threads, engine="hf")
-
+    # ---- weights ------------------------------------------------------------------
     def _landing(self) -> dict:
         """The tensors a version is written into: the model's, or the adapter's buffers."""
         return self.model.state_dict() if self.adapter is None else self.adapter.buffers

@@ -36,15 +36,17 @@ import uuid
 from contextlib import contextmanager
 from typing import Protocol
 
-import torch
-
 from stages.agentflow.client import EngineRestarting
-from stages.agentflow.limits import failed_row, room, row_error
+from stages.agentflow.limits import failed_row, model_limits, room, row_error
+from stages.lora import adapter_specs, meta_model, write_adapter
+from stages.model import DTYPES, load_tokenizer
 
 RESTART_WAIT_S = 10.0         # a restarted engine's calls wait this long for the weights, then fail as restarting
 # an engine's finish reason -> the row's status (vLLM's and SGLang's names are the same)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# pop_stats' counters; the _sums become means
+FRESH_STATS = {"requests": 0, "tokens": 0, "busy_s": 0.0, "decode_steps": 0, "_rows_sum": 0, "running_rows_max": 0,
+               "_wait_sum": 0.0, "_waited": 0, "queue_wait_s_max": 0.0}
 
 
 class RolloutEngine(Protocol):
@@ -79,13 +81,6 @@ def wait_synced(synced: threading.Event, engine_id: str) -> None:
                                f"{RESTART_WAIT_S:.0f}s; retry")
 
 
-def identity(engine, /, **more) -> dict:
-    """info()'s answer: who serves, where, which version, the process's incarnation and whether it
-    awaits the current weights."""
-    return {"engine_id": engine.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
-            "version": engine.version, "incarnation": engine.incarnation, "needs_sync": engine.needs_sync(), **more}
-
-
 def plan_rows(requests: list, context: int, vocab: int, eos_id: int, reserve: int = 0,
               refuse=None) -> tuple[list[dict], list]:
     """Split a generate call: rows answered here (refused: failed with error and code; or with nothing
@@ -117,6 +112,7 @@ class EngineBase:
     context: int
     vocab: int
     eos_id: int
+    about: dict                 # what info() adds: engine (the kind), threads or server
     _specs: dict
 
     def _start(self, engine_id: str) -> None:
@@ -126,7 +122,27 @@ class EngineBase:
         if not reconstructed():
             self._synced.set()
         self._stats_lock = threading.Lock()
-        self.stats = fresh_stats()
+        self.stats = dict(FRESH_STATS)
+
+    def _start_library(self, model_path: str, dtype: str, engine_id: str, cfg, lora) -> None:
+        """A library engine's (vLLM's, SGLang's) start: the tokenizer, the model's limits, what a version
+        carries and, with trainer.lora, its adapter slots."""
+        self._start(engine_id)
+        self.model_path, self.dtype, self.cfg = model_path, dtype, cfg
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.tok = load_tokenizer(model_path)
+        self.eos_id = self.tok.eos_token_id
+        self.context, self.vocab = model_limits(model_path)
+        self.vocab = self.vocab or len(self.tok)
+        self._specs = published_specs(model_path, dtype, self.lora)
+        self._slots = AdapterSlots(engine_id) if self.lora is not None else None
+        self._lora_files = self.lora        # the adapter as the engine reads its files
+        self._gate = VersionGate()          # hold calls against updates
+
+    def info(self) -> dict:
+        """Who serves, where, which version, the process's incarnation and whether it awaits the current weights."""
+        return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
+                "version": self.version, "incarnation": self.incarnation, "needs_sync": self.needs_sync(), **self.about}
 
     def weight_version(self) -> int:
         return self.version
@@ -151,8 +167,10 @@ class EngineBase:
 
     def pop_stats(self) -> dict:
         with self._stats_lock:
-            st, self.stats = self.stats, fresh_stats()
-        return summarize_stats(st)
+            st, self.stats = self.stats, dict(FRESH_STATS)
+        st["running_rows_mean"] = st.pop("_rows_sum") / max(st["decode_steps"], 1)
+        st["queue_wait_s_mean"] = st.pop("_wait_sum") / max(st.pop("_waited"), 1)
+        return st
 
     def _count(self, **add) -> None:
         with self._stats_lock:
@@ -181,23 +199,32 @@ class EngineBase:
         self._count(requests=len(out), tokens=sum(len(o["response_ids"]) for o in out))
         return out
 
+    def _load_adapter(self, named: dict, version: int) -> None:
+        """A LoRA version (vLLM, SGLang): adapter v<version>, bound by the requests that start from now on
+        (those in flight keep theirs); the previous one goes once it is free. Empty: only the clock (a
+        resumed run; the adapter itself follows in a publish)."""
+        version = int(version)
+        if named:
+            path = write_adapter(named, self._lora_files, self.model_path, self._slots.path(version))
+            self._add_adapter(version, str(path))
+            self._unload(self._slots.advance(version))
+        self._landed(version)
+
+    def _unload(self, versions: list[int]) -> None:
+        for v in versions:
+            self._remove_adapter(v)
+            self._slots.remove(v)
+
 
 # ---- what a version carries -------------------------------------------------------------------
-def weight_specs_of(model_path: str, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The HF state_dict names and shapes of the model (built on the meta device: no memory), in
-    the dtype the trainer publishes; lm_head is listed even where it is tied, as HF lists it."""
-    from stages.lora import meta_model
-
-    return {n: (tuple(t.shape), DTYPES[dtype]) for n, t in meta_model(model_path).state_dict().items()}
-
-
-def published_specs(model_path: str, dtype: str, lora) -> dict:
-    """What the trainer publishes to a library engine: the whole model, or with trainer.lora the adapter alone."""
-    if lora is None:
-        return weight_specs_of(model_path, dtype)
-    from stages.lora import adapter_specs, meta_model
-
-    return adapter_specs(meta_model(model_path), lora)
+def published_specs(model_path: str, dtype: str, lora=None) -> dict:
+    """What the trainer publishes to a library engine: the HF state_dict names and shapes of the model (built
+    on the meta device: no memory) in the dtype it publishes, lm_head listed even where it is tied, as HF lists
+    it; or with trainer.lora the adapter alone."""
+    model = meta_model(model_path)
+    if lora is not None:
+        return adapter_specs(model, lora)
+    return {n: (tuple(t.shape), DTYPES[dtype]) for n, t in model.state_dict().items()}
 
 
 class AdapterSlots:
@@ -244,21 +271,6 @@ class AdapterSlots:
     def remove(self, version: int | None = None) -> None:
         """An adapter's files, or (None) every one of them."""
         shutil.rmtree(self.dir if version is None else self.path(version), ignore_errors=True)
-
-
-# ---- statistics -------------------------------------------------------------------------
-def fresh_stats() -> dict:
-    return {"requests": 0, "tokens": 0, "busy_s": 0.0, "decode_steps": 0, "_rows_sum": 0, "running_rows_max": 0,
-            "_wait_sum": 0.0, "_waited": 0, "queue_wait_s_max": 0.0}
-
-
-def summarize_stats(st: dict) -> dict:
-    """pop_stats' answer from the counters fresh_stats started: the sums become means."""
-    st = dict(st)
-    rows, waited = st.pop("_rows_sum"), st.pop("_waited")
-    st["running_rows_mean"] = rows / max(st["decode_steps"], 1)
-    st["queue_wait_s_mean"] = st.pop("_wait_sum") / max(waited, 1)
-    return st
 
 
 class VersionGate:

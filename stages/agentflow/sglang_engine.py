@@ -34,11 +34,9 @@ from contextlib import contextmanager
 import torch
 
 from stages.agentflow.engine_config import SGLangConfig
-from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
-from stages.agentflow.limits import model_limits
+from stages.agentflow.engine_contract import STATUS, EngineBase
 from stages.agentflow.sampling import sampling_of
-from stages.lora import LoraConfig, meta_model, write_adapter
-from stages.model import load_tokenizer
+from stages.lora import LoraConfig, meta_model
 from transfer.compat.sglang_api import launch_command, request, serialize_tensors
 
 
@@ -113,26 +111,16 @@ class SGLangEngine(EngineBase):
         if not torch.cuda.is_available():
             raise RuntimeError("SGLangEngine needs a CUDA GPU (SGLang has no CPU path for this model); "
                                "use engine.kind=hf on CPU")
-        cfg = cfg or SGLangConfig()
         torch.set_num_threads(num_threads)
-        self._start(engine_id)
-        self.model_path, self.dtype, self.cfg, self.tp = model_path, dtype, cfg, cfg.tp
-        self.tok = load_tokenizer(model_path)
-        self.eos_id = self.tok.eos_token_id
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.lora = lora if lora is not None and lora.enabled else None
-        self._specs = published_specs(model_path, dtype, self.lora)
-        self._slots = AdapterSlots(engine_id) if self.lora is not None else None
+        self._start_library(model_path, dtype, engine_id, cfg or SGLangConfig(), lora)
+        self.tp, self.device = self.cfg.tp, torch.device("cuda", torch.cuda.current_device())
         if self.lora is not None:
             # the module names SGLang adapts (every layer's; the controller checked the targets are those)
             self._lora_names = lora_module_names(self._specs)
             # the adapter files name their targets as SGLang reads them: a list of names, never a regex
             self._lora_files = dataclasses.replace(self.lora, target_regex="", target_modules=tuple(self._lora_names))
-        self.context, self.vocab = model_limits(model_path)
-        self.context = int(cfg.server_args.get("context-length") or cfg.server_args.get("context_length")
-                           or self.context)
-        self.vocab = self.vocab or len(self.tok)
-        self._gate = VersionGate()              # hold requests vs weight updates
+        server = self.cfg.server_args
+        self.context = int(server.get("context-length") or server.get("context_length") or self.context)
         self._update_lock = threading.Lock()
         self._launch(seed)
 
@@ -143,6 +131,7 @@ class SGLangEngine(EngineBase):
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        self.about = {"server": self.url, "engine": "sglang"}
         args = {"model-path": self.model_path, "host": "127.0.0.1", "port": self.port, "tp-size": c.tp,
                 "dtype": self.dtype, "random-seed": seed, "mem-fraction-static": c.mem_fraction,
                 "weight-version": "0", "skip-tokenizer-init": True}
@@ -190,10 +179,7 @@ class SGLangEngine(EngineBase):
         if self._slots is not None:
             self._slots.remove()
 
-    # ---- identity / weights --------------------------------------------------------
-    def info(self) -> dict:
-        return identity(self, server=self.url, engine="sglang")
-
+    # ---- weights ------------------------------------------------------------------
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version (update_weights_from_tensor, bucket by bucket). Each
         bucket is first copied into memory this process owns on its GPU (the landed
@@ -216,20 +202,11 @@ class SGLangEngine(EngineBase):
                 del owned
             self._landed(version)
 
-    def _load_adapter(self, named: dict, version: int) -> None:
-        """A LoRA version: load it as adapter v<version>; new requests use it from the moment it is
-        loaded (requests in flight finish on theirs), and the previous one goes when it is free."""
-        version = int(version)
-        if named:           # else only the clock (a resumed run): the adapter itself follows in a publish
-            path = write_adapter(named, self._lora_files, self.model_path, self._slots.path(version))
-            self._post("/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": str(path)})
-            self._unload(self._slots.advance(version))
-        self._landed(version)
+    def _add_adapter(self, version: int, path: str) -> None:
+        self._post("/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": path})
 
-    def _unload(self, versions: list[int]) -> None:
-        for v in versions:
-            self._post("/unload_lora_adapter", {"lora_name": f"v{v}"})
-            self._slots.remove(v)
+    def _remove_adapter(self, version: int) -> None:
+        self._post("/unload_lora_adapter", {"lora_name": f"v{version}"})
 
     def _buckets(self, named: dict):
         bucket, size = [], 0

@@ -25,6 +25,7 @@ alone, served as LoRARequest v<version> (AdapterSlots); each row keeps the adapt
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,11 +33,10 @@ from dataclasses import dataclass, field
 import torch
 
 from stages.agentflow.engine_config import VLLMConfig
-from stages.agentflow.engine_contract import STATUS, AdapterSlots, EngineBase, VersionGate, identity, published_specs
-from stages.agentflow.limits import failed_row, model_limits
+from stages.agentflow.engine_contract import STATUS, EngineBase
+from stages.agentflow.limits import failed_row
 from stages.agentflow.sampling import sampling_of
-from stages.lora import LoraConfig, write_adapter
-from stages.model import load_tokenizer
+from stages.lora import LoraConfig
 from transfer.compat.torch_api import set_native_threads
 from transfer.compat.vllm_api import in_process_env, reload_weights, salted_prompt
 
@@ -83,27 +83,19 @@ class VLLMEngine(EngineBase):
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
                  engine_id: str = "engine0", cfg: VLLMConfig | None = None, lora: LoraConfig | None = None):
-        self._start(engine_id)
-        self.model_path, self.dtype, self.cfg = model_path, dtype, cfg or VLLMConfig()
-        self.lora = lora if lora is not None and lora.enabled else None
-        if self.lora is not None:
-            check_lora(self.lora)
-        self.tok = load_tokenizer(model_path)
-        self.eos_id = self.tok.eos_token_id
-        self.context, self.vocab = model_limits(model_path)
-        self.vocab = self.vocab or len(self.tok)
+        if lora is not None and lora.enabled:
+            check_lora(lora)
+        self._start_library(model_path, dtype, engine_id, cfg or VLLMConfig(), lora)
         self.threads = max(1, num_threads)
+        self.about = {"threads": self.threads, "engine": "vllm"}
         self.engine = self._build(seed)
-        self._specs = published_specs(model_path, dtype, self.lora)
-        self._slots = AdapterSlots(engine_id) if self.lora is not None else None
         self._lock = threading.Lock()            # engine calls: a step, an update, an abort
         self._wake = threading.Condition()       # guards _pending, _rows
-        self._gate = VersionGate()               # hold calls against updates
         self._pending: list[_Row] = []
         self._rows: dict[str, _Row] = {}         # in vLLM
         self._abort_before = -1.0
         self._closed = False
-        self._next_id = 0
+        self._ids = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name=f"{engine_id}-vllm-step", daemon=True)
         self._thread.start()
 
@@ -126,10 +118,7 @@ class VLLMEngine(EngineBase):
         args |= dict(c.engine_args)
         return LLMEngine.from_engine_args(EngineArgs(**args))
 
-    # ---- identity / weights --------------------------------------------------------
-    def info(self) -> dict:
-        return identity(self, threads=self.threads, engine="vllm")
-
+    # ---- weights ------------------------------------------------------------------
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Apply one complete version between two steps, after the hold rows in flight (the tensors are
         the Receiver's verified views: reload_weights copies them into vLLM's own, fused, parameters)."""
@@ -141,23 +130,15 @@ class VLLMEngine(EngineBase):
                 self.engine.reset_prefix_cache()
             self._landed(version)
 
-    def _load_adapter(self, named: dict, version: int) -> None:
-        """A LoRA version: adapter v<version>, used by rows that start from now on."""
-        version = int(version)
-        if named:
-            from vllm.lora.request import LoRARequest
+    def _add_adapter(self, version: int, path: str) -> None:
+        from vllm.lora.request import LoRARequest
 
-            path = write_adapter(named, self.lora, self.model_path, self._slots.path(version))
-            with self._lock:
-                self.engine.add_lora(LoRARequest(f"v{version}", version + 1, str(path)))
-            self._unload(self._slots.advance(version))
-        self._landed(version)
+        with self._lock:
+            self.engine.add_lora(LoRARequest(f"v{version}", version + 1, path))
 
-    def _unload(self, versions: list[int]) -> None:
-        for v in versions:
-            with self._lock:
-                self.engine.remove_lora(v + 1)
-            self._slots.remove(v)
+    def _remove_adapter(self, version: int) -> None:
+        with self._lock:
+            self.engine.remove_lora(version + 1)
 
     def abort_all(self) -> None:
         """Abort every request in flight now (used when a run stops or a window is closed)."""
@@ -207,12 +188,9 @@ class VLLMEngine(EngineBase):
         params = SamplingParams(max_tokens=budget, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                 logprobs=0, ignore_eos=True, stop_token_ids=[self.eos_id], detokenize=False,
                                 skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
-        with self._wake:
-            self._next_id += 1
-            rid = f"{self.engine_id}-{self._next_id}"
         prefix = list(r.get("prefix_ids", []))
-        return _Row(rid, list(r["prompt_ids"]) + prefix, params, prefix, list(r.get("prefix_logprobs", [])),
-                    list(r.get("prefix_versions", [])), t0)
+        return _Row(f"{self.engine_id}-{next(self._ids)}", list(r["prompt_ids"]) + prefix, params, prefix,
+                    list(r.get("prefix_logprobs", [])), list(r.get("prefix_versions", [])), t0)
 
     # ---- the step thread -----------------------------------------------------------
     def _loop(self) -> None:
