@@ -1,14 +1,8 @@
 """AgentFlow rollout stage: prompt rows -> trajectories, by running an agent per sample.
 
-Input columns:  prompt_id, group_id, sample_idx, prompt
-Output columns: prompt_ids, response_ids, response_logprobs, loss_mask, token_versions,
-                version_start, version_end, status, error, t_dispatch, t_done,
-                agent_reward (float, null = none: reward.fn decides), agent_info (JSON),
-                transcript (JSON list of {role, content}), agent_stats (struct: turns,
-                tool_calls, segments, wall_s, gen_s, fail = ""|timeout|exit|error),
-                segment (struct: id, kind, parent, start, agent: the row's place in the
-                trajectory's segment tree), segment_stats (struct: segments by kind, prompt
-                tokens reused / fresh, bytes of history re-sent; black-box agents)
+Columns: AgentFlowRollout.inputs -> .outputs; agent_reward null = none (reward.fn decides), agent_info and
+transcript (a list of {role, content}) are JSON, agent_stats.fail is ""|timeout|exit|error, segment is the
+row's place in the trajectory's segment tree, segment_stats is for black-box agents.
 
 A trajectory makes one row per segment of a kind in `agent.train_segments` (default all
 three kinds): an append-only conversation is one segment, hence one row; compaction,
