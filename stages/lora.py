@@ -104,8 +104,7 @@ def meta_model(model_path: str):
 
 
 def check_targets(cfg: LoraConfig, model_path: str) -> list[str]:
-    """The start-time check of a recipe's targets (and modules_to_save) against its model; returns the
-    targeted module paths."""
+    """The start-time check of a recipe's targets and modules_to_save against its model: the targeted paths."""
     model = meta_model(model_path)
     find_saved(model, cfg)
     return find_targets(model, cfg)
@@ -183,8 +182,7 @@ def write_adapter(named: dict[str, torch.Tensor], cfg: LoraConfig, base_path: st
     out.mkdir(parents=True, exist_ok=True)
     save_file({n: t.detach().to("cpu", ADAPTER_DTYPE).contiguous() for n, t in named.items()},
               str(out / "adapter_model.safetensors"))
-    pcfg = peft_config(cfg, base_path)
-    pcfg.save_pretrained(str(out))
+    peft_config(cfg, base_path).save_pretrained(str(out))
     return out
 
 

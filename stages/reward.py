@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from stages.keys import import_object
 from stages.reward_config import RewardConfig
-from stages.reward_pool import RewardPool, call_reward, error_text
+from stages.reward_pool import RewardPool, score
 from stages.schema import with_columns
 
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
@@ -142,13 +142,7 @@ class Reward:
     def _score(self, calls: list[tuple]) -> list[tuple[bool, object]]:
         if self.pool is not None:
             return self.pool.map(calls)
-        results = []
-        for args in calls:
-            try:
-                results.append((True, call_reward(self.fn, args)))
-            except Exception as e:  # noqa: BLE001 - fail the row, keep the run
-                results.append((False, error_text(self.cfg.fn, e)))
-        return results
+        return [score(self.fn, self.cfg.fn, args) for args in calls]
 
     def _args(self, row: dict) -> tuple:
         """The reward fn's arguments for a row: (prompt, response text, answer, row)."""

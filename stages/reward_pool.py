@@ -11,6 +11,7 @@ socket pair: nothing of the parent is re-imported, and each exits by itself when
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -57,19 +58,19 @@ def as_reward(res) -> tuple[float, str]:
         raise BadReward(f"reward info that is not JSON-serialisable: {e}") from e
 
 
-def error_text(fn_path: str, e: Exception) -> str:
-    if isinstance(e, BadReward):
-        return f"reward.fn {fn_path} returned {e}"
-    return f"reward.fn {fn_path} raised {type(e).__name__}: {e}"
+def score(fn, fn_path: str, args: tuple) -> tuple[bool, object]:
+    """(True, (reward, info JSON)) of fn(*args), or (False, error text): user code fails its row, not the run."""
+    try:
+        res = fn(*args)
+        if hasattr(res, "__await__"):       # an `async def` reward fn
+            import asyncio
 
-
-def call_reward(fn, args: tuple) -> tuple[float, str]:
-    res = fn(*args)
-    if hasattr(res, "__await__"):       # an `async def` reward fn
-        import asyncio
-
-        res = asyncio.run(res)
-    return as_reward(res)
+            res = asyncio.run(res)
+        return True, as_reward(res)
+    except BadReward as e:
+        return False, f"reward.fn {fn_path} returned {e}"
+    except Exception as e:  # noqa: BLE001 - user code: fail the row, keep the worker
+        return False, f"reward.fn {fn_path} raised {type(e).__name__}: {e}"
 
 
 class _Worker:
@@ -88,15 +89,11 @@ class _Worker:
         self.deadline = time.monotonic() + START_TIMEOUT_S
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.conn.close()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):    # stuck in the kernel; the OS reaps it later
             self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:   # stuck in the kernel; the OS reaps it later
-            pass
 
     def exit_text(self) -> str:
         try:
@@ -121,10 +118,7 @@ class RewardPool:
         self.fn_path, self.size, self.timeout_s = fn_path, max(1, workers), timeout_s
         self.workers: list[_Worker] = []
         self.lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _kill_all, self.workers)   # also runs at interpreter exit
-
-    def close(self) -> None:
-        self._finalizer()
+        self.close = weakref.finalize(self, _kill_all, self.workers)   # close(); also runs at interpreter exit
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
@@ -217,10 +211,7 @@ def _serve(fd: int, fn_path: str) -> None:
             args = conn.recv()
         except (EOFError, OSError):     # the parent closed the pool
             return
-        try:
-            conn.send(("done", (True, call_reward(fn, args))))
-        except Exception as e:  # noqa: BLE001 - user code: fail the row, keep the worker
-            conn.send(("done", (False, error_text(fn_path, e))))
+        conn.send(("done", score(fn, fn_path, args)))
 
 
 if __name__ == "__main__":

@@ -180,9 +180,8 @@ def agent_metrics(t: pa.Table) -> dict:
     """Means of what the agents reported per trajectory (a trajectory of several segment rows counts
     once): turns, tool calls, token segments (by kind), prompt-prefix reuse, history re-sent, timings."""
     first: dict[tuple, tuple] = {}
-    seg = t.column("segment_stats").to_pylist()
     for k, s, g in zip(zip(t.column("group_id").to_pylist(), t.column("sample_idx").to_pylist()),
-                       t.column("agent_stats").to_pylist(), seg):
+                       t.column("agent_stats").to_pylist(), t.column("segment_stats").to_pylist()):
         first.setdefault(k, (s, g))
     stats = [s for s, _ in first.values() if s]
     if not stats:

@@ -14,6 +14,7 @@ detected once, on a two-token input, and take the full forward: correct, only no
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +78,8 @@ def split_model(model):
     decoder = getattr(hf, getattr(hf, "base_model_prefix", ""), None)
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     found = (decoder, head) if decoder is not None and head is not None and _agrees(model, decoder, head) else ()
-    try:
+    with contextlib.suppress(AttributeError):
         object.__setattr__(model, "_loongsage_split", found)
-    except AttributeError:
-        pass
     return found or None
 
 

@@ -1,18 +1,12 @@
-"""Load a model directory's tokenizer, holding only what serves calls.
+"""Load a model directory's tokenizer, holding only what serves calls. Every process of a run that encodes
+or decodes loads it through `load_tokenizer`, so they agree on it; cheaper than `AutoTokenizer.from_pretrained`:
 
-Every process of a run that encodes or decodes loads the tokenizer through `load_tokenizer`, so
-they agree on it. What makes it cheaper than a plain `AutoTokenizer.from_pretrained`:
-
-* transformers 5's BPE tokenizers keep the vocabulary and merges they were built from as Python
-  objects next to the Rust tokenizer that serves every call; they are let go (transfer/compat/transformers_api.py),
-  and the parse's freed heap is handed back: a process holding Qwen's 151k-token
-  tokenizer holds ~105 MB (26%) less (benchmarks/tokenizer_memory.py).
-* `AutoTokenizer` reads the model's config to pick the class, and that import pulls in torch
-  (~170 MB and ~3 s a process). A worker that needs only the tokenizer gets the class AutoTokenizer
-  picked elsewhere (`tokenizer_class_of`) and loads it directly: the same tokenizer, no torch.
-* parsing a large tokenizer.json peaks ~200 MB above what the loaded tokenizer holds; the processes
-  of a run start together, so a large tokenizer is parsed by one process of a host at a time (a file
-  lock) and the run pays that peak once.
+* the Python copies of the vocabulary and merges a transformers 5 BPE tokenizer was built from are let go
+  (transfer/compat/transformers_api.py; the Rust tokenizer serves every call) and the freed heap handed back;
+* a worker given the class AutoTokenizer picked elsewhere (`tokenizer_class_of`) loads it directly, without
+  the torch import AutoTokenizer's reading of the model config pulls in;
+* a large tokenizer.json (parsing peaks ~200 MB above what it holds) is parsed by one process of a host at
+  a time (a file lock): the processes of a run start together, and so pay that peak once.
 
 This module imports neither torch nor transformers at import time.
 """
@@ -36,10 +30,8 @@ STAGED_MARK = ".staged-tokenizer"       # in a directory stage_tokenizer wrote
 
 
 def load_tokenizer(path: str, cls: str = ""):
-    """The tokenizer of the model directory `path` (pad = eos when it has no pad token).
-
-    `cls`: "module:Class", the class AutoTokenizer picks for `path` (tokenizer_class_of), to load it
-    without importing AutoTokenizer; "" = AutoTokenizer."""
+    """The tokenizer of the model directory `path` (pad = eos when it has no pad token). `cls`: "module:Class",
+    the class AutoTokenizer picks for `path` (tokenizer_class_of), loaded without AutoTokenizer; "" = AutoTokenizer."""
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise ValueError(f"model directory {p} has no tokenizer (expected tokenizer.json or tokenizer_config.json)")
@@ -111,17 +103,13 @@ def tokenizer_class_of(tok) -> str:
 
 
 def release_build_copies(tok) -> None:
-    """Drop the Python copies a tokenizer was built from (the Rust tokenizer serves every call) and
-    hand the freed heap back to the system."""
+    """Drop the Python copies a tokenizer was built from and hand the freed heap back to the system."""
     drop_build_copies(tok)
     gc.collect()
     trim_heap()
 
 
 def trim_heap() -> None:
-    """glibc keeps freed heap for reuse; malloc_trim returns what it can to the system (a no-op
-    where the C library has no malloc_trim)."""
-    try:
+    """Return freed heap glibc keeps for reuse to the system (a no-op without malloc_trim)."""
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -1,6 +1,8 @@
 """TransferError: the one loud failure of the transfer package."""
 from __future__ import annotations
 
+import functools
+
 
 class TransferError(RuntimeError):
     """A weight transfer failed: a timeout, a checksum mismatch, a dead party or a mismatched model.
@@ -17,8 +19,4 @@ class TransferError(RuntimeError):
 
     def __reduce__(self):       # Ray pickles exceptions raised in actors; keyword-only fields need this
         fields = ("receiver", "transport", "version", "bucket", "failures", "metrics")
-        return _rebuild, (self.reason, {k: getattr(self, k) for k in fields})
-
-
-def _rebuild(reason: str, fields: dict) -> TransferError:
-    return TransferError(reason, **fields)
+        return functools.partial(TransferError, **{k: getattr(self, k) for k in fields}), (self.reason,)

@@ -201,9 +201,7 @@ class TransferMesh:
 
 def _cause(error):
     """The exception raised inside the actor, not Ray's wrapper around it."""
-    if isinstance(error, RayTaskError) and error.cause is not None:
-        return error.cause
-    return error
+    return error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
 
 
 def _metrics(version, layout, seconds, ok: dict[str, dict], routes, sent: dict) -> dict:

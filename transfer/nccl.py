@@ -118,7 +118,16 @@ class _Wire:
             self.comm = None
 
 
-class NcclSend:
+class _Link:
+    wire: _Wire | None = None
+
+    def close(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
+
+
+class NcclSend(_Link):
     staged, reads_after_send = False, False
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
@@ -127,7 +136,6 @@ class NcclSend:
         self.device = torch.device(party.device)
         self.ranks = {name: rank for rank, name in enumerate(self.receivers, start=1)}
         self.unique_id = tuple(self.nccl.get_unique_id())    # a new link, a new communicator
-        self.wire: _Wire | None = None
 
     def prepare(self, snapshot) -> dict:
         return {"unique_id": self.unique_id, "world": len(self.ranks) + 1, "ranks": self.ranks}
@@ -152,18 +160,12 @@ class NcclSend:
             if done is not None:
                 self.wire.wait(done)
 
-    def close(self) -> None:
-        if self.wire is not None:
-            self.wire.close()
-            self.wire = None
 
-
-class NcclRecv:
+class NcclRecv(_Link):
     def __init__(self, mesh_id, name, address, cfg, party):
         self.world, self.unique_id, self.rank = handshake(address, name)
         self.nccl = cupy_nccl()
         self.timeout_s, self.device = cfg.timeout_s, torch.device(party.device)
-        self.wire: _Wire | None = None
         self.flat = None
 
     def receive(self, version, layout):
@@ -178,8 +180,3 @@ class NcclRecv:
 
         return layout.unpack(self.flat), stream_buckets(self.flat, version, layout, recv_header,
                                                         lambda t: self.wire.wait(self.wire.broadcast(t)))
-
-    def close(self) -> None:
-        if self.wire is not None:
-            self.wire.close()
-            self.wire = None

@@ -5,6 +5,7 @@ and announces each bucket on the segment's board. Local receivers map the same p
 transport); gloo and zmq send each bucket as soon as it is packed, while the next one packs."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -47,10 +48,8 @@ class Segment:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 _names = itertools.count()

@@ -64,9 +64,7 @@ def describe_process(role: str, device: str) -> Party:
     """Describe the calling process. Runs inside the actor that holds the weights."""
     import ray
     ctx = ray.get_runtime_context()
-    uuid = ""
-    if device.startswith("cuda"):
-        uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid) if device.startswith("cuda") else ""
     return Party(name="", role=role, node_id=ctx.get_node_id(),
                  ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
                  pid=os.getpid(), device=device, device_uuid=uuid,
