@@ -107,7 +107,7 @@ def test_second_turn_reuses_recorded_tokens_and_counts_one_segment(ep):
     assert s.loss_mask == [1] * len(out1["response_ids"]) + [0] * delta + [1] * len(out2["response_ids"])
     assert s.logprobs == out1["logprobs"] + [0.0] * delta + out2["logprobs"]
     assert s.versions[len(out1["response_ids"]):][:delta] == [-1] * delta
-    assert ep.session.segments == 1 and ep.session.calls == 2
+    assert len(ep.session.tree) == 1 and ep.session.calls == 2
     assert [m["role"] for m in ep.session.transcript] == ["user", "assistant", "user", "assistant"]
 
 
@@ -118,7 +118,7 @@ def test_edited_history_starts_a_new_segment(ep, model_path):
     edited = USER + [{"role": "assistant", "content": "99"}] + USER   # not what the model said
     client.chat.completions.create(model="policy", messages=edited)
     (req2,), (out2,) = ep.client.calls[-1]
-    assert ep.session.segments == 2
+    assert len(ep.session.tree) == 2
     assert req2["prompt_ids"] == encode(tok, "37+48=99" + tok.eos_token + "37+48=")
     s = ep.session.final.stream   # the row trains on the last segment only
     assert s.prompt_ids == req2["prompt_ids"] and s.response_ids == out2["response_ids"]
@@ -204,7 +204,7 @@ def test_completions_text_then_token_ids_extend_one_segment(ep):
     ids = ep.session.final.stream.ids + encode(ep.session.tok, "12+13=")
     chunks = list(client.completions.create(model="policy", prompt=ids, max_tokens=4, stream=True))
     (req2,), (out2,) = ep.client.calls[-1]
-    assert req2["prompt_ids"] == ids and ep.session.segments == 1
+    assert req2["prompt_ids"] == ids and len(ep.session.tree) == 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ep.session.final.text
     assert ep.session.final.stream.loss_mask.count(1) == len(out1["response_ids"]) + len(out2["response_ids"])
 
@@ -216,7 +216,7 @@ def test_tool_call_format_and_history_render(ep, model_path):
     assert content == "let me compute" and calls[0]["function"]["name"] == "calculator"
     assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "37+48"}
     msg = assistant_message(read_generation(text, parse_calls=True, reasoning=False))
-    finish = finish_reason(Choice(TokenStream([]), [], [], [], text, "stop", "completed", 0.0, message=msg))
+    finish = finish_reason(Choice(TokenStream([]), [], [], text, "stop", "completed", 0.0, message=msg))
     assert finish == "tool_calls" and msg["content"] == "let me compute"
     assert [c["function"] for c in msg["tool_calls"]] == [c["function"] for c in calls]
     # the fallback template writes a call back the way it was read, so a tool turn round-trips

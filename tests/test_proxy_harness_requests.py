@@ -258,7 +258,7 @@ def test_responses_codex_tools_and_items(ep):
                       {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
     r2 = oai(ep).responses.create(model="m", input=history, tools=tools, extra_body=extra, store=False)
     assert r2.output_text == "The sum is 5."
-    assert ep.session.segments == 1 and ep.session.tree[0].calls == 2
+    assert len(ep.session.tree) == 1 and ep.session.tree[0].calls == 2
 
 
 def test_responses_custom_tool_gets_the_models_text_and_extends(ep):
@@ -273,7 +273,7 @@ def test_responses_custom_tool_gets_the_models_text_and_extends(ep):
                {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "5"}]
     r2 = oai(ep).responses.create(model="m", input=history, tools=[custom], store=False)
     assert r2.output_text == "The sum is 5."
-    assert ep.session.segments == 1 and ep.session.tree[0].calls == 2        # the history extended the tokens
+    assert len(ep.session.tree) == 1 and ep.session.tree[0].calls == 2        # the history extended the tokens
 
 
 @pytest.mark.parametrize("path, body", [
@@ -371,7 +371,7 @@ def test_harness_signals_name_the_segment_kind(server, headers, system, kind, ag
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "x"}]
         oai(ep).chat.completions.create(model="m", messages=messages, extra_headers=headers)
         seg = ep.session.tree[-1]
-        assert (seg.kind, seg.agent) == (kind, agent) and ep.session.segments == 2
+        assert (seg.kind, seg.agent) == (kind, agent) and len(ep.session.tree) == 2
         if kind == "side":      # a title call is not where the trajectory ends
             assert ep.session.final.text == main.choices[0].message.content
     finally:
@@ -392,7 +392,7 @@ def test_a_re_serialised_history_extends_the_recorded_tokens_on_chat(ep):
     tool = {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"}
     r2 = oai(ep).chat.completions.create(model="m", messages=user + [back, tool], tools=tools)
     assert r2.choices[0].message.content == "The sum is 5."
-    assert ep.session.segments == 1 and ep.session.tree[0].calls == 2
+    assert len(ep.session.tree) == 1 and ep.session.tree[0].calls == 2
     (req1,), (out1,) = ep.client.calls[0]
     (req2,), _ = ep.client.calls[1]
     assert req2["prompt_ids"][:len(req1["prompt_ids"]) + len(out1["response_ids"])] == \
@@ -409,7 +409,7 @@ def test_a_tool_use_input_sent_back_as_an_object_extends_the_recorded_tokens(ser
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
     try:
         r2 = ant(ep).messages.create(model="m", max_tokens=100, messages=history, tools=[ADD_TOOL_ANT])
-        assert r2.content[-1].text == "The sum is 5." and ep.session.segments == 1 and ep.session.tree[0].calls == 2
+        assert r2.content[-1].text == "The sum is 5." and len(ep.session.tree) == 1 and ep.session.tree[0].calls == 2
     finally:
         server[1].close(ep)
 
@@ -421,7 +421,7 @@ def test_a_history_that_drops_or_reorders_turns_starts_a_segment(ep):
     for history in ([{"role": "user", "content": "hi!"}, turn, {"role": "user", "content": "go"}],   # reordered
                     [{"role": "user", "content": "hi!"}]):                                            # dropped
         assert oai(ep).chat.completions.create(model="m", messages=history).choices
-    assert ep.session.calls == 3 and ep.session.segments == 3
+    assert ep.session.calls == 3 and len(ep.session.tree) == 3
     assert all(s.stream is not None for s in ep.session.tree)
 
 

@@ -124,7 +124,7 @@ def test_previous_response_id_chains_the_stored_items(ep):
                                      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
     assert second.output_text == SUM and second.previous_response_id == first.id
     p1, r1, _ = engine_call(ep, 0)
-    assert engine_call(ep, 1)[0][: len(p1) + len(r1)] == p1 + r1 and ep.session.segments == 1
+    assert engine_call(ep, 1)[0][: len(p1) + len(r1)] == p1 + r1 and len(ep.session.tree) == 1
     with pytest.raises(openai.BadRequestError) as err:      # store=false keeps nothing
         unstored = client.responses.create(model="m", input="hmm", store=False)
         client.responses.create(model="m", input="hmm", previous_response_id=unstored.id)
@@ -215,7 +215,7 @@ def test_qwen_responses_reasoning_dropped_from_history_starts_a_segment_from_the
     p2, r2, _ = engine_call(qep)
     # the first prompt's tokens as recorded, then only the rest of the new text tokenized
     assert p2 == p1 + encode(tok, text2[len(text1):])
-    assert qep.session.segments == 2
+    assert len(qep.session.tree) == 2
     assert_recorded_exactly(qep)
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there"
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "plan"
@@ -241,7 +241,7 @@ def test_qwen_messages_forced_tool_call_and_tool_result_extend_token_for_token(q
                            and e.delta.type == "thinking_delta")
         second = stream.get_final_message()
     p2, r2, _ = engine_call(qep)
-    assert p2[: len(p1) + len(r1)] == p1 + r1 and qep.session.segments == 1     # the call extended, as written
+    assert p2[: len(p1) + len(r1)] == p1 + r1 and len(qep.session.tree) == 1     # the call extended, as written
     assert thinking == "plan" and [b.type for b in second.content] == ["thinking", "text"]
     assert second.content[1].text == "Hello there"
     assert_recorded_exactly(qep)

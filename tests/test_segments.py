@@ -126,7 +126,7 @@ def test_a_template_that_rewrites_history_starts_a_segment_at_the_longest_record
     text2 = "37+48=" + a1 + opener.tok.eos_token + "12+7=+="
     shared = len(encode(opener.tok, "37+48="))      # the rendered history drops the opener after "37+48="
     s = ep.session
-    assert s.segments == 2 and [(g.kind, g.parent, g.start) for g in s.tree] == [("main", -1, 0), ("main", 0, shared)]
+    assert len(s.tree) == 2 and [(g.kind, g.parent, g.start) for g in s.tree] == [("main", -1, 0), ("main", 0, shared)]
     # the new prompt: the recorded tokens up to where the texts part, then the rest tokenized, nothing else
     assert req2["prompt_ids"][:shared] == tip.ids[:shared]
     assert req2["prompt_ids"] == tip.ids[:shared] + encode(opener.tok, text2[len("37+48="):])

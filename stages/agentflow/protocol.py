@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stages.agentflow.chat import THINK_CLOSE, THINK_OPEN, decode, parse_tool_calls
+from stages.agentflow.chat import THINK_CLOSE, THINK_OPEN, decode_continuation, parse_tool_calls
 
 MAX_JSON_DEPTH = 64     # arrays/objects inside each other; real requests use about 10 (a JSON schema in a tool)
 MAX_TOKENS = 1 << 62    # any positive completion limit is accepted (then clamped); only a malformed one is a 400
@@ -177,7 +177,6 @@ def with_reasoning(reasoning: str | None, content: str) -> str:
 
 
 def loads(text: str, default):
-    """`text` as JSON, or `default` where it is not JSON."""
     try:
         return json.loads(text)
     except ValueError:
@@ -197,11 +196,8 @@ def token_pieces(tok, choice) -> list[str]:
     """The completion's per-token text, whose concatenation is its text (one piece where a character spans
     tokens): for streams and logprobs only, a decode per token costs."""
     ids, n = choice.stream.ids, len(choice.ids)
-    pieces, ctx = [], ids[max(len(ids) - n - 4, 0):len(ids) - n]
-    for t in choice.ids:
-        head, full = decode(tok, ctx, skip_special=True), decode(tok, ctx + [t], skip_special=True)
-        pieces.append(full[len(head):] if full.startswith(head) else "")
-        ctx = (ctx + [t])[-4:]
+    pieces = [decode_continuation(tok, ids[max(k - 4, 0):k], [ids[k]], skip_special=True)
+              for k in range(len(ids) - n, len(ids))]
     return pieces if "".join(pieces) == choice.text else [choice.text] + [""] * (n - 1)
 
 

@@ -25,6 +25,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from functools import partial
+from typing import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
@@ -35,7 +36,7 @@ from stages.agentflow.chat import MessageError, ensure_chat_template
 from stages.agentflow.client import ENGINE_LOST
 from stages.agentflow.limits import PromptLimit, RequestRejected, longest_token_chars
 from stages.agentflow.openai_api import CHAT, COMPLETIONS
-from stages.agentflow.protocol import APIError, Protocol, read_json
+from stages.agentflow.protocol import APIError, Protocol, new_id, read_json
 from stages.agentflow.responses_api import RESPONSES
 from stages.agentflow.session import Session
 
@@ -51,11 +52,7 @@ class Endpoint:
     api_key: str
     route: str
     session: Session
-    proxy: "Proxy"
-
-    async def connect(self) -> socket.socket:
-        """A connection to this endpoint alone (for an agent jail's forwarder: Proxy.attach)."""
-        return await self.proxy.attach(self.route)
+    connect: Callable[[], Awaitable[socket.socket]]     # a connection to it alone, for a jail's forwarder (attach)
 
 
 class Proxy:
@@ -100,7 +97,7 @@ class Proxy:
         session = Session(client, self.tok, sampling, self.limit, max_turns, max_tokens, self.force_sampling)
         self.sessions[route] = (key, session)
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return Endpoint(f"http://{host}:{self.port}/t/{route}/v1", key, route, session, self)
+        return Endpoint(f"http://{host}:{self.port}/t/{route}/v1", key, route, session, partial(self.attach, route))
 
     def close(self, ep: Endpoint) -> None:
         """End a trajectory's endpoint: later calls get 404 and in-flight results are not recorded."""
@@ -108,7 +105,7 @@ class Proxy:
         for t in [t for t, r in self._bound.items() if r == ep.route]:
             del self._bound[t]
             t.close()
-        ep.session.close()
+        ep.session.closed = True
 
     async def attach(self, route: str) -> socket.socket:
         """One end of a new connection whose other end this server serves as bound to `route`: a request on it
@@ -133,7 +130,7 @@ class Proxy:
             key = request.headers.get("x-api-key", "").strip() or (auth[7:].strip() if auth.startswith("Bearer ")
                                                                    else "")
             if not key:
-                how = "'x-api-key: <key>'" if _anthropic(request) else "'Authorization: Bearer <key>'"
+                how = "'x-api-key: <key>'" if "/v1/messages" in request.path else "'Authorization: Bearer <key>'"
                 raise APIError(401, f"missing API key: send {how}", code="invalid_api_key",
                                kind="authentication_error")
             route = request.match_info["route"]
@@ -148,14 +145,12 @@ class Proxy:
             return await handler(request)
         except APIError as e:
             return _error(request, e)
-        except RequestRejected as e:    # the engine refused the row: what the proxy's own checks would say
+        except (RequestRejected, MessageError) as e:  # a bad message; a row the engine refused, as our checks would
             return _error(request, APIError(400, str(e), e.param, e.code))
-        except MessageError as e:       # a malformed message or content part
-            return _error(request, APIError(400, str(e), e.param))
         except web.HTTPRequestEntityTooLarge:
             return _error(request, APIError(413, f"request body over the {self.max_body} byte limit"))
         except Exception as e:  # noqa: BLE001 - the proxy lives on; the client learns nothing of its insides
-            rid = "req_" + secrets.token_hex(12)
+            rid = new_id("req")
             log.error("request %s: %s %s failed", rid, request.method, request.path, exc_info=e)
             status, msg = (503, "the engine serving this trajectory is unavailable (restarting); retry later") \
                 if isinstance(e, ENGINE_LOST) else (500, "the server had an error while processing this request")
@@ -171,7 +166,6 @@ class Proxy:
 
     # ---- endpoints --------------------------------------------------------------------------------------
     async def _serve(self, request: web.Request, api: Protocol) -> web.StreamResponse:
-        """parse -> Session.call -> respond."""
         session: Session = request[SESSION]
         req = api.parse(await self._body(request, api.strict), session)
         choices = await session.call(req, request.headers)
@@ -194,22 +188,18 @@ class Proxy:
         return web.json_response({"input_tokens": await request[SESSION].count(req)})
 
     async def _reachable(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "loongsage", "object": "model", "created": 0,
                                                               "owned_by": "loongsage"}]})
 
 
-def _anthropic(request: web.Request) -> bool:
-    """Anthropic's paths (…/v1/messages and below) answer in its error format."""
-    return "/v1/messages" in request.path
-
-
 def _error(request: web.Request, e: APIError, headers: dict | None = None) -> web.Response:
     """An error in the protocol of the path it answers, noted with the trajectory it was for (proxy_notes:
     a run's rows then show what status a harness saw, as `loongsage serve`'s requests.jsonl does)."""
-    status, body = anthropic_api.error_response(e) if _anthropic(request) else (e.status, e.body())
+    # Anthropic's paths (…/v1/messages and below) answer in its error format
+    status, body = anthropic_api.error_response(e) if "/v1/messages" in request.path else (e.status, e.body())
     if request.get(SESSION) is not None:
         request[SESSION].note(f"answered HTTP {status} to {request.method} {request.path.rsplit('/v1', 1)[-1]}")
     return web.json_response(body, status=status, headers=headers)

@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 from stages.agentflow.chat import (
     call_separator,
@@ -40,7 +40,7 @@ from stages.agentflow.stream import TokenStream
 MAX_TIPS = 64           # recent streams kept as extension candidates; older ones are dropped
 MAX_SAID = 4096         # tool calls and replies remembered, to restore a re-serialised history
 MAX_NOTES = 64          # notes kept per trajectory (the same note once)
-THREAD_CHARS = 1 << 16  # a longer prompt is tokenized on a thread: the loop serves other trajectories meanwhile
+THREAD_CHARS = 1 << 16  # a longer prompt is tokenized on a thread (_off_loop)
 
 
 def turn_seed(seed: int, turn: int, choice: int = 0) -> int:
@@ -54,7 +54,6 @@ class Choice:
     stream: TokenStream       # the whole stream after this call (prompt, context, this completion)
     ids: list[int]            # this completion's ids (after any stop-string cut)
     logprobs: list[float]
-    versions: list[int]
     text: str                 # what the harness reads (special tokens skipped)
     finish_reason: str        # stop | length, as the harness is told
     status: str               # engine status: completed | truncated | aborted
@@ -120,7 +119,6 @@ class Session:
 
     # ---- one model call ------------------------------------------------------------------------------
     async def call(self, req: Request, headers) -> list[Choice]:
-        """restore -> render -> limits -> admit -> complete -> remember -> transcript."""
         kind, agent = request_kind(headers, req.messages)
         prefill = self._prefill(req.forced)
         if req.messages is not None:
@@ -138,21 +136,16 @@ class Session:
             gen.offset, c.message = len(prefill), assistant_message(gen, self.separator if gen.calls else "")
             if req.messages is not None:
                 self.remember(c.message["content"], gen.calls)
-        c, gen = choices[0], choices[0].gen
-        if self.closed:
-            return choices
-        if req.messages is None:
+        c = choices[0]
+        if not self.closed and req.messages is None:
             prompt = req.prompt if isinstance(req.prompt, str) else base.text
             self.transcript = [{"role": "prompt", "content": prompt}, {"role": "assistant", "content": c.text}]
-        else:       # a reply with reasoning apart: as the history would send it back
-            self.transcript = req.messages + [gen.turn() if req.reasoning else c.message]
+        elif not self.closed:       # a reply with reasoning apart: as the history would send it back
+            self.transcript = req.messages + [c.gen.turn() if req.reasoning else c.message]
         return choices
 
     async def count(self, req: Request) -> int:
-        """The tokens of a request's rendered prompt (no model call)."""
-        text = self._render(req)
-        return len(await asyncio.to_thread(encode, self.tok, text) if len(text) > THREAD_CHARS else
-                   encode(self.tok, text))
+        return len(await _off_loop(partial(encode, self.tok), self._render(req)))
 
     def _render(self, req: Request) -> str:
         try:
@@ -185,8 +178,7 @@ class Session:
                 raise bad("the prompt is empty: nothing in this request is text the model can read", param)
             else:
                 self.limit.check_text(prompt, param=param)    # cheap: no tokenizing of a hopeless text
-                base = await asyncio.to_thread(self.base_for_text, prompt) if len(prompt) > THREAD_CHARS else \
-                    self.base_for_text(prompt)
+                base = await _off_loop(self.base_for_text, prompt)
             self.limit.budget(len(base.ids), 0, param=param)
         except RequestRejected as e:
             raise APIError(400, str(e), e.param, e.code,
@@ -235,11 +227,11 @@ class Session:
 
     def _choice(self, base: Prompt, out: dict, stop: list[str], engine_s: float) -> Choice:
         ids, matched = cut_at_stop(self.tok, base.ids, out["response_ids"], stop, keep_stop=False)
-        lps, versions = out["logprobs"][:len(ids)], out["versions"][:len(ids)]
+        lps = out["logprobs"][:len(ids)]
         stream = base.copy()
-        stream.add_model(ids, lps, versions, decode_continuation(self.tok, base.ids, ids))
+        stream.add_model(ids, lps, out["versions"][:len(ids)], decode_continuation(self.tok, base.ids, ids))
         status = "completed" if matched is not None else out["status"]
-        return Choice(stream, ids, lps, versions, decode_continuation(self.tok, base.ids, ids, skip_special=True),
+        return Choice(stream, ids, lps, decode_continuation(self.tok, base.ids, ids, skip_special=True),
                       "stop" if status == "completed" else "length", status, engine_s, len(base.ids), matched)
 
     # ---- a history sent back re-serialised ------------------------------------------------------
@@ -307,8 +299,7 @@ class Session:
         if k < len(tip.ids):
             ids = tip.ids[:k] + rest
             return Prompt(ids, decode(self.tok, ids) if text is None else text, origin=best, shared=k)
-        base = Prompt(list(tip.prompt_ids), tip.text, list(tip.response_ids), list(tip.logprobs), list(tip.versions),
-                      list(tip.loss_mask), origin=best, shared=k, extends=True)
+        base = Prompt(**vars(tip.copy()), origin=best, shared=k, extends=True)
         base.add_context(rest, decode_continuation(self.tok, tip.ids, rest) if rest_text is None else rest_text)
         return base
 
@@ -357,7 +348,6 @@ class Session:
         self.tree.append(Segment(base.segment, kind, agent, parent, shared, calls=1))
 
     def tokens_left(self) -> int | None:
-        """Completion tokens left in the trajectory's budget (None: no budget)."""
         return max(self.max_tokens - self.generated, 0) if self.max_tokens else None
 
     def note(self, *notes: str) -> None:
@@ -368,29 +358,25 @@ class Session:
 
     # ---- the trajectory ----------------------------------------------------------------
     @property
-    def segments(self) -> int:
-        return len(self.tree)
-
-    @property
     def status(self) -> str:
         return "truncated" if self.truncated else self.final.status if self.final else "failed"
 
     def rows(self) -> list[Segment]:
-        """The segments that have a recorded stream, in the order they started."""
         return [s for s in self.tree if s.stream is not None]
 
     def kind_counts(self) -> dict[str, int]:
         return {k: sum(s.kind == k for s in self.tree) for k in KINDS}
 
-    def close(self) -> None:
-        self.closed = True
-
 
 _INVALID = object()
 
 
+async def _off_loop(fn, text: str):
+    """`fn(text)`, on a thread for a long text: the loop serves other trajectories meanwhile."""
+    return await asyncio.to_thread(fn, text) if len(text) > THREAD_CHARS else fn(text)
+
+
 def _json(v):
-    """A tool call's arguments as a JSON value (a text is parsed), or _INVALID."""
     return loads(v, _INVALID) if isinstance(v, str) else v
 
 

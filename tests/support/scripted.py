@@ -204,7 +204,7 @@ def responses_function_call_loop_extends_the_recorded_stream(ep, tok):
     p1, r1, _ = engine_call(ep, 0)
     p2, r2, _ = engine_call(ep, 1)
     assert p2 == p1 + r1 + encode(tok, "5")      # the model's tokens reused as they were, only "5" is new
-    assert ep.session.segments == 1
+    assert len(ep.session.tree) == 1
     assert_recorded_exactly(ep)
     assert ep.session.final.stream.loss_mask.count(1) == len(r1) + len(r2)
 
@@ -243,7 +243,7 @@ def messages_stream_tool_use_and_tool_result_round_trip(ep, tok):
     second = client.messages.create(model="m", max_tokens=8, tools=[ADD_TOOL_ANT], messages=history)
     assert second.content[0].text == SUM and second.stop_reason == "end_turn"
     p1, r1, _ = engine_call(ep, 0)
-    assert engine_call(ep, 1)[0] == p1 + r1 + encode(tok, "5") and ep.session.segments == 1
+    assert engine_call(ep, 1)[0] == p1 + r1 + encode(tok, "5") and len(ep.session.tree) == 1
     assert_recorded_exactly(ep)
     # a failed tool tells the model so; its content may be text blocks
     history[-1]["content"] = [{"type": "tool_result", "tool_use_id": use.id, "is_error": True,
