@@ -31,6 +31,7 @@ runs in a thread. It is the user's own code in the worker, not jailed, and gets 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from stages.agentflow.protocol import loads
 from stages.agentflow.sandbox import jail
 from stages.agentflow.sandbox.agent_jail import Jail, Zygote, end, make_jail
 
@@ -75,8 +77,7 @@ def resolve_command(cmd: str) -> list[str]:
 
 def anthropic_base_url(base_url: str) -> str:
     """The proxy endpoint as the anthropic SDK wants it: without the trailing /v1 it appends itself."""
-    url = base_url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 def base_env(names: tuple[str, ...] = ()) -> dict[str, str]:
@@ -104,12 +105,7 @@ def sample_json(sample: dict) -> str:
 
 
 def last_json(stdout: str) -> dict | None:
-    """The last stdout line as a JSON object, if it is one."""
-    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
-    try:
-        last = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        return None
+    last = loads(stdout.strip().splitlines()[-1], None) if stdout.strip() else None
     return last if isinstance(last, dict) else None
 
 
@@ -124,6 +120,13 @@ def reported_reward(ctx, report: dict | None) -> None:
     ctx.reward = float(report["reward"])
     if isinstance(report.get("info"), dict):
         ctx.info.update(report["info"])
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 async def _drain(stream: asyncio.StreamReader, tail: bytearray) -> None:
@@ -147,15 +150,9 @@ class SubprocessAgent:
             bad = [m for m in preload if not isinstance(m, str) or not all(p.isidentifier() for p in m.split("."))]
             if bad:
                 raise ValueError(f"agent.preload: {bad[0]!r} is not a module name")
-            import importlib.util
-
-            for m in preload:
-                try:
-                    found = importlib.util.find_spec(m) is not None
-                except (ImportError, ValueError):
-                    found = False
-                if not found:
-                    raise ValueError(f"agent.preload: module {m!r} is not installed")
+            missing = next((m for m in preload if not _installed(m)), None)
+            if missing is not None:
+                raise ValueError(f"agent.preload: module {missing!r} is not installed")
             self.zygote = Zygote(tuple(preload))
 
     def configure(self, agent=None, *_) -> None:
@@ -230,9 +227,7 @@ class SubprocessAgent:
                 how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                 why = " at its memory limit (agent.memory_mb)" if oom else ""
                 raise AgentExit(f"agent {self.cmd!r} {how}{why}")
-        report = last_json(out.decode(errors="replace"))
-        if report is not None:
-            ctx.info.update(report)
+        ctx.info.update(last_json(out.decode(errors="replace")) or {})
 
 
 AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when agent.max_agents is 0
@@ -247,10 +242,8 @@ class OpenAIFunctionAgent:
 
     async def run(self, ctx, sample: dict) -> None:
         async with ctx.openai_endpoint() as ep:
-            if asyncio.iscoroutinefunction(self.fn):
-                res = await self.fn(ep.base_url, ep.api_key, sample)
-            else:
-                res = await asyncio.to_thread(self.fn, ep.base_url, ep.api_key, sample)
+            args = (ep.base_url, ep.api_key, sample)
+            res = await (self.fn(*args) if asyncio.iscoroutinefunction(self.fn) else asyncio.to_thread(self.fn, *args))
         if isinstance(res, dict):
             reported_reward(ctx, res)
 

@@ -89,6 +89,8 @@ def cut_at_stop(tok, context_ids: list[int], ids: list[int], stops: list[str],
 class MessageError(ValueError):
     """A malformed message or content part, a 400 at the proxy; `param` names the field (messages[0].content)."""
 
+    code = None
+
     def __init__(self, message: str, param: str = "messages"):
         super().__init__(message)
         self.param = param
@@ -184,8 +186,7 @@ def split_reasoning(content: str, reasoning: str | None) -> tuple[str | None, st
     if reasoning is None and THINK_CLOSE in content:
         head, _, content = content.partition(THINK_CLOSE)
         reasoning = head.split(THINK_OPEN)[-1]
-    reasoning = reasoning.strip() if reasoning is not None else ""
-    return reasoning or None, content.strip()
+    return (reasoning or "").strip() or None, content.strip()
 
 
 def _probe(tok, content: str, name: str) -> tuple[str, str] | None:
@@ -214,6 +215,6 @@ def tool_call_opening(tok) -> str | None:
     writes no <tool_call> block. A forced tool choice ends the prompt with it: the model must continue a call."""
     probe = "loongsage_probe_fn"
     head, turn = _probe(tok, "", probe) or ("", "")
-    turn = turn[len(head):] if turn.startswith(head) else turn
+    turn = turn.removeprefix(head)
     i, j = turn.find("<tool_call>"), turn.find(json.dumps(probe))
     return turn[i:j] if 0 <= i < j else None

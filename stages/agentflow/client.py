@@ -1,9 +1,6 @@
-"""Client side of the engines: micro-batches concurrent agent calls into one engine call.
-
-Many trajectories run concurrently (asyncio) in one rollout worker; each `generate` call
-of one token stream would waste the engine's batch. Requests issued within the same few
-milliseconds to the same engine are sent as one batch, and each caller gets its own result.
-"""
+"""Client side of the engines: the many trajectories of a rollout worker call one engine concurrently; calls within
+a few milliseconds go as one batch (a call per token stream would waste the engine's batch), each caller getting
+its own result."""
 from __future__ import annotations
 
 import asyncio
@@ -27,24 +24,18 @@ class EngineClient:
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
-        self.lost = 0       # engine calls that failed because the engine died: a trajectory
-                            # that saw this change is re-run (stages/agentflow/rollout.py)
+        self.lost = 0       # engine calls failed by its death: a trajectory that saw this change is re-run (rollout.py)
 
     async def generate(self, requests: list[dict]) -> list[dict]:
-        loop = asyncio.get_running_loop()
-        futs = []
-        for r in requests:
-            f = loop.create_future()
-            self._pending.append((r, f))
-            futs.append(f)
+        futs = [asyncio.get_running_loop().create_future() for _ in requests]
+        self._pending += zip(requests, futs)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush())
         return list(await asyncio.gather(*futs))
 
     async def _flush(self) -> None:
-        # The batch is handed to a task of its own, so this flusher is done before the engine
-        # answers: a request arriving meanwhile (an agent's next turn) schedules a new flush
-        # instead of waiting forever behind a flusher that is still awaiting the engine.
+        # The batch goes to a task of its own, so this flusher is done before the engine answers: a request
+        # arriving meanwhile (an agent's next turn) schedules a new flush instead of waiting behind this one.
         await asyncio.sleep(self.window_s)
         batch, self._pending = self._pending, []
         task = asyncio.ensure_future(self._send(batch))

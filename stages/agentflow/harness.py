@@ -8,10 +8,8 @@ agent's work: its own segment, not trained by default.
 """
 from __future__ import annotations
 
-import json
-
 from stages.agentflow.config import KINDS
-from stages.agentflow.protocol import bad
+from stages.agentflow.protocol import bad, loads
 
 KIND_HEADER = "x-loongsage-request-kind"
 AGENT_HEADER = "x-loongsage-agent-id"
@@ -39,10 +37,7 @@ def _codex(headers) -> tuple[str, str] | None:
     sub = (headers.get("x-openai-subagent") or "").strip()
     if sub:
         return ("compaction", "") if sub in ("compact", "compaction") else ("subagent", sub)
-    try:
-        meta = json.loads(headers.get("x-codex-turn-metadata") or "{}")
-    except ValueError:
-        return None
+    meta = loads(headers.get("x-codex-turn-metadata") or "{}", None)
     if not isinstance(meta, dict):
         return None
     if meta.get("request_kind") in ("compaction", "compact"):
@@ -55,6 +50,5 @@ def _codex(headers) -> tuple[str, str] | None:
 
 def _by_system_prompt(messages: list[dict]) -> tuple[str, str] | None:
     text = messages[0].get("content") if messages and messages[0].get("role") == "system" else None
-    if not isinstance(text, str):
-        return None
-    return next(((kind, "") for opening, kind in SYSTEM_PROMPT_KINDS if text.lstrip().startswith(opening)), None)
+    text = text.lstrip() if isinstance(text, str) else ""
+    return next(((kind, "") for opening, kind in SYSTEM_PROMPT_KINDS if text.startswith(opening)), None)

@@ -25,11 +25,10 @@ class RequestRejected(ValueError):
     """A model call refused before decoding, with the OpenAI error code and parameter at fault."""
 
     code = "invalid_request"
-    tokens = 0      # the prompt's tokens (or a lower bound) where it is refused for its length
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, tokens: int = 0):
         super().__init__(message)
-        self.param = param
+        self.param, self.tokens = param, tokens     # tokens: the prompt's (or a lower bound) refused for its length
 
 
 class ContextLengthExceeded(RequestRejected):
@@ -86,13 +85,9 @@ class PromptLimit:
 
     def _over(self, n: int, what: str, param: str | None) -> ContextLengthExceeded:
         cap = self.prompt_cap
-        if self.max_prompt and self.max_prompt == cap:
-            why = f"prompts are limited to {cap} tokens (sampling.max_prompt_tokens)"
-        else:
-            why = f"this model's maximum context length is {self.context} tokens, so a prompt may have at most {cap}"
-        e = ContextLengthExceeded(f"{what} {n} tokens, but {why}. Please reduce the length of the prompt.", param)
-        e.tokens = n
-        return e
+        why = f"prompts are limited to {cap} tokens (sampling.max_prompt_tokens)" if self.max_prompt == cap else \
+            f"this model's maximum context length is {self.context} tokens, so a prompt may have at most {cap}"
+        return ContextLengthExceeded(f"{what} {n} tokens, but {why}. Please reduce the length of the prompt.", param, n)
 
     def check_text(self, text: str, known: int = 0, param: str | None = None) -> None:
         """Refuse, untokenized, a text that cannot fit after `known` tokens even at the longest token's length."""

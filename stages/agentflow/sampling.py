@@ -16,10 +16,9 @@ CDF_CELLS = 2 ** 21                  # rows sampled at a time: rows x vocabulary
 
 
 def sample(logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor):
-    """One token per row and its log-prob under logits / temp (what the trainer computes): greedy where
-    temp <= 0, else the inverse CDF at u of the top-p cut distribution. Rows go CDF_CELLS (rows x
-    vocabulary) at a time: each [rows, V] tensor of the math is 39 MB at 64 rows of a 151k vocabulary,
-    and a handful of them live at once."""
+    """One token per row and its log-prob under logits / temp (what the trainer computes): greedy where temp <= 0,
+    else the inverse CDF at u of the top-p cut distribution. Rows go CDF_CELLS (rows x vocabulary) at a time: the
+    math holds a handful of [rows, V] tensors at once."""
     step = max(1, CDF_CELLS // logits.shape[-1])
     if logits.shape[0] > step:
         parts = [sample(logits[i:i + step], temp[i:i + step], top_p[i:i + step], u[i:i + step])

@@ -1,11 +1,9 @@
 """Tools for white-box agents: a small registry and the built-in calculator.
 
-A tool is a name, an OpenAI-style JSON-schema description and a function of keyword
-arguments returning text (`async def` works too). A white-box agent calls
-`await ctx.call_tool(name, args)`; the result text joins the trajectory as loss_mask=0
-tokens. Tool failures (unknown name, bad arguments, an exception, a timeout) come back
-as an "error: ..." result the model can read, never as a crashed trajectory: a model that
-learns to use tools must also see its mistakes.
+A tool is a name, an OpenAI-style JSON-schema description and a function of keyword arguments returning text
+(`async def` works too). A white-box agent calls `await ctx.call_tool(name, args)`; the result text joins the
+trajectory as loss_mask=0 tokens. A failure (unknown name, bad arguments, an exception, a timeout) comes back as an
+"error: ..." result the model can read, never as a crashed trajectory: a model learning tools must see its mistakes.
 """
 from __future__ import annotations
 
