@@ -10,8 +10,8 @@ from stages.agentflow.engine import HFEngine
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.schema import table_from_columns
 from stages.update.losses import AlgorithmConfig
-from stages.update.step import mini_batches
-from stages.update.trainer import TorchTrainer, TrainerConfig, lr_at, to_batch
+from stages.update.step import lr_at, mini_batches, to_batch
+from stages.update.trainer import TorchTrainer, TrainerConfig
 from tests.support.runs import served_weights
 
 

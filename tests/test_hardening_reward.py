@@ -30,8 +30,8 @@ from stages.agentflow.envs import Step
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.reward import Reward, RewardConfig
 from stages.schema import table_from_columns
-from stages.update import trainer as trainer_module
 from stages.update.losses import AlgorithmConfig
+from stages.update.step import NonFiniteUpdate
 from stages.update.trainer import TorchTrainer, TrainerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,7 +264,7 @@ def test_a_non_finite_loss_is_skipped_counted_and_never_applied(tiny_model_dir):
     assert m["train/nonfinite_skipped"] == 0 and math.isfinite(m["train/loss"])
     assert any(not torch.equal(before[n], t) for n, t in tr.state_dict().items())
     stop = TorchTrainer(tiny_model_dir, TrainerConfig(num_threads=1, on_nonfinite="stop"), AlgorithmConfig())
-    with pytest.raises(trainer_module.NonFiniteUpdate, match=r"training step 0 .*mini-batch 1: non-finite loss nan"):
+    with pytest.raises(NonFiniteUpdate, match=r"training step 0 .*mini-batch 1: non-finite loss nan"):
         stop.train_step(bad)
     assert all(torch.equal(before[n], t) for n, t in stop.state_dict().items())
 

@@ -11,7 +11,8 @@ import torch
 
 from stages.update.losses import AlgorithmConfig
 from stages.update.microbatch import token_micro_batches
-from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch
+from stages.update.step import to_batch
+from stages.update.trainer import TorchTrainer, TrainerConfig
 
 
 def _rows(seed: int = 0) -> list[dict]:

@@ -11,7 +11,8 @@ import torch
 from stages.lora import LoraConfig
 from stages.token_logprobs import split_model, token_stats
 from stages.update.losses import AlgorithmConfig
-from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch
+from stages.update.step import to_batch
+from stages.update.trainer import TorchTrainer, TrainerConfig
 
 
 def _table(n_groups: int = 3, per: int = 3, seed: int = 0) -> pa.Table:

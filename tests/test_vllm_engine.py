@@ -28,7 +28,8 @@ from stages.agentflow.limits import model_limits  # noqa: E402
 from stages.agentflow.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
 from stages.transfer_config import TransferConfig  # noqa: E402
 from stages.update.losses import AlgorithmConfig  # noqa: E402
-from stages.update.trainer import TorchTrainer, TrainerConfig, to_batch  # noqa: E402
+from stages.update.step import to_batch  # noqa: E402
+from stages.update.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from tests.support.engine_checks import check_generation, check_refusals, check_resume  # noqa: E402
 
 CFG = VLLMConfig(kv_cache_mb=64)

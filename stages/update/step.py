@@ -1,4 +1,4 @@
-"""One training step's inputs and outputs, the same for the torch and the Megatron trainer.
+"""One training step, the same for the torch and the Megatron trainer (`Trainer`, their base).
 
 Arrow rows -> right-padded tensors (Batch) -> overlong shaping and advantages -> the old policy
 and its IS correction -> (each trainer's mini-batches) -> the step's metrics. The learning rate
@@ -7,6 +7,7 @@ is a function of the step alone, so a resumed run continues its schedule where i
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -173,35 +174,81 @@ def step_metrics(metrics: dict, parts: list[dict], losses: list[float], gnorms: 
     return {k: v for k, v in metrics.items() if not (isinstance(v, float) and not math.isfinite(v))}
 
 
-def skipped_step(trainer, n: int, lr: float, t0: float) -> dict:
-    """A step with no trainable token (every row failed, or every token was masked out): nothing to
-    forward and no optimizer step, but the version advances (the clock counts steps), so the window and
-    the lr schedule move on. Counted in the trainer's skipped_steps; returns the step's metrics."""
-    trainer.version, trainer.skipped_steps = trainer.version + 1, trainer.skipped_steps + 1
-    return {"train/skipped_steps": trainer.skipped_steps, "train/tokens": 0, "train/samples": n,
-            "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
-            "train/lr": lr, "version": trainer.version}
+class Trainer:
+    """What both trainers share: the set-up, the step around their own mini-batches, the clock a resume
+    restores and the version the TransferMesh publishes. A trainer gives `published()` (its HF state
+    dict, or its LoRA adapter), `_prepare` and `opt` (whose param_groups take the step's lr)."""
 
+    reports = True          # a Megatron rank that does not report the step's metrics returns None
+    _adopt_shared = None    # the torch trainer keeps its weights in the mesh's shared segment
 
-def setup(trainer, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float, max_new_tokens: int) -> None:
-    """What both trainers set first: threads and seed, the algorithm for the generation limit, the
-    sampling temperature, the clock (version, steps skipped over the run) and the mini-batch RNG."""
-    torch.set_num_threads(max(1, cfg.num_threads))
-    torch.manual_seed(cfg.seed)
-    trainer.cfg, trainer.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)
-    trainer.temperature = temperature if temperature > 0 else 1.0
-    trainer.max_new_tokens, trainer.version, trainer.skipped_steps = max_new_tokens, 0, 0
-    trainer.mesh_endpoint, trainer.rng = None, np.random.default_rng(cfg.seed)
+    def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float, max_new_tokens: int):
+        """Threads and seed, the algorithm for the generation limit, the sampling temperature, the clock
+        (version, steps skipped over the run) and the mini-batch RNG."""
+        torch.set_num_threads(max(1, cfg.num_threads))
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.max_new_tokens, self.version, self.skipped_steps = max_new_tokens, 0, 0
+        self.mesh_endpoint, self.rng = None, np.random.default_rng(cfg.seed)
 
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "version": self.version}
 
-def clock_state(trainer) -> dict:
-    """What a resume restores besides weights and optimizer: the RNGs and the clock."""
-    return {"torch_rng": torch.get_rng_state(), "np_rng": trainer.rng.bit_generator.state,
-            "version": trainer.version, "skipped_steps": trainer.skipped_steps}
+    def state_dict(self) -> dict:
+        return {n: t.detach().clone() for n, t in self.published().items()}
 
+    def mesh(self, method: str, *args, **kwargs):
+        if self.mesh_endpoint is None:
+            import transfer
 
-def restore_clock(trainer, state: dict) -> int:
-    torch.set_rng_state(state["torch_rng"])
-    trainer.rng.bit_generator.state = state["np_rng"]
-    trainer.version, trainer.skipped_steps = int(state["version"]), int(state.get("skipped_steps", 0))
-    return trainer.version
+            self.mesh_endpoint = transfer.Sender(state_fn=self.published, adopt_fn=self._adopt_shared)
+        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+
+    def clock_state(self) -> dict:
+        """What a resume restores besides weights and optimizer: the RNGs and the clock."""
+        return {"torch_rng": torch.get_rng_state(), "np_rng": self.rng.bit_generator.state,
+                "version": self.version, "skipped_steps": self.skipped_steps}
+
+    def restore_clock(self, state: dict) -> int:
+        torch.set_rng_state(state["torch_rng"])
+        self.rng.bit_generator.state = state["np_rng"]
+        self.version, self.skipped_steps = int(state["version"]), int(state.get("skipped_steps", 0))
+        return self.version
+
+    def train_step(self, table: pa.Table) -> dict | None:
+        """One RL update from one step's rows. `_prepare(table, b, adv, mask)` gives (metrics, advantages,
+        mask, counts, mini_batch): mini_batch(i, rows) runs the step's i-th mini-batch and returns (loss,
+        loss metrics or None, grad norm, why its update was not applied: "" when it was)."""
+        t0, cfg = time.time(), self.cfg
+        b = to_batch(table, self.pad_id)
+        adv, mask = task_advantages(self.algo, b, self.max_new_tokens)
+        lr, n = lr_at(cfg, self.version), len(b.rewards)
+        if not mask.any():
+            # No trainable token (every row failed or was masked out): nothing to forward and no optimizer
+            # step, but the version advances (the clock counts steps), so the window and the lr schedule
+            # move on. Every Megatron rank holds the same table, so every rank skips it.
+            self.version, self.skipped_steps = self.version + 1, self.skipped_steps + 1
+            return {"train/skipped_steps": self.skipped_steps, "train/tokens": 0, "train/samples": n,
+                    "train/rows_not_forwarded": n, "train/nonfinite_skipped": 0, "train/seconds": time.time() - t0,
+                    "train/lr": lr, "version": self.version} if self.reports else None
+        metrics, adv, mask, counts, mini_batch = self._prepare(table, b, adv, mask)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        losses, gnorms, parts, skipped = [], [], [], 0
+        for _ in range(cfg.ppo_epochs):
+            for idx in mini_batches(cfg, self.rng, b):
+                loss, part, gnorm, failed = mini_batch(len(losses) + skipped, idx)
+                if failed:    # never applied: weights and optimizer state stay as they were
+                    on_nonfinite(cfg, self.version, len(losses) + skipped + 1, failed)
+                    skipped += 1
+                    continue
+                losses.append(loss)
+                gnorms.append(gnorm)
+                if part:
+                    parts.append(part)
+        self.version += 1
+        if not self.reports:
+            return None
+        return step_metrics(metrics, parts, losses, gnorms, adv, mask, t0, lr, self.version, samples=n,
+                            nonfinite_skipped=skipped, **counts, skipped_steps=self.skipped_steps)

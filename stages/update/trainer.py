@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +20,12 @@ import torch
 from stages import lora as lora_lib
 from stages.model import load_model
 from stages.token_logprobs import position_stats, split_model
-from stages.update import step
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.correction import mismatch_metrics
 from stages.update.distill import apply_distill, gkd_term
 from stages.update.losses import policy_loss
 from stages.update.microbatch import merge_metrics, token_micro_batches
-from stages.update.step import Batch, NonFiniteUpdate, lr_at, to_batch  # noqa: F401  (NonFiniteUpdate: read with the trainer)
+from stages.update.step import Batch, Trainer, corrected
 
 # Prompt packing needs a [G, 1, W, W] attention mask, which attention may widen to float: past this
 # many cells (a 8k-token packed sequence) the rows run padded, under the causal mask alone.
@@ -114,12 +112,12 @@ class Terms:
     tb: object | None        # distill.TeacherBatch (GKD) or None
 
 
-class TorchTrainer:
+class TorchTrainer(Trainer):
     """Ray actor: owns the policy, the optimizer and (if KL is on) a frozen reference copy."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  max_new_tokens: int = 0, dtype: str = "float32"):
-        step.setup(self, cfg, algo, temperature, max_new_tokens)
+        super().__init__(cfg, algo, temperature, max_new_tokens)
         self.lora = cfg.lora if cfg.lora.enabled else None
         self.model = load_model(model_path, dtype)
         self.pad_id = self.model.config.pad_token_id or 0
@@ -148,12 +146,6 @@ class TorchTrainer:
             return {n: p.detach() for n, p in self.adapter.items()}
         return {n: t.detach() for n, t in self.model.state_dict().items()}
 
-    def state_dict(self) -> dict:
-        return {n: t.clone() for n, t in self.published().items()}
-
-    def info(self) -> dict:
-        return {"pid": os.getpid(), "version": self.version}
-
     def memory(self) -> dict:
         """Bytes of the trained parameters and of their optimizer state, and this process's peak RSS."""
         import resource
@@ -164,13 +156,6 @@ class TorchTrainer:
         return {"trainable_bytes": size(self.params), "model_bytes": size(self.model.parameters()),
                 "optimizer_state_bytes": size(t for s in self.opt.state.values() for t in s.values()),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-    def mesh(self, method: str, *args, **kwargs):
-        if self.mesh_endpoint is None:
-            import transfer
-
-            self.mesh_endpoint = transfer.Sender(state_fn=self.published, adopt_fn=self._adopt_shared)
-        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
 
     def _adopt_shared(self, views: dict) -> None:
         """Keep the weights in the TransferMesh's shared segment (the views hold their values), read in place
@@ -192,7 +177,7 @@ class TorchTrainer:
 
             save_tokenizer(path, tokenizer_dir, tokenizer_staged)
         if with_state:
-            state = {"optimizer": self.opt.state_dict()} | step.clock_state(self)
+            state = {"optimizer": self.opt.state_dict()} | self.clock_state()
             torch.save(state, os.path.join(path, "trainer_state.pt"))
         return path
 
@@ -214,7 +199,7 @@ class TorchTrainer:
                                          f"{tuple(p.shape)} (a different trainer.lora.rank?)")
                     p.copy_(saved[n])
         self.opt.load_state_dict(state["optimizer"])
-        return step.restore_clock(self, state)
+        return self.restore_clock(state)
 
     # ---- the update -----------------------------------------------------------------
     def logprobs(self, model, b: Batch, rows: torch.Tensor | slice = slice(None), with_entropy=False,
@@ -290,64 +275,49 @@ class TorchTrainer:
             return contextlib.nullcontext()
         return activation_checkpointing(self.model)
 
-    def train_step(self, table: pa.Table) -> dict:
-        t0, cfg, algo = time.time(), self.cfg, self.algo
-        b = to_batch(table, self.pad_id)
-        adv, mask = step.task_advantages(algo, b, self.max_new_tokens)
-        lr, n = lr_at(cfg, self.version), len(b.rewards)
-        if not mask.any():      # every row failed or was masked out: nothing to train on
-            return step.skipped_step(self, n, lr, t0)
+    def _prepare(self, table: pa.Table, b: Batch, adv: torch.Tensor, mask: torch.Tensor):
+        """The step's log-probs, IS correction and distillation, and its mini-batch (step.Trainer.train_step)."""
+        algo, cfg = self.algo, self.cfg
         # decoupled: no recompute pass; the gap is measured on the first mini-batch instead, whose
         # forward runs under the same weights the recompute would have used
         recomputed = None if algo.decoupled else self._all_logprobs(b)
         ref_lp = self._all_logprobs(b, reference=True) if algo.kl_coef > 0 else None
-        old, weights, mask, metrics = step.corrected(algo, b, recomputed, mask, self.version)
+        old, weights, mask, metrics = corrected(algo, b, recomputed, mask, self.version)
         adv, distill_m, tb = apply_distill(algo, table, adv, old, mask, b.resp_ids)   # on-policy distillation
         metrics |= distill_m
-        terms = Terms(old, adv, mask, weights, ref_lp, tb)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        terms, counts = Terms(old, adv, mask, weights, ref_lp, tb), {"rows_not_forwarded": 0}
         # rows with no gradient: every trained token's advantage is 0 and no other term reaches them
         # (the entropy term reaches every row unless algorithm.entropy_rows=trained keeps it to the others)
         live = ((adv * mask) != 0).any(1) if cfg.skip_zero_advantage and ref_lp is None and tb is None and \
             (algo.entropy_coef == 0 or algo.entropy_rows == "trained") else None
-        losses, gnorms, parts, skipped, not_forwarded = [], [], [], 0, 0
-        for _ in range(cfg.ppo_epochs):
-            for idx in step.mini_batches(cfg, self.rng, b):
-                rows = full = torch.as_tensor(idx)
-                measure = recomputed is None and not losses and not skipped   # decoupled: the gap, on every row
-                if live is not None and not measure:
-                    rows = full[live[full]]
-                if not mask[rows].any():    # no live row or no trained token: a zero gradient, so no forward;
-                    rows = rows[:0]         # AdamW still steps, as the full update would
-                not_forwarded += len(full) - len(rows)
-                self.opt.zero_grad(set_to_none=True)
-                if len(rows) == 0:
-                    for p in self.params:
-                        p.grad = torch.zeros_like(p)
-                    self.opt.step()
-                    losses.append(0.0)
-                    gnorms.append(0.0)
-                    continue
-                value, m, lp = self._forward_backward(b, rows, full, terms)
-                if measure:
-                    metrics |= mismatch_metrics(lp, b.engine_lp[rows], mask[rows], b.stale(self.version)[rows])
-                gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)) \
-                    if math.isfinite(value) else math.nan   # the gradients of every micro-batch are in
-                if not math.isfinite(gnorm):    # never applied: weights and optimizer state stay as they were
-                    step.on_nonfinite(cfg, self.version, len(losses) + skipped + 1, f"non-finite loss {value}"
-                                 if not math.isfinite(value) else f"non-finite grad norm {gnorm} (loss {value})")
-                    self.opt.zero_grad(set_to_none=True)
-                    skipped += 1
-                    continue
+
+        def mini_batch(i: int, idx: np.ndarray):
+            rows = full = torch.as_tensor(idx)
+            measure = recomputed is None and i == 0     # decoupled: the gap, on every row
+            if live is not None and not measure:
+                rows = full[live[full]]
+            if not mask[rows].any():    # no live row or no trained token: a zero gradient, so no forward;
+                rows = rows[:0]         # AdamW still steps, as the full update would
+            counts["rows_not_forwarded"] += len(full) - len(rows)
+            self.opt.zero_grad(set_to_none=True)
+            if len(rows) == 0:
+                for p in self.params:
+                    p.grad = torch.zeros_like(p)
                 self.opt.step()
-                losses.append(value)
-                gnorms.append(gnorm)
-                parts.append(m)
-        self.version += 1
-        return step.step_metrics(metrics, parts, losses, gnorms, adv, mask, t0, lr, self.version, samples=n,
-                            nonfinite_skipped=skipped, rows_not_forwarded=not_forwarded,
-                            skipped_steps=self.skipped_steps)
+                return 0.0, None, 0.0, ""
+            value, m, lp = self._forward_backward(b, rows, full, terms)
+            if measure:
+                metrics.update(mismatch_metrics(lp, b.engine_lp[rows], mask[rows], b.stale(self.version)[rows]))
+            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)) \
+                if math.isfinite(value) else math.nan   # the gradients of every micro-batch are in
+            if not math.isfinite(gnorm):
+                self.opt.zero_grad(set_to_none=True)
+                return value, m, gnorm, f"non-finite loss {value}" if not math.isfinite(value) else \
+                    f"non-finite grad norm {gnorm} (loss {value})"
+            self.opt.step()
+            return value, m, gnorm, ""
+
+        return metrics, adv, mask, counts, mini_batch
 
 
 def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from functools import partial
 
 import numpy as np
@@ -22,24 +21,25 @@ import pyarrow as pa
 import ray
 import torch
 
-from stages.update import step
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.losses import policy_loss
-from stages.update.step import Batch, lr_at, to_batch
+from stages.update.step import Batch, Trainer, corrected
 
 from . import parallel
 from .config import MegatronConfig
 from .convert import Arch, to_megatron
 from .logprobs import chunked_token_logprobs, defer_head, token_logprobs
-from .model import HFReader, build_gpt, hf_config, layer_index, transformer_config
+from .model import HFReader, build_gpt, layer_index, transformer_config
 
 
-class MegatronTrainer:
+class MegatronTrainer(Trainer):
     def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  max_new_tokens: int = 0, dtype: str = "float32", mcfg: MegatronConfig | None = None):
-        step.setup(self, cfg, algo, temperature, max_new_tokens)
+        from transformers import AutoConfig
+
+        super().__init__(cfg, algo, temperature, max_new_tokens)
         self.model_path, self.mcfg, self.dtype = model_path, mcfg or MegatronConfig(), dtype
-        self.hf = hf_config(model_path)
+        self.hf = AutoConfig.from_pretrained(model_path)
         self.arch = Arch.from_hf(self.hf)
         self.pad_id = self.hf.pad_token_id or 0
         self.peers: list = []
@@ -48,13 +48,12 @@ class MegatronTrainer:
     def rendezvous(self) -> tuple[str, int]:
         return parallel.free_address()
 
-    def setup(self, rank: int, addr: str, port: int) -> dict:
+    def setup(self, rank: int, addr: str, port: int) -> None:
         self.device = parallel.pick_device(self.mcfg)
         self.on_cpu = self.device.type == "cpu"
         parallel.init(rank, addr, port, self.mcfg, self.device, self.cfg.seed)
         with self._ctx():
             self._build()
-        return self.rank_info()
 
     def connect(self, peers: list) -> None:
         """Leader only: the other ranks' actor handles, in rank order."""
@@ -94,8 +93,10 @@ class MegatronTrainer:
             adam_eps=1e-8, clip_grad=c.grad_clip, bf16=self.config.bf16, fp16=self.config.fp16,
             params_dtype=self.config.params_dtype, use_distributed_optimizer=m.use_distributed_optimizer),
             [self.model])
-        self.tp_rank, self.dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-        self.dp, self.dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+        self.dp_rank, self.dp, self.dp_group = (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                                ps.get_data_parallel_group())
+        # the rank whose step metrics the leader hands back: the loss is on the last stage
+        self.reports = self.last and ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
 
     def _load_gpt(self):
         from megatron.core import parallel_state as ps
@@ -127,35 +128,18 @@ class MegatronTrainer:
         ref = (ray.put(table),) if self.peers else None       # one copy in the object store for all peers
         return next(r for r in self._everywhere("rank_train_step", table, peer_args=ref) if r is not None)
 
-    def state_dict(self) -> dict:
-        return {n: t.detach().clone() for n, t in self._hf_state().items()}
-
-    def _hf_state(self) -> dict:
+    def published(self) -> dict:
         return self._everywhere("rank_hf_state")[0]
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "version": self.version, "ranks": 1 + len(self.peers)}
-
-    def rank_info(self) -> dict:
-        from megatron.core import parallel_state as ps
-
-        return {"pid": os.getpid(), "device": str(self.device), "rank": torch.distributed.get_rank(),
-                "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-                "dp_rank": ps.get_data_parallel_rank()}
-
-    def mesh(self, method: str, *args, **kwargs):
-        if self.mesh_endpoint is None:
-            import transfer
-
-            self.mesh_endpoint = transfer.Sender(state_fn=self._hf_state)
-        return getattr(self.mesh_endpoint, method)(*args, **kwargs)
+        return super().info() | {"ranks": 1 + len(self.peers)}
 
     def save(self, path: str, tokenizer_dir: str = "", with_state: bool = True, tokenizer_staged: str = "") -> str:
         """HF format (config, safetensors with shared tensors once, tokenizer); with_state adds what
         resuming (with the same layout) needs: every rank's optimizer shard and RNGs, and the version."""
         from huggingface_hub import save_torch_state_dict
 
-        state = self._hf_state()
+        state = self.published()
         if self.arch.tied:
             state = {n: t for n, t in state.items() if n != "lm_head.weight"}
         os.makedirs(path, exist_ok=True)
@@ -200,7 +184,7 @@ class MegatronTrainer:
                        "main": [p.detach().clone() for g in o.optimizer.param_groups for p in g["params"]],
                        "scaler": o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None}
                       for o in self._inner_optimizers()]
-            torch.save({"optimizer": shards} | step.clock_state(self), self._state_file(path))
+            torch.save({"optimizer": shards} | self.clock_state(), self._state_file(path))
 
     def rank_load_state(self, path: str) -> int:
         with self._ctx(), torch.no_grad():      # fp32 main params may be views of the (grad-requiring) weights
@@ -212,7 +196,7 @@ class MegatronTrainer:
                     p.copy_(saved)
                 if shard["scaler"] is not None:
                     o.grad_scaler.load_state_dict(shard["scaler"])
-        return step.restore_clock(self, state)
+        return self.restore_clock(state)
 
     def shutdown(self) -> None:
         """Leader only: stop the peer ranks (their actors hold no state worth keeping)."""
@@ -227,41 +211,17 @@ class MegatronTrainer:
 
     def rank_train_step(self, table: pa.Table) -> dict | None:
         with self._ctx():
-            return self._train_step(table)
+            return super().train_step(table)
 
-    def _train_step(self, table: pa.Table) -> dict | None:
-        t0, cfg, algo = time.time(), self.cfg, self.algo
-        b = to_batch(table, self.pad_id)
-        adv, mask = step.task_advantages(algo, b, self.max_new_tokens)
-        lr, reports = lr_at(cfg, self.version), self.last and self.tp_rank == 0 and self.dp_rank == 0
-        if not mask.any():      # every rank holds the same table, so every rank skips it
-            m = step.skipped_step(self, len(b.rewards), lr, t0)
-            return m if reports else None
-        recomputed = None if algo.decoupled else self.logprobs(self.module, b)
+    def _prepare(self, table: pa.Table, b: Batch, adv: torch.Tensor, mask: torch.Tensor):
+        """Old / reference log-probs and the IS correction; the mini-batches run megatron's schedule."""
+        recomputed = None if self.algo.decoupled else self.logprobs(self.module, b)
         ref_lp = self.logprobs(self.ref, b) if self.ref is not None else None
         metrics, fields = {}, self._inputs(b)
         if self.last:     # only the last stage sees logits, so only it computes the loss
-            old, weights, mask, metrics = step.corrected(algo, b, recomputed, mask, self.version)
+            old, weights, mask, metrics = corrected(self.algo, b, recomputed, mask, self.version)
             fields |= {"old": old, "adv": adv, "mask": mask, "weights": weights, "ref": ref_lp}
-        for o in self._inner_optimizers():      # the same schedule as TorchTrainer's, set on every rank
-            for group in o.optimizer.param_groups:
-                group["lr"] = lr
-        parts, gnorms, skipped = [], [], 0
-        for _ in range(cfg.ppo_epochs):
-            for idx in step.mini_batches(cfg, self.rng, b):
-                part, gnorm = self._optimizer_step(idx, fields)
-                if gnorm is None:   # every rank agrees: the decision was all-reduced
-                    step.on_nonfinite(cfg, self.version, len(parts) + skipped + 1,
-                                 f"a non-finite loss or gradient (loss {part.get('loss', 'on the last stage')})")
-                    skipped += 1
-                    continue
-                parts.append(part)
-                gnorms.append(gnorm)
-        self.version += 1
-        if not reports:
-            return None
-        return step.step_metrics(metrics, parts, [p["loss"] for p in parts], gnorms, adv, mask, t0, lr, self.version,
-                            samples=len(b.rewards), nonfinite_skipped=skipped, skipped_steps=self.skipped_steps)
+        return metrics, adv, mask, {}, partial(self._optimizer_step, fields=fields)
 
     def _inputs(self, b: Batch) -> dict:
         L = b.input_ids.shape[1]
@@ -345,20 +305,17 @@ class MegatronTrainer:
             full[r::self.dp] = part.cpu()[: len(range(r, n, self.dp))]
         return full
 
-    def _optimizer_step(self, rows: np.ndarray, fields: dict) -> tuple[dict, float | None]:
+    def _optimizer_step(self, i: int, rows: np.ndarray, fields: dict) -> tuple:
         """One mini-batch: forward-backward, then the optimizer step unless a loss or gradient is NaN / inf
-        on any rank (grad norm None: nothing applied)."""
+        on any rank (every rank agrees: the decision is all-reduced)."""
         items = self._micro_batches(rows.tolist(), fields)
         self.model.zero_grad_buffer()
         self.opt.zero_grad()
-        reports = self._run(self.model, items, self._loss, forward_only=False)
-        part = self._reduce_reports(reports)
-        if self._nonfinite(part):
-            return part, None
-        ok, gnorm, _ = self.opt.step()      # fp16: megatron's own overflow check may still skip it
-        if not ok:
-            return part, None
-        return part, float(gnorm if gnorm is not None else 0.0)
+        part = self._reduce_reports(self._run(self.model, items, self._loss, forward_only=False))
+        # fp16: megatron's own overflow check may still skip the step
+        ok, gnorm, _ = (False, None, None) if self._nonfinite(part) else self.opt.step()
+        failed = "" if ok else f"a non-finite loss or gradient (loss {part.get('loss', 'on the last stage')})"
+        return part.get("loss"), part, float(gnorm if gnorm is not None else 0.0), failed
 
     def _nonfinite(self, part: dict) -> bool:
         """Any NaN / inf in a rank's gradient buffers or loss, checked before megatron's step (which with
