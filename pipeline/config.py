@@ -29,7 +29,7 @@ from stages.agentflow.engine_config import EngineConfig, SGLangConfig, VLLMConfi
 from stages.agentflow.sandbox.pool import SandboxConfig
 from stages.agentflow.sandbox.tool_service import ToolServiceConfig
 from stages.batcher_config import BatcherConfig
-from stages.keys import NONNEG, POSITIVE, check_fields, check_of, key, one_of, problem
+from stages.keys import NONNEG, POSITIVE, check_of, key, one_of, problem, section
 from stages.model_config import ModelConfig
 from stages.prompts_config import DataConfig
 from stages.reward_config import RewardConfig
@@ -51,7 +51,7 @@ class EvalConfig:
     n_samples: int = key(1, "samples per held-out prompt", POSITIVE)
 
 
-@dataclass(frozen=True)
+@section("run")
 class RunConfig:
     """Run-level settings: where Ray is, how often to checkpoint, the seed."""
     steps: int = key(40, "training steps (weight versions) to run", POSITIVE)
@@ -65,9 +65,6 @@ class RunConfig:
                                   "(ray: every 0.1 s, no patch of its internals)", one_of("event", "ray"))
     node_wait_s: float = key(120.0, "a Ray node holding engines died: seconds to wait for them to be restarted "
                                     "elsewhere before the run stops with a resumable checkpoint", NONNEG)
-
-    def __post_init__(self):
-        check_fields(self, "run")
 
 
 @dataclass(frozen=True)
@@ -220,11 +217,10 @@ def _coerce(value, typ, where: str):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {_shown(value)}")
         return dict(value)
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is float and (number or isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())):
         return float(value)
-    if typ is float and isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-        return float(value)
-    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if typ is str and number:
         return str(value)
     if typ in (int, float, str, bool) and not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {typ.__name__}, got {_shown(value)}")
@@ -236,15 +232,13 @@ def _build(cls, data, where: str):
         return data
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {_shown(data)}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
+    hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
     if unknown:     # a key of the earlier layout is named with its new place
         moved = [f"{where}.{k} is now {MOVED[f'{where}.{k}']}" for k in unknown if f"{where}.{k}" in MOVED]
         raise ConfigError("; ".join(moved) or f"unknown key {where + '.' if where else ''}{_cut(str(unknown[0]), 80)}"
-                          f"; valid keys{' of ' + where if where else ''}: {', '.join(names)}")
+                          f"; valid keys{' of ' + where if where else ''}: {', '.join(fields)}")
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
     for k, v in kwargs.items():
         why = None if dataclasses.is_dataclass(v) else problem(v, check_of(fields[k]))
         if why:
@@ -256,11 +250,7 @@ def _build(cls, data, where: str):
 
 
 def to_dict(cfg) -> dict:
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else (list(v) if isinstance(v, tuple) else v)
-    return out
+    return dataclasses.asdict(cfg, dict_factory=lambda kv: {k: list(v) if isinstance(v, tuple) else v for k, v in kv})
 
 
 def apply_override(tree: dict, override: str) -> None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from stages.keys import NONNEG, POSITIVE, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, key, one_of, section
 
 
-@dataclass(frozen=True)
+@section("placement")
 class PlacementConfig:
     """The `placement:` recipe section. mode none: actors as today (local Ray, no groups)."""
     mode: str = key("none", "none | disaggregated (own GPUs per role) | colocated (engines on trainer GPUs)",
@@ -39,7 +39,6 @@ class PlacementConfig:
                                                  " role")
 
     def __post_init__(self):
-        check_fields(self, "placement")
         if self.mode == "colocated" and self.trainer_gpus + self.engine_gpus > 1:
             raise ValueError("placement.mode=colocated shares one GPU: trainer_gpus + engine_gpus must be <= 1")
         for role, res in (("trainer", self.trainer_resources), ("engine", self.engine_resources)):
@@ -126,20 +125,15 @@ class Placement:
 
         p = self.pools[pool]
         host = self.pools[p.colocate_with] if p.colocate_with else p
-        out = []
-        for i in range(p.workers):
-            pg = self.groups[host.name][i // host.group]
-            opt = {"num_cpus": p.cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=i % host.group)}
-            if p.gpus:
-                opt["num_gpus"] = p.gpus
-            out.append(opt)
-        return out
+        pgs = self.groups[host.name]
+        return [{"num_cpus": p.cpus, **({"num_gpus": p.gpus} if p.gpus else {}),
+                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                     placement_group=pgs[i // host.group], placement_group_bundle_index=i % host.group)}
+                for i in range(p.workers)]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for pgs in self.groups.values():
-            for pg in pgs:
-                remove_placement_group(pg)
+        for pg in sum(self.groups.values(), []):
+            remove_placement_group(pg)
         self.groups = {}
