@@ -11,17 +11,15 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, t0: float | None = None):
+    def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.t0 = time.time() if t0 is None else t0
+        self.t0 = time.time()
         self._f = self.path.open("a", buffering=1)
 
     def write(self, step: int, metrics: dict) -> dict:
-        line = {"step": int(step), "time_s": round(time.time() - self.t0, 3)}
-        for k, v in metrics.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                v = None  # JSON has no NaN; None marks "not a number" without breaking readers
-            line[k] = v
+        # JSON has no NaN: None marks "not a number" without breaking readers
+        line = {"step": int(step), "time_s": round(time.time() - self.t0, 3)} | {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         self._f.write(json.dumps(line) + "\n")
         return line
 

@@ -46,16 +46,12 @@ def derive(run_seed: int, stream: str, *index: int) -> int:
     return int(seq.generate_state(1)[0] >> 1)
 
 
-def _get(cfg, section: str):
-    return getattr(cfg, section)
-
-
 def resolve(cfg):
     """`cfg` with every DERIVED seed set from cfg.run.seed (idempotent)."""
     for section, stream in DERIVED:
         seed = derive(cfg.run.seed, stream)
-        if _get(cfg, section).seed != seed:
-            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(_get(cfg, section), seed=seed)})
+        if getattr(cfg, section).seed != seed:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), seed=seed)})
     return cfg
 
 

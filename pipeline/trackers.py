@@ -97,9 +97,11 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> list:
-    """The enabled sinks. A disabled one is never imported; an enabled one that is missing is an error
-    (TensorBoard, on by default, only says so: one line through `log`, or a warning without one)."""
+def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> "TrackedMetrics":
+    """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers, opened
+    first (a tracker refused at start leaves no file open). A disabled one is never imported; an enabled one
+    that is missing is an error (TensorBoard, on by default, only says so: one line through `log`, or a
+    warning without one)."""
     run_dir, config, sinks = Path(run_dir), config or {}, []
     if cfg.tensorboard:
         try:
@@ -114,7 +116,7 @@ def open_sinks(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = No
                 sinks.append(make(run_dir, config, cfg))
             except ImportError as e:
                 raise TrackerError(f"trackers.{pkg}=true but {pkg} does not import ({e}); pip install {pkg}") from e
-    return sinks
+    return TrackedMetrics(MetricsWriter(run_dir), sinks)
 
 
 class TrackedMetrics:
@@ -138,10 +140,3 @@ class TrackedMetrics:
         self.writer.close()
         for s in self.sinks:
             s.close()
-
-
-def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> TrackedMetrics:
-    """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers (opened
-    first: a tracker refused at start leaves no file open)."""
-    sinks = open_sinks(run_dir, cfg, config, log)
-    return TrackedMetrics(MetricsWriter(run_dir), sinks)

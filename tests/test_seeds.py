@@ -24,7 +24,7 @@ def test_streams_are_deterministic_distinct_and_in_range():
 def test_run_seed_sets_every_stage_seed_and_is_the_only_seed_key(tmp_path):
     a, b = load_config("configs/quickstart.yaml"), load_config("configs/quickstart.yaml", ["run.seed=1"])
     for path, stream in seeds.DERIVED:
-        got = [seeds._get(c, path).seed for c in (a, b)]
+        got = [getattr(c, path).seed for c in (a, b)]
         assert got == [seeds.derive(0, stream), seeds.derive(1, stream)]
     assert a.model == b.model       # the built-in model (its warm-up, cached on disk) is the recipe's, not the seed's
     with pytest.raises(ConfigError, match="trainer.seed is not a recipe key.*set run.seed"):
