@@ -19,6 +19,7 @@ groups a step and, told they were trained (`consumed`), settles them and moves t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import threading
@@ -101,8 +102,6 @@ def make_strategy(name: str) -> WindowStrategy:
 
 
 def capacity(groups_per_step: int, stale_steps: float) -> int:
-    if stale_steps < 0:
-        raise ValueError(f"stale_steps must be >= 0, got {stale_steps}")
     return int(groups_per_step * (1 + stale_steps))
 
 
@@ -281,7 +280,6 @@ class Window:
         return table, dropped
 
     def read(self, parts: Generator[pa.Table, None, None]) -> None:
-        """Where next_step reads rows from."""
         self._parts = parts
 
     def chunks(self, open_stream: Callable[[int, int, frozenset], Iterator[pa.Table]], groups: int):
@@ -294,11 +292,8 @@ class Window:
             skip = frozenset(q for q in settled if q >= start)    # settled before a resume
             count = groups + len(skip)
             self.gate("expect", [q for q in range(start, start + count) if q not in skip])
-            stream = open_stream(start, count, skip)
-            try:
+            with contextlib.closing(open_stream(start, count, skip)) as stream:
                 yield from stream
-            finally:
-                stream.close()
             start += count
 
     def next_step(self, version: int) -> pa.Table | None:
@@ -389,13 +384,6 @@ class Tally:
         self.tokens += int(k.sum())
         np.add.at(self.hist, np.searchsorted(_WALL_EDGES, w, side="right"), 1)
 
-    def quantile_bin(self, q: float) -> int:
-        """The bin holding the trajectory of rank int(q * n) by wall time."""
-        return int(np.searchsorted(np.cumsum(self.hist), min(self.n - 1, int(q * self.n)), side="right"))
-
-    def share_above(self, b: int) -> float:
-        return float(self.hist[b + 1:].sum()) / self.n
-
 
 @dataclass
 class Fairness:
@@ -413,14 +401,16 @@ class Fairness:
         self.groups[kind] += pc.count_distinct(table.column("group_id")).as_py()
 
     def summary(self) -> dict:
-        if not self.completed.n:
+        c = self.completed
+        if not c.n:
             return {}
-        cut = self.completed.quantile_bin(LONG_QUANTILE)
+        # the bin holding the completed trajectory of rank int(LONG_QUANTILE * n) by wall time
+        cut = int(np.searchsorted(np.cumsum(c.hist), min(c.n - 1, int(LONG_QUANTILE * c.n)), side="right"))
         out = {f"fair/groups_{k}": v for k, v in self.groups.items()}
         for name, tally in (("completed", self.completed), ("trained", self.trained)):
             if tally.n:
                 out[f"fair/{name}_wall_s_mean"] = tally.wall / tally.n
                 out[f"fair/{name}_turns_mean"] = tally.turns / tally.n
                 out[f"fair/{name}_tokens_mean"] = tally.tokens / tally.n
-                out[f"fair/{name}_long_share"] = tally.share_above(cut)
+                out[f"fair/{name}_long_share"] = float(tally.hist[cut + 1:].sum()) / tally.n
         return out
