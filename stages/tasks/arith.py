@@ -7,6 +7,7 @@ finite pool with a seeded generator, and the test split is disjoint from train.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,12 +17,19 @@ DIGITS = "0123456789"
 
 @dataclass
 class _PoolTask:
+    """Subclasses set `name` and `vocab`; by default row idx is `terms` numbers joined by `op` ("12+34=" -> "46"),
+    idx's digits in base 10 ** digits, and subclasses may override pool_size() and row(idx)."""
     digits: int = 3
+    op, terms = "+", 2
 
-    name = "base"
-    vocab = DIGITS + "+="
+    def pool_size(self) -> int:
+        return (10 ** self.digits) ** self.terms
 
-    # subclasses define pool_size() -> int and row(idx) -> {"prompt", "answer"}
+    def row(self, idx: int) -> dict:
+        n = 10 ** self.digits
+        xs = [idx // n ** k % n for k in reversed(range(self.terms))]
+        value = sum(xs) if self.op == "+" else math.prod(xs)
+        return {"prompt": self.op.join(map(str, xs)) + "=", "answer": str(value)}
 
     def make_rows(self, split: str, size: int, seed: int = 0) -> list[dict]:
         """Test rows are the first `test` draws of one fixed permutation; train the rest."""
@@ -40,13 +48,6 @@ class _PoolTask:
 class AdditionTask(_PoolTask):
     name = "addition"
     vocab = DIGITS + "+="
-
-    def pool_size(self) -> int:
-        return (10 ** self.digits) ** 2
-
-    def row(self, idx: int) -> dict:
-        a, b = divmod(idx, 10 ** self.digits)
-        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
 @dataclass
@@ -91,15 +92,7 @@ class Addition3Task(_PoolTask):
     """
     name = "addition3"
     vocab = DIGITS + "+="
-
-    def pool_size(self) -> int:
-        return (10 ** self.digits) ** 3
-
-    def row(self, idx: int) -> dict:
-        n = 10 ** self.digits
-        a, bc = divmod(idx, n * n)
-        b, c = divmod(bc, n)
-        return {"prompt": f"{a}+{b}+{c}=", "answer": str(a + b + c)}
+    terms = 3
 
     @staticmethod
     def demonstration(row: dict) -> list[tuple[str, bool]]:

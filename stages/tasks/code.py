@@ -29,16 +29,8 @@ from stages.tasks.arith import DIGITS, _PoolTask
 class ProductTask(_PoolTask):
     name = "product"
     vocab = DIGITS + "*=;?"
+    op, terms = "*", 3
     context = 512          # model context of the built-in model: room for 12 attempts of 3 two-digit factors
-
-    def pool_size(self) -> int:
-        return (10 ** self.digits) ** 3
-
-    def row(self, idx: int) -> dict:
-        n = 10 ** self.digits
-        a, bc = divmod(idx, n * n)
-        b, c = divmod(bc, n)
-        return {"prompt": f"{a}*{b}*{c}=", "answer": str(a * b * c)}
 
     @staticmethod
     def demonstration(row: dict) -> list[tuple[str, bool]]:

@@ -20,27 +20,20 @@ from pathlib import Path
 
 import torch
 
-from stages.tasks import TASKS, get_task
-from stages.tasks.models import build_char_tokenizer
+from stages.tasks import TASKS, get_task, models
 
 # Every built-in task's characters, in registration order (addition first: its ids stay as the quickstart's).
 SHARED_VOCAB = "".join(dict.fromkeys("".join(t.vocab for t in TASKS.values())))
 
 
 def shared_tokenizer():
-    return build_char_tokenizer(SHARED_VOCAB)
+    return models.build_char_tokenizer(SHARED_VOCAB)
 
 
 def tiny_qwen2(tok, hidden_size: int = 128, num_layers: int = 4, seed: int = 0):
-    """The same architecture as the built-in quickstart policy (stages/model.py), on `tok`'s vocabulary."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    """The built-in quickstart policy's architecture (stages/tasks/models.py), on `tok`'s vocabulary."""
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, dtype="float32"))
+    return models.tiny_qwen2(tok, hidden_size, num_layers, heads=(4, 2))
 
 
 def task_rows(tasks: list[str], split: str, size: int, digits: int = 2, seed: int = 0) -> list[dict]:

@@ -39,13 +39,35 @@ def tiny_model_dir(cfg: ModelConfig, log=print) -> str:
         key["heads"] = attention_heads(cfg.hidden_size)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     out = Path(os.path.expanduser(cfg.cache_dir)) / f"tiny-{cfg.builtin_task}-{digest}"
+    return cached_model_dir(out, lambda tmp: build_tiny_model(cfg, tmp, log=log),
+                            f"the built-in tiny model for task {cfg.builtin_task!r}", log)
+
+
+def cached_model_dir(out: Path, build, what: str, log=print) -> str:
+    """`out`, first made by build(tmp) and renamed to it where it is not there yet."""
     if (out / "model.safetensors").is_file():
         return str(out)
-    log(f"building the built-in tiny model for task {cfg.builtin_task!r} (cached at {out}) ...")
-    build_tiny_model(cfg, out, log=log)
+    log(f"building {what} (cached at {out}) ...")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    build(tmp)
+    try:
+        tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp)  # another process published the same model first: use theirs
     return str(out)
 
 
+def tiny_qwen2(tok, hidden_size: int, num_layers: int, heads: tuple[int, int], context: int = 64):
+    """A random fp32 Qwen2ForCausalLM with tied embeddings on `tok`'s vocabulary: a built-in policy's architecture."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads[0], num_key_value_heads=heads[1],
+        max_position_embeddings=context, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, dtype="float32"))
 
 
 def builtin_model_dir(name: str, cache_dir: str, log=print) -> str:
@@ -63,34 +85,19 @@ def builtin_model_dir(name: str, cache_dir: str, log=print) -> str:
 
 
 def build_tiny_model(cfg: ModelConfig, out: Path, log=print) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from stages.tasks import get_task
     from stages.tasks.sft import sft
 
     task = get_task(cfg.builtin_task, digits=cfg.builtin_digits)
     tok = build_char_tokenizer(task.vocab)
     torch.manual_seed(cfg.seed)
-    heads, kv_heads = attention_heads(cfg.hidden_size)
-    mcfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=getattr(task, "context", 64), tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, dtype="float32",
-    )
-    model = Qwen2ForCausalLM(mcfg)     # context: 64 tokens, or what a multi-turn task asks (its `context`)
+    model = tiny_qwen2(tok, cfg.hidden_size, cfg.num_layers, attention_heads(cfg.hidden_size),
+                       getattr(task, "context", 64))     # 64 tokens, or what a multi-turn task asks
     rows = task.make_rows("train", cfg.warmup_rows, seed=cfg.seed)
     if hasattr(task, "demonstration"):   # multi-turn demonstrations (e.g. calculator calls), not bare answers
         rows = [r | {"demo": task.demonstration(r)} for r in rows]
     stats = sft(model, tok, rows, steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed + 1,
                 label_smoothing=cfg.warmup_label_smoothing, log=log)
     log(f"built-in model warmed: final SFT loss {stats['loss']:.3f} in {stats['seconds']:.1f}s")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache
-    except OSError:
-        if not (out / "model.safetensors").is_file():
-            raise
-        shutil.rmtree(tmp)  # another process published the same model first: use theirs
+    model.save_pretrained(out)
+    tok.save_pretrained(out)

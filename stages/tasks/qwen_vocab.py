@@ -63,7 +63,6 @@ import base64
 import hashlib
 import json
 import os
-import shutil
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -213,14 +212,8 @@ def byte_alphabet() -> list[str]:
     HF's ByteLevel pre-tokenizer and decoder assume): visible Latin-1 bytes stand for
     themselves, the other 68 take the code points from 256 up, in byte order."""
     visible = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, spare = [], 256
-    for b in range(256):
-        if b in visible:
-            out.append(chr(b))
-        else:
-            out.append(chr(spare))
-            spare += 1
-    return out
+    spare = iter(range(256, 512))
+    return [chr(b if b in visible else next(spare)) for b in range(256)]
 
 
 def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -231,15 +224,9 @@ def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     table = dict(enumerate(byte_alphabet()))
     ordered = sorted(ranks, key=ranks.__getitem__)
     name = {tok: tok.decode("latin-1").translate(table) for tok in ordered}
-    merges: list[tuple[str, str]] = []
-    add = merges.append
-    for tok in ordered:  # by rank of the merged token: that is the merge's priority
-        for i in range(1, len(tok)):
-            left = tok[:i]
-            if left in ranks:
-                right = tok[i:]
-                if right in ranks:
-                    add((name[left], name[right]))
+    # in rank order of the merged token: that is the merge's priority
+    merges = [(name[tok[:i]], name[tok[i:]]) for tok in ordered for i in range(1, len(tok))
+              if tok[:i] in ranks and tok[i:] in ranks]
     return {name[t]: ranks[t] for t in ordered}, merges
 
 
@@ -344,23 +331,16 @@ def qwen_tiny_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print,
     """The built-in `builtin:qwen-vocab-tiny` model directory, built once and cached in `cache_dir`
     (`tokenizer`: one build_qwen_tokenizer() made already, to save building another; `shape`:
     heads, kv_heads, context, as make_qwen_model_dir takes them)."""
-    key = _cache_key(hidden_size, num_layers, seed, **shape)
-    out = Path(os.path.expanduser(cache_dir)) / f"{name}-{key}"
-    if (out / "model.safetensors").is_file():
-        return str(out)
-    log(f"building the built-in model {name!r} (cached at {out}) ...")
-    t0 = time.perf_counter()
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    make_qwen_model_dir(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed, tokenizer=tokenizer,
-                        **shape)
-    try:
-        tmp.rename(out)  # atomic publish, as stages/model.py does for the character model
-    except OSError:
-        if not (out / "model.safetensors").is_file():
-            raise
-        shutil.rmtree(tmp)  # another process published it first
-    log(f"built {name!r} in {time.perf_counter() - t0:.1f}s")
-    return str(out)
+    from stages.tasks.models import cached_model_dir
+
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        make_qwen_model_dir(tmp, hidden_size=hidden_size, num_layers=num_layers, seed=seed, tokenizer=tokenizer,
+                            **shape)
+        log(f"built {name!r} in {time.perf_counter() - t0:.1f}s")
+
+    out = Path(os.path.expanduser(cache_dir)) / f"{name}-{_cache_key(hidden_size, num_layers, seed, **shape)}"
+    return cached_model_dir(out, build, f"the built-in model {name!r}", log)
 
 
 def qwen_tiny_32k_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print, tokenizer=None) -> str:

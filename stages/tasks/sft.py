@@ -47,12 +47,11 @@ def sft(model, tok, rows: list[dict], steps: int, lr: float = 1e-3, batch_size: 
     label_smoothing > 0 trains toward (1 - e) on the demonstrated token and e spread over the
     vocabulary: the model learns which answer is right but samples it with less confidence."""
     model.train()
-    # eager attention: on CPU at these sizes (64 rows x ~10 tokens, hidden 128) it measured 64 ms
-    # a step against sdpa's 79 (2 threads); the saved model loads with the default again
+    # eager attention: faster than sdpa on CPU at these sizes; the saved model loads with the default again
     attn = attn_implementation(model)
     if attn == "sdpa" and next(model.parameters()).device.type == "cpu" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("eager")
-    encoded = encode_sft_rows(tok, rows)      # once: tokenizing 64 rows cost ~10 ms a step
+    encoded = encode_sft_rows(tok, rows)      # once, not every step
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)))
     rng = np.random.default_rng(seed)
