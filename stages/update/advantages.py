@@ -32,14 +32,8 @@ def _per_token(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return seq_adv[:, None] * mask
 
 
-def _as_float(rewards: torch.Tensor, mask: torch.Tensor):
-    dtype = torch.promote_types(rewards.dtype, mask.dtype)
-    return rewards.to(dtype), mask.to(dtype)
-
-
 def grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """GRPO (Shao et al. 2024, 2402.03300), outcome supervision: (r - mean_g) / (std_g + eps)."""
-    rewards, mask = _as_float(rewards, mask)
     _, mean, std = _group_moments(rewards, group_ids, weights)
     return _per_token((rewards - mean) / (std + eps), mask)
 
@@ -47,7 +41,6 @@ def grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Ten
 def dr_grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, 2503.20783): r - mean_g. Dividing by the std up-weights
     prompts that are too easy or too hard, so Dr.GRPO drops it (and the length norm, in the loss)."""
-    rewards, mask = _as_float(rewards, mask)
     _, mean, _ = _group_moments(rewards, group_ids, weights)
     return _per_token(rewards - mean, mask)
 
@@ -55,7 +48,6 @@ def dr_grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.
 def rloo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024, 2402.14740): r_i minus the mean of the *other* samples'
     rewards, an unbiased baseline since it does not depend on sample i."""
-    rewards, mask = _as_float(rewards, mask)
     size, mean, _ = _group_moments(rewards, group_ids, weights)
     others_mean = (mean * size - rewards) / (size - 1).clamp(min=1)
     return _per_token(torch.where(size > 1, rewards - others_mean, 0.0), mask)
@@ -69,31 +61,18 @@ def _whiten_over_tokens(returns: torch.Tensor, mask: torch.Tensor, eps: float) -
     return (returns - mean) / (std + eps) * mask
 
 
-def _returns(seq_reward: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Undiscounted return of each token: the outcome reward minus the KL penalties still to come."""
-    returns = _per_token(seq_reward, mask)
-    if kl_penalty is not None:
-        to_come = (kl_penalty * mask).flip(1).cumsum(1).flip(1)
-        returns = returns - to_come * mask
-    return returns
+def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, weights=None):
+    """REINFORCE++ (Hu et al. 2025, 2501.03262): the token return (the outcome reward; KL to the reference
+    enters through the loss), normalised over the whole batch's tokens instead of per group, which keeps
+    the estimate unbiased for a prompt whose group happens to agree."""
+    return _whiten_over_tokens(_per_token(rewards, mask), mask, eps)
 
 
-def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None, weights=None):
-    """REINFORCE++ (Hu et al. 2025, 2501.03262): token returns (reward at the end, optional
-    per-token KL penalty `kl_penalty` [B,T] = beta * KL_t along the way), normalised over
-    the whole batch's tokens instead of per group, which keeps the estimate unbiased
-    for a prompt whose group happens to agree."""
-    rewards, mask = _as_float(rewards, mask)
-    return _whiten_over_tokens(_returns(rewards, mask, kl_penalty), mask, eps)
-
-
-def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, kl_penalty: torch.Tensor | None = None,
-                          weights=None):
+def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, weights=None):
     """REINFORCE++-baseline (same paper): subtract the group mean reward first, then
     normalise over the batch's tokens as REINFORCE++ does."""
-    rewards, mask = _as_float(rewards, mask)
     _, mean, _ = _group_moments(rewards, group_ids, weights)
-    return _whiten_over_tokens(_returns(rewards - mean, mask, kl_penalty), mask, eps)
+    return _whiten_over_tokens(_per_token(rewards - mean, mask), mask, eps)
 
 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
@@ -106,10 +85,11 @@ ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
-                       eps: float = 1e-6, weights: torch.Tensor | None = None, **kw) -> torch.Tensor:
+                       eps: float = 1e-6, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages [B,T] from rewards [B], group ids [B] and loss mask [B,T] with estimator `name`.
     `weights` [B]: a row's share of its sample, when a sample made several rows (agent segments)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
+    dtype = torch.promote_types(rewards.dtype, mask.dtype)     # the estimators take both in one float dtype
     with torch.no_grad():
-        return ESTIMATORS[name](rewards, group_ids, mask, eps=eps, weights=weights, **kw)
+        return ESTIMATORS[name](rewards.to(dtype), group_ids, mask.to(dtype), eps=eps, weights=weights)
