@@ -17,6 +17,7 @@ a few rows at a time (sampling.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import deque
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stages.agentflow.engine_contract import EngineBase, VersionGate
+from stages.agentflow.engine_contract import EngineBase
 from stages.agentflow.limits import room
 from stages.agentflow.sampling import sample, seeded_uniform
 from stages.lora import SERVERS, LoraConfig
@@ -131,7 +132,6 @@ class HFEngine(EngineBase):
         self._lock = threading.Lock()                   # a decode step or a weight update
         self._whole = threading.Event()                 # clear while a version lands in place
         self._whole.set()
-        self._gate = VersionGate()
         self._gen = torch.Generator().manual_seed(seed)
         self._abort_before = -1.0                       # requests dispatched before this time are aborted
         self._waiting: deque[_Row] = deque()            # rows enqueued by generate, not yet admitted
@@ -183,7 +183,6 @@ class HFEngine(EngineBase):
                                    f"re-sent weights within {RESYNC_TIMEOUT_S:.0f}s")
 
     def abort_all(self) -> None:
-        """Abort every request in flight now (used when a run stops or a window is closed)."""
         self._abort_before = time.time()
 
     # ---- generation ----------------------------------------------------------------
@@ -306,18 +305,13 @@ class HFEngine(EngineBase):
         (one context alone has no padding, hence no mask, at any length); then each row gets its context's."""
         first: dict[tuple, int] = {}
         which = [first.setdefault(tuple(r.seq), len(first)) for r in rows]
-        packs: list[list[tuple]] = []
-        width = 0
+        packs: list[list[tuple]] = [[]]
         for seq in first:
-            if not packs or (len(packs[-1]) + 1) * max(width, len(seq)) ** 2 > PREFILL_MASK_ELEMS:
+            if packs[-1] and (len(packs[-1]) + 1) * max(len(seq), *map(len, packs[-1])) ** 2 > PREFILL_MASK_ELEMS:
                 packs.append([])
-                width = 0
             packs[-1].append(seq)
-            width = max(width, len(seq))
         parts = [self._prefill_pack(p) for p in packs]
-        batch = parts[0][0]
-        for more, _ in parts[1:]:
-            batch = batch.join(more)
+        batch = functools.reduce(_Batch.join, [b for b, _ in parts])
         return batch.select(which), torch.cat([logits for _, logits in parts])[which]
 
     def _prefill_pack(self, seqs: list[tuple]) -> tuple[_Batch, torch.Tensor]:

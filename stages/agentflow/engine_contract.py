@@ -123,6 +123,7 @@ class EngineBase:
             self._synced.set()
         self._stats_lock = threading.Lock()
         self.stats = dict(FRESH_STATS)
+        self._gate = VersionGate()              # hold calls against updates
 
     def _start_library(self, model_path: str, dtype: str, engine_id: str, cfg, lora) -> None:
         """A library engine's (vLLM's, SGLang's) start: the tokenizer, the model's limits, what a version
@@ -137,7 +138,6 @@ class EngineBase:
         self._specs = published_specs(model_path, dtype, self.lora)
         self._slots = AdapterSlots(engine_id) if self.lora is not None else None
         self._lora_files = self.lora        # the adapter as the engine reads its files
-        self._gate = VersionGate()          # hold calls against updates
 
     def info(self) -> dict:
         """Who serves, where, which version, the process's incarnation and whether it awaits the current weights."""
@@ -172,22 +172,19 @@ class EngineBase:
         st["queue_wait_s_mean"] = st.pop("_wait_sum") / max(st.pop("_waited"), 1)
         return st
 
-    def _count(self, **add) -> None:
+    def _count(self, most: dict | None = None, **add) -> None:
+        """Add to the counters; `most`: maxima to raise."""
         with self._stats_lock:
             for k, v in add.items():
                 self.stats[k] += v
+            for k, v in (most or {}).items():
+                self.stats[k] = max(self.stats[k], v)
 
     def _count_step(self, rows: int) -> None:
-        with self._stats_lock:
-            self.stats["decode_steps"] += 1
-            self.stats["_rows_sum"] += rows
-            self.stats["running_rows_max"] = max(self.stats["running_rows_max"], rows)
+        self._count({"running_rows_max": rows}, decode_steps=1, _rows_sum=rows)
 
     def _count_waits(self, waits: list[float]) -> None:
-        with self._stats_lock:
-            self.stats["_wait_sum"] += sum(waits)
-            self.stats["_waited"] += len(waits)
-            self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], *waits)
+        self._count({"queue_wait_s_max": max(waits)}, _wait_sum=sum(waits), _waited=len(waits))
 
     def _plan(self, requests: list, reserve: int = 0, refuse=None) -> tuple[list[dict], list]:
         """plan_rows, once a restarted engine has the current weights."""
@@ -205,8 +202,8 @@ class EngineBase:
         resumed run; the adapter itself follows in a publish)."""
         version = int(version)
         if named:
-            path = write_adapter(named, self._lora_files, self.model_path, self._slots.path(version))
-            self._add_adapter(version, str(path))
+            write_adapter(named, self._lora_files, self.model_path, self._slots.path(version))
+            self._add_adapter(version)
             self._unload(self._slots.advance(version))
         self._landed(version)
 

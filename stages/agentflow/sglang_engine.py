@@ -6,19 +6,16 @@ versions out (`meta_info.output_token_logprobs`, `meta_info.weight_versions`). A
 an in-process `sglang.Engine`: the actor is threaded and the Engine's event loop is not; the server
 batches concurrent requests itself. SGLang's log-probs are those of logits / temperature.
 
-Weights (the TransferMesh drives them): `load_weights` hands a landed version (CUDA IPC from a
-colocated trainer, NCCL, or host memory) to the server with update_weights_from_tensor, CUDA tensors
-as IPC handles. A version lands whole: generation is paused (`retract`: running requests continue
-under the new weights, each token tagged with its version: partial rollout), after the `hold`
-requests in flight.
+Weights (the TransferMesh drives them) go to the server with update_weights_from_tensor. A version lands
+whole: generation is paused (`retract`: running requests continue under the new weights, each token tagged
+with its version: partial rollout), after the `hold` requests in flight.
 
 LoRA (trainer.lora on): the server runs the base with SGLang's LoRA support and a version is the
 adapter alone, written as a peft directory and loaded with /load_lora_adapter as v<version>; a
 request is bound to one adapter for its whole life (AdapterSlots), so updates never pause
 generation. The file route, not /load_lora_adapter_from_tensors: the file API is the same across
 SGLang releases, the tensor one changed its fields; an adapter is small.
-
-GPU only: SGLang's kernels need CUDA. benchmarks/gpu/sglang_check.py runs it where a GPU is lent.
+GPU only: benchmarks/gpu/sglang_check.py runs it where a GPU is lent.
 """
 from __future__ import annotations
 
@@ -43,12 +40,7 @@ from transfer.compat.sglang_api import launch_command, request, serialize_tensor
 def versions_of(meta: dict, n: int) -> list[int]:
     """Per-token weight versions from SGLang's spans ([{version, start, end}, ...]);
     servers that report only one version get it for every token."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return [int(meta["weight_version"])] * n
-    out = []
-    for span in spans:
-        out += [int(span["version"])] * (min(span["end"], n) - span["start"])
+    out = [int(s["version"]) for s in meta.get("weight_versions") or [] for _ in range(s["start"], min(s["end"], n))]
     return out + [out[-1] if out else int(meta["weight_version"])] * (n - len(out))
 
 
@@ -103,8 +95,7 @@ def lora_server_args(lora: LoraConfig, names: list[str]) -> dict:
 
 
 class SGLangEngine(EngineBase):
-    """The engine contract over an SGLang server. A threaded Ray actor with num_gpus = cfg.tp (the
-    server uses exactly the GPUs Ray assigned); the first five arguments are every engine's."""
+    """A threaded Ray actor with num_gpus = cfg.tp (the server uses exactly the GPUs Ray assigned)."""
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, num_threads: int = 1,
                  engine_id: str = "engine0", cfg: SGLangConfig | None = None, lora: LoraConfig | None = None):
@@ -156,9 +147,9 @@ class SGLangEngine(EngineBase):
         self.close()
         raise TimeoutError(f"SGLang server not ready after {c.startup_timeout_s:.0f}s:\n{self._log_tail()}")
 
-    def _log_tail(self, n: int = 4000) -> str:
+    def _log_tail(self) -> str:
         with open(self.log_path) as f:
-            return f.read()[-n:]
+            return f.read()[-4000:]
 
     def _http(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None):
         return request(method, self.url, path, payload, timeout or self.cfg.request_timeout_s)
@@ -181,10 +172,9 @@ class SGLangEngine(EngineBase):
 
     # ---- weights ------------------------------------------------------------------
     def load_weights(self, named_tensors: dict, version: int) -> None:
-        """Apply one complete version (update_weights_from_tensor, bucket by bucket). Each
-        bucket is first copied into memory this process owns on its GPU (the landed
-        tensors may be views of another process's IPC buffer, or in host memory), then
-        shared with the server's TP workers as CUDA IPC handles."""
+        """Bucket by bucket, each first copied into memory this process owns on its GPU (the landed tensors
+        may be views of another process's IPC buffer, or in host memory), then shared with the server's TP
+        workers as CUDA IPC handles."""
         if self.lora is not None:
             return self._load_adapter(named_tensors, version)
         buckets = list(self._buckets(named_tensors))
@@ -195,15 +185,14 @@ class SGLangEngine(EngineBase):
                 owned = [(n, t.to(self.device, copy=True)) for n, t in bucket]
                 torch.cuda.current_stream(self.device).synchronize()
                 last = i == len(buckets) - 1
-                blob = serialize_tensors(owned)
                 self._post("/update_weights_from_tensor", {
-                    "serialized_named_tensors": [blob] * self.tp,     # one payload per TP rank
+                    "serialized_named_tensors": [serialize_tensors(owned)] * self.tp,     # one payload per TP rank
                     "flush_cache": last, "weight_version": str(version) if last else None})
                 del owned
             self._landed(version)
 
-    def _add_adapter(self, version: int, path: str) -> None:
-        self._post("/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": path})
+    def _add_adapter(self, version: int) -> None:
+        self._post("/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": self._slots.path(version)})
 
     def _remove_adapter(self, version: int) -> None:
         self._post("/unload_lora_adapter", {"lora_name": f"v{version}"})
@@ -232,7 +221,6 @@ class SGLangEngine(EngineBase):
                 self._post("/continue_generation", {})
 
     def abort_all(self) -> None:
-        """Abort every request in flight now; they return with status aborted."""
         self._post("/abort_request", {"abort_all": True})
 
     # ---- generation ----------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Production rollout engine: vLLM's engine in a Ray actor, behind the engine contract (engine_contract.py).
 
-`engine.kind: vllm`. Token ids in (`TokensPrompt`); token ids, the sampled token's log-prob
-(vLLM's `processed_logprobs`: under logits / temperature, as the trainer computes it) and the weight
-version of every token out. vLLM batches the requests in flight itself (continuous batching, paged
-KV cache, prefix cache: a group's n rows share their prompt's blocks).
+`engine.kind: vllm`. Log-probs are vLLM's `processed_logprobs` (under logits / temperature, as the trainer
+computes them). vLLM batches the requests in flight itself (continuous batching, paged KV cache, prefix
+cache: a group's n rows share their prompt's blocks).
 
 vLLM's `LLMEngine` in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped by a thread of ours,
 rather than `AsyncLLM` or an engine core in its own process:
@@ -15,11 +14,9 @@ rather than `AsyncLLM` or an engine core in its own process:
 * killing the actor kills the engine: no orphaned engine-core process.
 Generate calls (the actor is threaded) only enqueue and wait.
 
-Weights: `load_weights(named, version)` between steps: the worker's `model_runner.reload_weights`
-(HF names; vLLM fuses q/k/v and gate/up itself), then the LM head's prepacked weight is rebuilt (tied
-embeddings: vLLM 0.32's CPU reload leaves it on the old embedding), then the prefix cache is reset.
-New rows also get the version as their prefix-cache salt, so a block cached under older weights is
-never reused even where a reset cannot free it. LoRA (trainer.lora on): a version is the adapter
+Weights: `load_weights` between steps (reload_weights in transfer/compat/vllm_api.py), then the prefix
+cache is reset; new rows also get the version as their prefix-cache salt, so a block cached under older
+weights is never reused even where a reset cannot free it. LoRA (trainer.lora on): a version is the adapter
 alone, served as LoRARequest v<version> (AdapterSlots); each row keeps the adapter it started with.
 """
 from __future__ import annotations
@@ -28,6 +25,7 @@ import contextlib
 import itertools
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -54,17 +52,8 @@ class _Row:
     vers: list[int]
     t_dispatch: float
     lora: int | None = None             # the adapter version it started with
-    done: threading.Event = field(default_factory=threading.Event)
-    status: str = ""
-    error: str = ""                     # the engine failed under it: generate raises this
+    done: Future = field(default_factory=Future)    # its result, or the engine's failure under it
     started: bool = False               # it has had a token (queue wait counted)
-
-    def finish(self, status: str) -> None:
-        self.status = status
-        self.done.set()
-
-    def result(self) -> dict:
-        return {"response_ids": self.resp, "logprobs": self.lps, "versions": self.vers, "status": self.status}
 
 
 def check_lora(lora: LoraConfig) -> None:
@@ -78,8 +67,7 @@ def check_lora(lora: LoraConfig) -> None:
 
 
 class VLLMEngine(EngineBase):
-    """The engine contract over vLLM's LLMEngine. A threaded Ray actor (max_concurrency > 1); the
-    first five arguments are every engine's, so the controller builds any of them the same way."""
+    """A threaded Ray actor (max_concurrency > 1)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0, num_threads: int = 1,
                  engine_id: str = "engine0", cfg: VLLMConfig | None = None, lora: LoraConfig | None = None):
@@ -100,7 +88,6 @@ class VLLMEngine(EngineBase):
         self._thread.start()
 
     def _build(self, seed: int):
-        """vLLM's LLMEngine, in this process (see the module docstring)."""
         in_process_env(self.threads)
         torch.set_num_threads(self.threads)
         from vllm import EngineArgs, LLMEngine
@@ -130,18 +117,20 @@ class VLLMEngine(EngineBase):
                 self.engine.reset_prefix_cache()
             self._landed(version)
 
-    def _add_adapter(self, version: int, path: str) -> None:
+    def _lora_request(self, version: int):
         from vllm.lora.request import LoRARequest
 
+        return LoRARequest(f"v{version}", version + 1, self._slots.path(version))
+
+    def _add_adapter(self, version: int) -> None:
         with self._lock:
-            self.engine.add_lora(LoRARequest(f"v{version}", version + 1, path))
+            self.engine.add_lora(self._lora_request(version))
 
     def _remove_adapter(self, version: int) -> None:
         with self._lock:
             self.engine.remove_lora(version + 1)
 
     def abort_all(self) -> None:
-        """Abort every request in flight now (used when a run stops or a window is closed)."""
         with self._wake:
             self._abort_before = time.time()
             self._wake.notify_all()
@@ -174,10 +163,7 @@ class VLLMEngine(EngineBase):
                 self._pending.extend(row for _, row in rows)
                 self._wake.notify_all()
             for i, row in rows:
-                row.done.wait()
-                if row.error:
-                    raise RuntimeError(row.error)
-                out[i] = row.result()
+                out[i] = row.done.result()
         return self._served(out)
 
     def _row(self, r: dict, budget: int, t0: float) -> _Row:
@@ -219,11 +205,7 @@ class VLLMEngine(EngineBase):
         t = time.time()
         with self._lock:
             for row in new:
-                lora = None
-                if row.lora is not None:
-                    from vllm.lora.request import LoRARequest
-
-                    lora = LoRARequest(f"v{row.lora}", row.lora + 1, self._slots.path(row.lora))
+                lora = self._lora_request(row.lora) if row.lora is not None else None
                 # the version salts the prefix cache: a block computed under other weights is never reused
                 salt = f"v{row.lora if row.lora is not None else self.version}"
                 self.engine.add_request(row.rid, salted_prompt(row.prompt, salt), row.params, lora_request=lora)
@@ -256,11 +238,15 @@ class VLLMEngine(EngineBase):
             self._retire(row, STATUS.get(c.finish_reason or "abort", "aborted"))
         return int(bool(ids))
 
-    def _retire(self, row: _Row, status: str) -> None:
+    def _retire(self, row: _Row, status: str, error: Exception | None = None) -> None:
         with self._wake:
             self._rows.pop(row.rid, None)
-        if not row.done.is_set():
-            row.finish(status)
+        if not row.done.done():
+            if error is not None:
+                row.done.set_exception(error)
+            else:
+                row.done.set_result({"response_ids": row.resp, "logprobs": row.lps, "versions": row.vers,
+                                     "status": status})
             if self._slots is not None:
                 self._unload(self._slots.unbind(row.lora))
 
@@ -269,7 +255,5 @@ class VLLMEngine(EngineBase):
             rows, self._rows = list(self._rows.values()) + self._pending, {}
             self._pending = []
         for row in rows:
-            if not row.done.is_set():
-                row.error = f"{self.engine_id}: vLLM failed: {error!r}"
-                with contextlib.suppress(Exception):    # a failed engine may not remove the row's adapter
-                    self._retire(row, "failed")
+            with contextlib.suppress(Exception):    # a failed engine may not remove the row's adapter
+                self._retire(row, "failed", RuntimeError(f"{self.engine_id}: vLLM failed: {error!r}"))
