@@ -26,22 +26,17 @@ TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prom
            "response_logprobs", "loss_mask")
 
 
-# Ray Data's streaming executor waits for its running tasks with ray.wait(all of them, timeout=0.1 s)
-# each loop: while one stage holds a long call (a rollout waiting at the gate), a block another stage
-# finished sits there until the timeout. With run.data_wake=event (the default) each wait sleeps until
-# the first task has output and takes every ready one, so the executor wakes per hand-off. Ray Data
-# has no public setting for it: transfer/compat/ray_api.py swaps what its executor calls `ray`.
-
-
 def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
-    """`wake="event"`: Ray Data's executor waits as above; a task that stays ready without its output
-    being taken (Ray's output budget) makes that wait poll every `seconds` instead, so it never spins.
-    `wake="ray"`: Ray's own wait. Takes effect for streams already open. False (nothing changed) with
-    "ray" or on a Ray Data without these internals."""
+    """Ray Data's streaming executor waits for its running tasks with ray.wait(all of them, timeout=0.1 s)
+    each loop: while one stage holds a long call (a rollout waiting at the gate), a block another stage
+    finished sits there until the timeout. `wake="event"` (run.data_wake's default): each wait sleeps
+    until the first task has output and takes every ready one, so the executor wakes per hand-off; a task
+    that stays ready without its output being taken (Ray's output budget) makes that wait poll every
+    `seconds` instead, so it never spins. `wake="ray"`: Ray's own wait. Ray Data has no public setting for
+    it: transfer/compat/ray_api.py swaps what its executor calls `ray`. Takes effect for streams already
+    open. False (nothing changed) with "ray" or on a Ray Data without these internals."""
     from transfer.compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
 
-    if wake not in ("event", "ray"):
-        raise ValueError(f"run.data_wake must be event or ray, got {wake!r}")
     if executor_wait_internals():
         return False
     real = executor_ray()
@@ -86,18 +81,18 @@ class PipelineError(ValueError):
 class Stage:
     """A map stage: a callable class `cls(*args, **kwargs)` with `__call__(pa.Table) -> pa.Table`.
     workers: actor pool size; num_cpus / num_gpus: per actor; batch_rows: rows per call (None: one
-    group block); max_concurrency: concurrent calls per actor; tasks_in_flight: calls queued per actor."""
+    group block); max_concurrency: concurrent calls per actor."""
 
     def __init__(self, cls: type, *args, workers: int = 1, num_cpus: float = 0.1, batch_rows: int | None = None,
                  inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1,
-                 num_gpus: float = 0, tasks_in_flight: int | None = None, **kwargs):
+                 num_gpus: float = 0, **kwargs):
         self.cls, self.args, self.kwargs = cls, args, kwargs
         self.workers, self.num_cpus = workers, num_cpus
         self.batch_rows, self.max_concurrency, self.num_gpus = batch_rows, max_concurrency, num_gpus
         # calls queued per actor (None = Ray Data's default). A stage that blocks inside a call on
         # something an earlier block must do first (the window gate) sets 1 on its class: Ray Data
         # runs an actor's queued calls on several threads, so their order is not the queue's.
-        self.tasks_in_flight = tasks_in_flight if tasks_in_flight is not None else getattr(cls, "tasks_in_flight", None)
+        self.tasks_in_flight = getattr(cls, "tasks_in_flight", None)
         self.inputs = tuple(inputs if inputs is not None else getattr(cls, "inputs", ()))
         self.outputs = tuple(outputs if outputs is not None else getattr(cls, "outputs", ()))
 
