@@ -1,4 +1,4 @@
-"""The Agent protocol and the context every agent runs in: `async def run(ctx, sample) -> None`.
+"""The context every agent runs in. An agent is any object with `async def run(self, ctx, sample) -> None`.
 
 * white-box: Python code that drives the token stream itself --
       gen = await ctx.generate(stop=[...])       model turn (loss_mask=1)
@@ -20,7 +20,6 @@ import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 from stages.agentflow.chat import cut_at_stop, decode_continuation, encode, normalise_messages, render
 from stages.agentflow.config import KINDS
@@ -32,10 +31,6 @@ from stages.agentflow.tools import BUILTIN_TOOLS, ToolRegistry
 
 class TurnLimitReached(RuntimeError):
     pass
-
-
-class Agent(Protocol):
-    async def run(self, ctx: "AgentContext", sample: dict) -> None: ...
 
 
 @dataclass

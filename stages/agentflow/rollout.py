@@ -25,6 +25,7 @@ A row's prompt is plain text, or chat messages as a JSON list rendered by the ch
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import json
 import time
@@ -97,7 +98,8 @@ class AgentFlowRollout:
         self.sampling = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                          "top_p": sampling.top_p, "hold": rollout.partial == "wait"}
         self.loop = asyncio.new_event_loop()
-        self._encoded: dict[str, list[int]] = {}     # prompt text -> ids: a group's N samples share one prompt
+        # prompt text -> ids (AgentContext copies them): a group's N samples share one prompt
+        self._encode = functools.lru_cache(ENCODE_CACHE_ROWS)(functools.partial(encode, self.tok))
         # started on first use, on self.loop: it serves while a batch runs, which is when agents call it
         self.proxy = Proxy(self.tok, proxy.host, proxy.port, int(proxy.max_body_mb * 2 ** 20), proxy.force_sampling,
                            self.limit)
@@ -131,14 +133,6 @@ class AgentFlowRollout:
                             dict(self.sampling, seed=self._seed(row)), prompt_text=text, messages=messages,
                             max_turns=self.cfg.max_turns, proxy=self.proxy, limit=self.limit,
                             max_tokens=self.cfg.max_trajectory_tokens)
-
-    def _encode(self, text: str) -> list[int]:
-        ids = self._encoded.get(text)
-        if ids is None:
-            if len(self._encoded) >= ENCODE_CACHE_ROWS:
-                self._encoded.clear()
-            ids = self._encoded[text] = encode(self.tok, text)
-        return ids      # AgentContext copies it
 
     async def _one(self, row: dict, limit: asyncio.Semaphore) -> list[dict]:
         """One trajectory (a row per trained segment). If its engine dies meanwhile, it is run again from the

@@ -97,12 +97,10 @@ class SandboxAgent:
         pool, started here on the rollout's loop, or of the remote service); returns the session to close."""
         from stages.agentflow.sandbox.pool import SandboxPool
 
-        if self.sandbox_cfg.remote:     # the client is made by start_remote, awaited before attach
-            session = self.client.session()
-        else:
-            if self.pool is None:
-                self.pool = SandboxPool(self.sandbox_cfg)
-            session = self.pool.session()
+        if not self.sandbox_cfg.remote and self.pool is None:
+            self.pool = SandboxPool(self.sandbox_cfg)
+        # remote: the client is made by start_remote, awaited before attach
+        session = (self.client if self.sandbox_cfg.remote else self.pool).session()
         ctx.tools.register(session.tool())
         return session
 
