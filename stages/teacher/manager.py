@@ -44,7 +44,6 @@ class Swap:
     seconds_out: float = 0.0
     hits: int = 0
     peak_resident_bytes: int = 0
-    peak_resident: int = 0
     history: list[str] = field(default_factory=list)   # "+id" / "-id": swaps in and out, in order
 
 
@@ -119,7 +118,6 @@ class _Teacher:
     def __init__(self, spec: TeacherSpec, dtype: str, device: torch.device):
         from stages.model import load_model
 
-        self.spec = spec
         self.model = load_model(spec.path, dtype)           # validates that the files load as this model
         self.params = dict(self.model.named_parameters())   # deduplicated: a tied weight appears once
         missing, extra = set(self.params) - spec.names, spec.names - set(self.params)
@@ -142,12 +140,12 @@ class _Teacher:
 
 
 class TeacherManager:
-    def __init__(self, cfg: TeacherConfig, student_dir: str, sources=()):
+    def __init__(self, cfg: TeacherConfig, student_dir: str):
         if not cfg.enabled:
             raise TeacherError("teacher.teachers is empty: there is no teacher to manage")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.specs = check_teachers(cfg, student_dir, sources)
+        self.specs = check_teachers(cfg, student_dir)
         self.teachers = {tid: _Teacher(s, cfg.dtype, self.device) for tid, s in self.specs.items()}
         self.resident: OrderedDict[str, None] = OrderedDict()   # least recently used first
         self.stats = Swap()
@@ -191,5 +189,4 @@ class TeacherManager:
         s.seconds_out, s.seconds_in = s.seconds_out + t1 - t0, s.seconds_in + t2 - t1
         s.history.append(f"+{tid}")
         s.peak_resident_bytes = max(s.peak_resident_bytes, self.resident_bytes)
-        s.peak_resident = max(s.peak_resident, len(self.resident))
         return self.teachers[tid].model, swap

@@ -31,24 +31,20 @@ def score_rows(model, rows: list[dict], temperature: float, top_k: int, pad_id: 
                chunk: int = 0) -> list[tuple]:
     """(logprobs [T], topk ids [T,k] | None, topk logprobs [T,k] | None) of each row's response tokens,
     right-padded (a causal mask keeps padding off the logits), `chunk` positions at a time."""
-    seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in rows]
-    n, L = len(seqs), max(map(len, seqs))
-    ids = torch.full((n, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
+    seqs = [torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), dtype=torch.long) for r in rows]
+    lens, sizes = torch.tensor([len(s) for s in seqs]), [len(r["response_ids"]) for r in rows]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
+    attn = (torch.arange(ids.shape[1])[None, :] < lens[:, None]).long()
     # response token t of row i is predicted at position p_i - 1 + t
-    seq = torch.cat([torch.full((len(r["response_ids"]),), i) for i, r in enumerate(rows)])
-    pos = torch.cat([torch.arange(len(r["prompt_ids"]) - 1, len(s) - 1) for r, s in zip(rows, seqs)])
-    tgt = torch.cat([torch.tensor(r["response_ids"], dtype=torch.long) for r in rows])
+    seq = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(sizes))
+    pos = torch.cat([torch.arange(len(s) - n - 1, len(s) - 1) for s, n in zip(seqs, sizes)])
+    tgt = torch.cat([s[len(s) - n:] for s, n in zip(seqs, sizes)])
     with torch.inference_mode():
         st = position_stats(model, tgt.to(device), seq.to(device), pos.to(device), temperature, chunk, top_k=top_k,
                             input_ids=ids.to(device), attention_mask=attn.to(device))
-    lp = st.logprobs.cpu().split([len(r["response_ids"]) for r in rows])
+    lp = st.logprobs.cpu().split(sizes)
     if not top_k:
         return [(x.tolist(), None, None) for x in lp]
-    sizes = [len(r["response_ids"]) for r in rows]
     top_i, top_v = st.top_indices.cpu().split(sizes), st.top_values.cpu().split(sizes)
     return [(x.tolist(), i.tolist(), v.tolist()) for x, i, v in zip(lp, top_i, top_v)]
 
