@@ -26,7 +26,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -139,7 +138,7 @@ class SGLangEngine(EngineBase):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server exited with {self.proc.returncode}:\n{self._log_tail()}")
             try:
-                if self._http("GET", "/health_generate", timeout=5).status_code == 200:
+                if request("GET", self.url, "/health_generate", None, 5).status_code == 200:
                     return
             except OSError:
                 pass
@@ -151,11 +150,8 @@ class SGLangEngine(EngineBase):
         with open(self.log_path) as f:
             return f.read()[-4000:]
 
-    def _http(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None):
-        return request(method, self.url, path, payload, timeout or self.cfg.request_timeout_s)
-
-    def _post(self, path: str, payload: dict | None = None) -> dict:
-        r = self._http("POST", path, payload or {})
+    def _post(self, path: str, payload: dict) -> dict:
+        r = request("POST", self.url, path, payload, self.cfg.request_timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"SGLang {path} failed ({r.status_code}): {r.text[:2000]}")
         return r.json() if r.content else {}
@@ -178,18 +174,24 @@ class SGLangEngine(EngineBase):
         if self.lora is not None:
             return self._load_adapter(named_tensors, version)
         buckets = list(self._buckets(named_tensors))
-        with self._exclusive():
-            if not buckets:     # no weights, only the clock (a resumed run): the server tags tokens with it
-                self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-            for i, bucket in enumerate(buckets):
-                owned = [(n, t.to(self.device, copy=True)) for n, t in bucket]
-                torch.cuda.current_stream(self.device).synchronize()
-                last = i == len(buckets) - 1
-                self._post("/update_weights_from_tensor", {
-                    "serialized_named_tensors": [serialize_tensors(owned)] * self.tp,     # one payload per TP rank
-                    "flush_cache": last, "weight_version": str(version) if last else None})
-                del owned
-            self._landed(version)
+        # a version whole: one update at a time, after the `hold` requests in flight have finished, with
+        # generation paused (queued requests wait for resume)
+        with self._update_lock, self._gate.updating():
+            self._post("/pause_generation", {"mode": self.cfg.pause_mode})
+            try:
+                if not buckets:     # no weights, only the clock (a resumed run): the server tags tokens with it
+                    self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+                for i, bucket in enumerate(buckets):
+                    owned = [(n, t.to(self.device, copy=True)) for n, t in bucket]
+                    torch.cuda.current_stream(self.device).synchronize()
+                    last = i == len(buckets) - 1
+                    self._post("/update_weights_from_tensor", {
+                        "serialized_named_tensors": [serialize_tensors(owned)] * self.tp,     # one per TP rank
+                        "flush_cache": last, "weight_version": str(version) if last else None})
+                    del owned
+                self._landed(version)
+            finally:
+                self._post("/continue_generation", {})
 
     def _add_adapter(self, version: int) -> None:
         self._post("/load_lora_adapter", {"lora_name": f"v{version}", "lora_path": self._slots.path(version)})
@@ -208,17 +210,6 @@ class SGLangEngine(EngineBase):
             size += nbytes
         if bucket:
             yield bucket
-
-    @contextmanager
-    def _exclusive(self):
-        """Keep a version whole: one update at a time, after the `hold` requests in flight
-        have finished, with generation paused (queued requests wait for resume)."""
-        with self._update_lock, self._gate.updating():
-            self._post("/pause_generation", {"mode": self.cfg.pause_mode})
-            try:
-                yield
-            finally:
-                self._post("/continue_generation", {})
 
     def abort_all(self) -> None:
         self._post("/abort_request", {"abort_all": True})
