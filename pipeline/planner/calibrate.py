@@ -27,11 +27,8 @@ from pipeline.planner.workload import RecordedLengths, outside_generation_s, tur
 
 @dataclass
 class Calibration:
-    run_dir: Path
-    config: object            # the run's resolved Config (RUN/config.yaml)
     costs: Costs
     lengths: RecordedLengths
-    notes: dict
 
 
 def _fit(x, y) -> tuple[float, float]:
@@ -77,7 +74,6 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
     steady = spans[spans["step"] > skip]
     if not len(steady):
         raise PlanError(f"--calibrate {run}: the profile has no step after step {skip} to calibrate on")
-    notes: dict = {}
 
     upd = steady[steady["stage"] == "update"]
     fixed, per_token = _fit(upd["tokens"], upd["duration_s"])
@@ -102,26 +98,20 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
     waves, iters, gen_s = np.array(waves[steady_blocks]), np.array(iters[steady_blocks]), np.array(gen_s[steady_blocks])
     call_s, iter_s = _fit_engine(waves, iters, gen_s)
     engine = EngineModel(base_s=iter_s, call_s=call_s, prefix_cache=False)
-    notes["engine"] = (f"{len(gen_s)} blocks: {np.mean(gen_s):.3f}s generation each on average, "
-                       f"{np.mean(iters):.1f} decode iterations in {np.mean(waves):.1f} waves")
 
     handoff, dispatch = _latencies(spans, blocks, cfg, skip)
     stages = StageCosts(r_fixed, r_row, handoff, dispatch, reward_workers=1)
     costs = Costs(engine, trainer, sync, stages, Layout(engines=cfg.engine.count, description="this run"),
                   sources={k: f"calibrated from {run}" for k in ("engine", "trainer", "sync", "stages")})
-    return Calibration(run, cfg, costs, lengths, notes)
+    return Calibration(costs, lengths)
 
 
 def _outside_generation(block) -> float:
     """An agent block's seconds outside generation (tool calls, the agent's own work) on its critical
     path: those of the sample that finished last. The simulation adds that time in the gaps between
     turns (workload.agent_turns), so the engine is fitted on the rest."""
-    if "agent_stats" not in block.columns:
-        return 0.0
-    last = block.loc[block["t_done"].idxmax(), "agent_stats"]
-    if not isinstance(last, dict):
-        return 0.0
-    return outside_generation_s(last)
+    last = block.loc[block["t_done"].idxmax(), "agent_stats"] if "agent_stats" in block.columns else None
+    return outside_generation_s(last) if isinstance(last, dict) else 0.0
 
 
 def _fit_engine(waves, iters, gen_s) -> tuple[float, float]:

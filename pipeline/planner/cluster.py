@@ -108,14 +108,10 @@ def load_cluster(path: str | Path, overrides: dict | None = None) -> dict:
         raise PlanError(f"{path}: layout.model {model!r} is not a preset in models: "
                         f"(presets: {', '.join(data.get('models', {})) or 'none'})")
     m = data["models"][model]
-    for part in ("engine", "trainer", "sync"):
-        if part not in m:
-            raise PlanError(f"{path}: models.{model}.{part} is missing")
-    for part, key in (("engine", "decode_base_s"), ("trainer", "mfu")):
-        if key not in m[part]:
-            raise PlanError(f"{path}: models.{model}.{part}.{key} is missing")
-    if "params_b" not in m:
-        raise PlanError(f"{path}: models.{model}.params_b is missing")
+    for need in ("engine", "trainer", "sync", "engine.decode_base_s", "trainer.mfu", "params_b"):
+        part, _, key = need.partition(".")
+        if part not in m or key and key not in m[part]:
+            raise PlanError(f"{path}: models.{model}.{need} is missing")
     data["_file"] = str(path)
     return data
 

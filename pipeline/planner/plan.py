@@ -75,7 +75,7 @@ def _lengths(src: str | None, cal: Calibration | None):
 
 
 def setup(inp: PlanInput, cal: Calibration | None = None):
-    """(Recipe, Costs, workload, notes) for one plan; `cal` reuses a calibration already made."""
+    """(Recipe, Costs, workload, Calibration or None) for one plan; `cal` reuses a calibration already made."""
     from pipeline.config import ConfigError, load_config
 
     if inp.cluster is None and inp.calibrate is None:

@@ -114,14 +114,10 @@ def plot(res, path) -> str:
     """The simulated run's Gantt chart (spans.plot_gantt), as a PNG."""
     from pipeline.planner.spans import plot_gantt
 
-    spans = res.spans
-    gen = res.rollouts()
-    shown = spans
-    actors = spans["actor"].unique()
-    engines = [a for a in actors if str(a).startswith("engine")]
+    shown, gen = res.spans, res.rollouts()
+    engines = sorted((a for a in shown["actor"].unique() if str(a).startswith("engine")), key=lambda a: int(a[6:]))
     if len(engines) > 16:       # a row per engine stops being readable: keep the first 16
-        keep = set(sorted(engines, key=lambda a: int(a[6:]))[:16])
-        shown = spans[~spans["actor"].isin(set(engines) - keep)]
+        shown = shown[~shown["actor"].isin(engines[16:])]
     ax = plot_gantt(shown, rollouts=gen if len(gen) else None)
     ax.set_title("simulated timeline per actor")
     ax.figure.savefig(path, dpi=100)

@@ -66,8 +66,8 @@ class _Seq:
 
 
 class EngineSim:
-    def __init__(self, env: simpy.Environment, name: str, m: EngineModel, chunk: int = CHUNK_TOKENS):
-        self.env, self.name, self.m, self.chunk = env, name, m, chunk
+    def __init__(self, env: simpy.Environment, name: str, m: EngineModel):
+        self.env, self.name, self.m = env, name, m
         self.running: list[_Seq] = []
         self.queue: deque[_Seq] = deque()
         self.version = 0
@@ -149,7 +149,7 @@ class EngineSim:
                 continue
             b, ctx = len(self.running), sum(s.ctx for s in self.running)
             it = m.iter_s(b, ctx)
-            k = min(min(s.left for s in self.running), self.chunk)
+            k = min(min(s.left for s in self.running), CHUNK_TOKENS)
             t0 = env.now
             timer = env.timeout(k * it)
             yield timer | self.wake
@@ -180,18 +180,15 @@ class SampleRecord:
 
 
 class Simulation:
-    def __init__(self, recipe: Recipe, costs: Costs, workload, seed: int = 0, until_s: float = float("inf"),
-                 chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(self, recipe: Recipe, costs: Costs, workload, seed: int = 0):
         self.r, self.c, self.workload = recipe, costs, workload
         self.rng = np.random.default_rng(seed)
         self.env = simpy.Environment()
-        self.until_s = until_s
         self._loop = asyncio.new_event_loop()
         self.gate = Gate(recipe.groups_per_step, recipe.stale_steps, recipe.window)
         self.window = Window(BatcherConfig(recipe.groups_per_step, stale_policy=recipe.stale_policy),
                              recipe.n_samples, recipe.stale_steps, recipe.window, in_loop(self.gate, self._loop))
-        n = max(1, costs.layout.engines)
-        self.engines = [EngineSim(self.env, f"engine{i}", costs.engine, chunk_tokens) for i in range(n)]
+        self.engines = [EngineSim(self.env, f"engine{i}", costs.engine) for i in range(max(1, costs.layout.engines))]
         self.workers = simpy.Store(self.env)
         for w in range(recipe.num_workers):
             self.workers.put(w)
@@ -351,8 +348,6 @@ class Simulation:
             self._span("sync", "trainer", t2, env.now, step=step)
             self.window.consumed(groups, self.version)
             self._moved()
-            if env.now > self.until_s:
-                break
         self.finished.succeed()
 
     def run(self) -> "SimResult":

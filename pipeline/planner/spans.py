@@ -189,9 +189,8 @@ def staleness(rollouts) -> np.ndarray:
     """Per trained token: the version trained at its step (step - 1) minus the version that generated it."""
     out = []
     for step, vs, mask in zip(rollouts["step"], rollouts["token_versions"], rollouts["loss_mask"]):
-        v, m = np.asarray(vs, dtype=np.int64), np.asarray(mask, dtype=bool)
-        keep = m & (v >= 0)
-        out.append(int(step) - 1 - v[keep])
+        v = np.asarray(vs, dtype=np.int64)
+        out.append(int(step) - 1 - v[np.asarray(mask, dtype=bool) & (v >= 0)])
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 

@@ -14,6 +14,7 @@ seconds with tool_tokens of context. Two sources:
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,34 +34,16 @@ class SampleSpec:
         return sum(g for g, _, _ in self.turns)
 
 
-def _runs(mask: list[int]) -> list[tuple[int, int]]:
-    """(value, length) runs of a 0/1 mask."""
-    out: list[list[int]] = []
-    for m in mask:
-        m = 1 if m else 0
-        if out and out[-1][0] == m:
-            out[-1][1] += 1
-        else:
-            out.append([m, 1])
-    return [(v, n) for v, n in out]
-
-
 def turns_of(mask: list[int], tool_s: float) -> tuple:
     """A response's loss mask as turns: model runs (1) with the tool runs (0) that follow them."""
-    runs = _runs(mask)
-    turns, pending = [], None
-    for v, n in runs:
+    turns: list[list] = []
+    for v, run in itertools.groupby(1 if m else 0 for m in mask):
+        n = sum(1 for _ in run)
         if v == 1:
-            if pending is not None:
-                turns.append(pending)
-            pending = [n, 0, 0.0]
-        elif pending is not None:
-            pending[1] += n
-            pending[2] = tool_s
-    if pending is not None:
-        turns.append(pending)
-    if not turns:
-        turns = [[0, 0, 0.0]]
+            turns.append([n, 0, 0.0])
+        elif turns:
+            turns[-1][1:] = [turns[-1][1] + n, tool_s]
+    turns = turns or [[0, 0, 0.0]]
     turns[-1][1:] = [0, 0.0]          # nothing is answered after the last model turn
     return tuple(tuple(t) for t in turns)
 
