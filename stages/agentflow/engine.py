@@ -127,7 +127,9 @@ class HFEngine(EngineBase):
         self.context = int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0)
         self.vocab = self.model.get_input_embeddings().num_embeddings
         self.max_running_rows, self.kv_cache_mb = max_running_rows, kv_cache_mb
-        self.kv_token_bytes = self._kv_token_bytes()
+        with torch.no_grad():   # the KV cache bytes a token takes, measured (config fields differ by architecture)
+            o = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True, **self._last_only)
+        self.kv_token_bytes = max(1, sum(t.nbytes for kv in cache_kv(o[self._cache_kw]) for t in kv))
         self.kv_cache_tokens = int(kv_cache_mb * 2 ** 20 // self.kv_token_bytes)   # cache columns x rows, at most
         self._lock = threading.Lock()                   # a decode step or a weight update
         self._whole = threading.Event()                 # clear while a version lands in place
@@ -137,12 +139,6 @@ class HFEngine(EngineBase):
         self._waiting: deque[_Row] = deque()            # rows enqueued by generate, not yet admitted
         self._wake = threading.Condition()              # guards _waiting and _scheduling
         self._scheduling = False                        # the decode thread is running
-
-    def _kv_token_bytes(self) -> int:
-        """KV cache bytes a token takes, measured (config fields differ by architecture)."""
-        with torch.no_grad():
-            o = self.model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True, **self._last_only)
-        return max(1, sum(t.numel() * t.element_size() for kv in cache_kv(o[self._cache_kw]) for t in kv))
 
     # ---- weights ------------------------------------------------------------------
     def _landing(self) -> dict:

@@ -202,12 +202,11 @@ class SGLangEngine(EngineBase):
     def _buckets(self, named: dict):
         bucket, size = [], 0
         for n, t in named.items():
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > self.cfg.bucket_bytes:
+            if bucket and size + t.nbytes > self.cfg.bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
             bucket.append((n, t))
-            size += nbytes
+            size += t.nbytes
         if bucket:
             yield bucket
 
