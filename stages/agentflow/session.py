@@ -335,15 +335,12 @@ class Session:
         if base.response_ids:   # a new segment's row starts at its first prompt: what it inherits is not
             base.prompt_ids, base.response_ids = base.ids, []   # trained again (its own segment trains it)
             base.logprobs, base.versions, base.loss_mask = [], [], []
-        last = self.tree[-1] if self.tree else None
-        if kind == "main" and last is not None and last.kind == "compaction":
-            parent = last.id
-        elif seg is not None:
+        if seg is not None and not (kind == "main" and self.tree[-1].kind == "compaction"):
             parent = seg.id
         elif kind == "subagent":
             parent = next((s.id for s in reversed(self.tree) if s.kind == "main"), -1)
-        else:
-            parent = last.id if last is not None else -1
+        else:   # the latest segment (-1: none; an id is its index), as a main call after a compaction follows it
+            parent = len(self.tree) - 1
         base.segment = len(self.tree)
         self.tree.append(Segment(base.segment, kind, agent, parent, shared, calls=1))
 
