@@ -263,8 +263,6 @@ def make_jail(cfg) -> Jail | None:
     return Jail(cfg)
 
 
-
-
 def end(proc) -> None:
     """Kill every process of a trajectory's agent: its cgroup where it has one, its process group (spawned)
     or its supervisor (forked: its PID namespace dies with it)."""
@@ -285,5 +283,3 @@ def end(proc) -> None:
             pass
     if link is not None:
         link.close()
-
-

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from stages.agentflow.sandbox import jail
 from stages.agentflow.tools import Tool
-from stages.keys import NONNEG, POSITIVE, between, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, between, key, one_of, section
 
 log = logging.getLogger(__name__)
 WORKER = Path(__file__).with_name("worker.py")
@@ -49,7 +49,7 @@ UID_BASE = 610_000
 UID_SLOTS = 256
 
 
-@dataclass(frozen=True)
+@section("sandbox")
 class SandboxConfig:
     workers: int = key(2, "sandboxes started ahead of need (each serves one trajectory, then ends)", POSITIVE)
     cpu_s: float = key(2.0, "CPU seconds per snippet", POSITIVE)
@@ -71,7 +71,6 @@ class SandboxConfig:
                               'process per rollout worker when its url is ""), with its latency')
 
     def __post_init__(self):
-        check_fields(self, "sandbox")
         object.__setattr__(self, "preload", (self.preload,) if isinstance(self.preload, str) else tuple(self.preload))
 
 
@@ -190,10 +189,7 @@ class SandboxSession:
         await self.close()
 
     def tool(self, name: str = "python") -> Tool:
-        async def python(code: str) -> str:
-            return (await self.run(code)).text()
-
-        return self.pool._tool(name, python)
+        return self.pool._tool(name, self.run)
 
 
 class SandboxPool:
@@ -305,10 +301,11 @@ class SandboxPool:
                 pass
         shutil.rmtree(w.workdir, ignore_errors=True)
 
-    def _background(self, coro) -> None:
+    def _background(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
         self._spawning.add(t)
         t.add_done_callback(self._spawning.discard)
+        return t
 
     async def _refill(self) -> None:
         """Keep `workers` spares started (in the background: a trajectory that takes one does not wait)."""
@@ -345,9 +342,7 @@ class SandboxPool:
         """_spawn in a task of its own: a caller cancelled meanwhile (a tool timeout) gets its CancelledError
         at once -- Python < 3.12's wait_for can swallow a cancel that lands as the worker says "ready" -- and
         the worker it was starting, untouched by any code, becomes a spare."""
-        t = asyncio.get_running_loop().create_task(self._spawn())
-        self._spawning.add(t)
-        t.add_done_callback(self._spawning.discard)
+        t = self._background(self._spawn())
         try:
             return await asyncio.shield(t)
         except asyncio.CancelledError:
@@ -453,13 +448,14 @@ class SandboxPool:
 
     def tool(self, name: str = "python") -> Tool:
         """The `python` tool with a fresh sandbox per call; a trajectory uses `session().tool()` instead."""
+        return self._tool(name, self.run)
+
+    def _tool(self, name: str, run) -> Tool:
+        """The `python` tool over `run` (a session's, or the pool's one-call run)."""
         async def python(code: str) -> str:
-            return (await self.run(code)).text()
+            return (await run(code)).text()
 
-        return self._tool(name, python)
-
-    def _tool(self, name: str, fn) -> Tool:
-        return Tool(name=name, fn=fn, description=(
+        return Tool(name=name, fn=python, description=(
             "Run a Python snippet in a sandbox and return its output (the value of a final expression is "
             "printed). Limits: " f"{self.cfg.cpu_s}s CPU, {self.cfg.timeout_s}s wall, {self.cfg.memory_mb} MB, "
             f"{self.cfg.output_bytes} bytes of output. {self.isolation.describe()}."),

@@ -52,17 +52,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 from stages.agentflow.tools import Tool, ToolFatalError
-from stages.keys import NONNEG, POSITIVE, UNIT, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, UNIT, key, one_of, section
 
 Z99 = 2.3263478740408408   # the standard normal's 99th percentile
 KEY_ENV = "LOONGSAGE_TOOL_SERVICE_KEY"
 SESSION_IDLE_S = 600.0     # a /run session not used for this long is closed (its client went away)
 
 
-@dataclass(frozen=True)
+@section("tool_service")
 class ToolServiceConfig:
     url: str = key("", '"" = start a local service process (ToolService) with the settings below')
     p50_s: float = key(0.2, "median service time (see the module docstring for where it comes from)", POSITIVE)
@@ -74,7 +73,6 @@ class ToolServiceConfig:
                                    one_of("observe", "fail"))
 
     def __post_init__(self):
-        check_fields(self, "tool_service")
         if not self.p99_s >= self.p50_s:
             raise ValueError(f"tool_service.p99_s must be >= p50_s ({self.p50_s}), got {self.p99_s}")
 
@@ -245,13 +243,11 @@ class ToolService:
 
     def start(self, timeout_s: float = 30.0) -> str:
         c = self.cfg
-        extra = []
-        if self.sandbox is not None:    # serve /run: a remote code sandbox with these limits
-            extra = ["--sandbox-json", json.dumps(dataclasses.asdict(self.sandbox))]
+        # with a sandbox, it serves /run: a remote code sandbox with these limits
+        extra = [] if self.sandbox is None else ["--sandbox-json", json.dumps(dataclasses.asdict(self.sandbox))]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stages.agentflow.sandbox.tool_service", "--p50-s", str(c.p50_s),
-             "--p99-s", str(c.p99_s),
-             "--seed", str(c.seed), "--error-rate", str(c.error_rate), *extra],
+             "--p99-s", str(c.p99_s), "--seed", str(c.seed), "--error-rate", str(c.error_rate), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
             env={**os.environ, KEY_ENV: self.key},
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -299,25 +295,21 @@ class ToolServiceClient:
 
     async def lookup(self, key: str) -> dict:
         """The service's answer; ToolServiceError for down / 5xx / 4xx / too slow, naming which."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        self.stats["calls"] += 1
-        try:
-            return await self._post(key)
-        except ToolServiceError:
-            self.stats["errors"] += 1
-            raise
-        finally:
-            self.stats["wait_s"] += loop.time() - t0
+        return await self._counted(self._post(key))
 
     async def run(self, code: str, session: str | None = None) -> dict:
         """A snippet run by the service's sandbox (/run), in `session`'s sandbox or a fresh one;
         ToolServiceError as for lookup."""
+        return await self._counted(self._post(code, path="/run", field="code",
+                                              extra={"session": session} if session else {}))
+
+    async def _counted(self, call) -> dict:
+        """`call`'s answer, counted in stats (calls, errors, wait_s)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         self.stats["calls"] += 1
         try:
-            return await self._post(code, path="/run", field="code", extra={"session": session} if session else {})
+            return await call
         except ToolServiceError:
             self.stats["errors"] += 1
             raise
@@ -340,14 +332,19 @@ class ToolServiceClient:
             raise ToolServiceError(f"tool service {self.url} answered {r.status}: {_error_of(body)}")
         return json.loads(body)
 
+    async def _text(self, call, text) -> str:
+        """text(`call`'s answer); a ToolServiceError is an "error: ..." observation, or with on_error=fail a
+        ToolFatalError."""
+        try:
+            return text(await call)
+        except ToolServiceError as e:
+            if self.cfg.on_error == "fail":
+                raise ToolFatalError(str(e)) from e
+            return f"error: {e}"
+
     def tool(self, name: str = "lookup") -> Tool:
         async def lookup(key: str) -> str:
-            try:
-                return json.dumps((await self.lookup(str(key)))["value"], sort_keys=True)
-            except ToolServiceError as e:
-                if self.cfg.on_error == "fail":
-                    raise ToolFatalError(str(e)) from e
-                return f"error: {e}"
+            return await self._text(self.lookup(str(key)), lambda r: json.dumps(r["value"], sort_keys=True))
 
         return Tool(name=name, fn=lookup, description="Look up facts about an integer 0..9999 (remote service).",
                     parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]})
@@ -359,12 +356,7 @@ class ToolServiceClient:
     def sandbox_tool(self, name: str = "python", session: str | None = None) -> Tool:
         """The remote sandbox as the `python` tool: the output text as a local pool's tool gives it."""
         async def python(code: str) -> str:
-            try:
-                return (await self.run(str(code), session))["text"]
-            except ToolServiceError as e:
-                if self.cfg.on_error == "fail":
-                    raise ToolFatalError(str(e)) from e
-                return f"error: {e}"
+            return await self._text(self.run(str(code), session), lambda r: r["text"])
 
         return Tool(name=name, fn=python, description="Run a Python snippet in a remote sandbox service and "
                     "return its output.", parameters={"type": "object", "properties": {"code": {"type": "string"}},
