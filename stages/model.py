@@ -4,8 +4,6 @@ Engines, the trainer and teachers all load through here so they agree on the tok
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from stages.model_config import ModelConfig, validate_model_dir
@@ -17,10 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_model(path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise ValueError(f"model directory {p} has no config.json (not an HF model directory)")
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
+    validate_model_dir(path, check_tokenizer=False, key="model directory")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
     model.eval()
     return model
 

@@ -1,9 +1,7 @@
-"""TransferMesh: topology-aware, versioned, bucketed weight sync from the trainer to
-the engines (see mesh.py for the driver side, endpoints.py for the actor side, and one
-module per transport: inproc, shm, gloo, zmq_stream, cuda_ipc, nccl).
-
-The names below are loaded on first use (PEP 562), so importing the package imports neither torch nor
-Ray. The recipe's `transfer:` section is stages/transfer_config.py: this package reads it, imports none.
+"""TransferMesh: topology-aware, versioned, bucketed weight sync from the trainer to the engines (mesh.py: the
+driver's side, endpoints.py: the actors', one module per transport). The recipe's `transfer:` section is
+stages/transfer_config.py: this package reads it, imports none. The names below are loaded on first use
+(PEP 562), so importing the package imports neither torch nor Ray.
 """
 from __future__ import annotations
 

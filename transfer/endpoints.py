@@ -132,8 +132,7 @@ class Sender:
                                                                   m.staging)
                     m.members[transport] = list(names)
                 addresses[transport] = m.links[transport].prepare(m.snapshot)
-            # Whether a receiver still reads the sender's own tensors after send returns: if not,
-            # the trainer may step again as soon as its send is done.
+            # whether a receiver reads the sender's own tensors after send returns (if not, the trainer may step on)
             addresses[SENDER_KEY] = {"reads_after_send": any(m.links[t].reads_after_send for t in plan)}
             return layout, addresses
 

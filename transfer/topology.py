@@ -75,12 +75,9 @@ def format_table(parties: Iterable[Party], routes: Mapping[str, object] | None =
     """One line per party; receivers also show the route chosen for them."""
     routes = routes or {}
     header = ("name", "role", "node", "ip", "pid", "device", "gpu uuid", "route")
-    rows = [header]
-    for p in parties:
-        route = routes.get(p.name)
-        rows.append((p.name, p.role, p.node_id[:12], p.ip, str(p.pid), p.device,
-                     p.device_uuid[:18] or "-",
-                     f"{route.transport}: {route.reason}" if route else "-"))
+    rows = [header] + [(p.name, p.role, p.node_id[:12], p.ip, str(p.pid), p.device, p.device_uuid[:18] or "-",
+                        f"{route.transport}: {route.reason}" if (route := routes.get(p.name)) else "-")
+                       for p in parties]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]
                      for r in rows)
