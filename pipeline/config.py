@@ -22,7 +22,6 @@ import yaml
 
 from pipeline import seeds
 from pipeline.placement import PlacementConfig
-from pipeline.replay_config import ReplayConfig
 from pipeline.trackers import TrackerConfig
 from stages.agentflow.config import AgentConfig, ProxyConfig, RolloutConfig, SamplingConfig
 from stages.agentflow.engine_config import EngineConfig, SGLangConfig, VLLMConfig
@@ -49,6 +48,15 @@ class EvalConfig:
     num_prompts: int = key(200, "held-out prompts per evaluation (0 = no evaluation)", NONNEG)
     temperature: float = key(1.0, "sampling temperature of evaluation (the training temperature by default)", NONNEG)
     n_samples: int = key(1, "samples per held-out prompt", POSITIVE)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Which recorded groups `loongsage replay` trains on (empty / None = no filter)."""
+    steps: tuple[int, ...] = key((), "recorded step numbers to train on (empty = all)")
+    data_sources: tuple[str, ...] = key((), "data_source values to train on (empty = all)")
+    reward_min: float | None = key(None, "inclusive lower bound on a group's mean reward (None = no bound)")
+    reward_max: float | None = key(None, "inclusive upper bound on a group's mean reward (None = no bound)")
 
 
 @section("run")

@@ -15,6 +15,7 @@ import textwrap
 import types
 import typing
 
+from pipeline.config import Config, ConfigError, check_names, dump_yaml, load_config
 from stages.keys import check_of, default_of, doc_of
 
 REGENERATE = "python -m pipeline.config_doc > docs/config.md"
@@ -29,18 +30,8 @@ class Row:
     doc: str
 
 
-def _type_name(t) -> str:
-    return t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
-
-
-def _shown(v) -> str:
-    return json.dumps(list(v) if isinstance(v, tuple) else v)
-
-
 def sections(cls=None, prefix: str = "") -> list[tuple[str, str, list[Row]]]:
     """(name, doc, the keys directly in it) for every section and nested section, in declaration order."""
-    from pipeline.config import Config
-
     hints = typing.get_type_hints(cls or Config)
     out = []
     for f in dataclasses.fields(cls or Config):
@@ -59,7 +50,8 @@ def _keys(cls, prefix: str) -> list[Row]:
         optional = typing.get_origin(typ) in (typing.Union, types.UnionType)
         finite = "finite" if typ is float or (optional and float in typing.get_args(typ)) else ""
         accepts = " ".join(x for x in (finite, str(check) if check else "") if x) or "any"
-        out.append(Row(prefix + f.name, _type_name(typ), _shown(default_of(f)), accepts, doc_of(f)))
+        name = typ.__name__ if isinstance(typ, type) else str(typ).replace("typing.", "")
+        out.append(Row(prefix + f.name, name, json.dumps(default_of(f)), accepts, doc_of(f)))
     return out
 
 
@@ -109,8 +101,6 @@ def markdown() -> str:
 
 
 def cmd_config(args) -> int:
-    from pipeline.config import ConfigError, check_names, dump_yaml, load_config
-
     if args.markdown:
         sys.stdout.write(markdown())
         return 0

@@ -13,6 +13,7 @@ are re-batched B per step; groups left over are reported, never trained as a sho
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -24,8 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.checkpoint import write as write_checkpoint
+from pipeline.config import ConfigError, ReplayConfig, dump_config, load_config
 from pipeline.recorder import Recorder, Recording, RecordingError
-from pipeline.replay_config import ReplayConfig
 
 CHUNK_STEPS = 50     # recorded steps read per Ray Dataset: memory holds a chunk, never the whole recording
 
@@ -111,15 +112,22 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
 
     from pipeline.builder import Pipeline, start_trainer
     from pipeline.cluster import init_ray
-    from pipeline.config import dump_config
     from pipeline.loop import Batch, StepLoop
     from pipeline.profile import Profiler
     from pipeline.resources import plan_resources
     from pipeline.trackers import TrackerConfig, open_metrics
     from stages.model import resolve_model_path
 
-    source, steps = _open_source(rollouts_dir, cfg, filters)
-    B = cfg.batcher.groups_per_step
+    rec = Recording.open(rollouts_dir, kinds=cfg.agent.train_segments)
+    source = RecordedSource(rec, select_groups(rec, filters))
+    B, n = cfg.batcher.groups_per_step, cfg.rollout.n_samples
+    if rec.n_samples != n:
+        raise ReplayError(f"{rollouts_dir}: recorded with {rec.n_samples} samples per group, the config has "
+                          f"rollout.n_samples={n}")
+    steps = min(cfg.run.steps, source.num_groups // B)
+    if steps == 0:
+        raise ReplayError(f"{rollouts_dir}: {source.num_groups} groups pass the filters, fewer than one step "
+                          f"(batcher.groups_per_step={B})")
     model_path = resolve_model_path(cfg.model, log=log)
     res = plan_resources(cfg)
     init_ray(cfg, res.ray_num_cpus)
@@ -187,21 +195,6 @@ def _untrained(t: pa.Table, m: dict) -> str:
     return "a zero gradient"
 
 
-def _open_source(rollouts_dir, cfg, filters: ReplayConfig | None) -> tuple[RecordedSource, int]:
-    """The recording's kept groups as a source, and how many whole steps they make."""
-    rec = Recording.open(rollouts_dir, kinds=cfg.agent.train_segments)
-    source = RecordedSource(rec, select_groups(rec, filters))
-    B, n = cfg.batcher.groups_per_step, cfg.rollout.n_samples
-    if rec.n_samples != n:
-        raise ReplayError(f"{rollouts_dir}: recorded with {rec.n_samples} samples per group, the config has "
-                          f"rollout.n_samples={n}")
-    steps = min(cfg.run.steps, source.num_groups // B)
-    if steps == 0:
-        raise ReplayError(f"{rollouts_dir}: {source.num_groups} groups pass the filters, fewer than one step "
-                          f"(batcher.groups_per_step={B})")
-    return source, steps
-
-
 def replay_window(cfg, pipeline, source: RecordedSource):
     """The run's window over the recording, without its staleness bound: recorded token versions count
     the recorded run's weights, and every recorded group already passed the bound once."""
@@ -218,11 +211,8 @@ def _recorded_parts(pipeline, source: RecordedSource, chunk: int, gpb: int):
     ends, start = source.step_ends(), 0
     while start < source.num_groups:
         stop = next(e for e in ends if e >= min(start + chunk, ends[-1]))
-        stream = pipeline.stream(start, stop - start, gpb)
-        try:
+        with contextlib.closing(pipeline.stream(start, stop - start, gpb)) as stream:
             yield from stream
-        finally:
-            stream.close()
         start = stop
 
 
@@ -245,8 +235,6 @@ def read_rollouts(path: str | Path, filters: ReplayConfig | None = None):
 
 def resolve_replay_config(rollouts_dir: str | Path, config: str | None, overrides: list[str]):
     """The config a replay runs: CONFIG if given, else the recorded run's config.yaml, plus overrides."""
-    from pipeline.config import load_config
-
     if config is None:
         config = Path(rollouts_dir).resolve().parent / "config.yaml"
         if not config.is_file():
@@ -256,8 +244,6 @@ def resolve_replay_config(rollouts_dir: str | Path, config: str | None, override
 
 def cli_replay(args) -> int:
     """`loongsage replay ROLLOUTS_DIR [CONFIG] [key=value ...] [--run-dir DIR]`; returns the exit code."""
-    from pipeline.config import ConfigError
-
     config, overrides = args.config, args.overrides
     if config is not None and "=" in config:      # `replay DIR key=value`: no CONFIG, the first override
         config, overrides = None, [config, *overrides]

@@ -23,9 +23,13 @@ import dataclasses
 import json
 import os
 import secrets
+import sys
 import threading
 import time
 from pathlib import Path
+
+from pipeline.config import ConfigError, dump_yaml, load_config
+from pipeline.rundir import RunDirError, locked, previous_run
 
 ROUTE = "serve"                 # the endpoint's fixed path segment: one URL for a whole serve session
 KEY_ENV = "LOONGSAGE_SERVE_KEY"
@@ -90,7 +94,6 @@ class Server:
 
         from pipeline.builder import start_engines
         from pipeline.cluster import init_ray
-        from pipeline.config import dump_yaml
         from pipeline.resources import plan_resources
         from stages.agentflow.chat import ensure_chat_template
         from stages.agentflow.client import Affinity
@@ -189,8 +192,7 @@ def trajectory_table(session, tok, trajectory: int, first_group: int):
              "fail": ""}
     cols: dict[str, list] = {}
     for i, r in enumerate(rows):
-        seg = r["segment"]
-        r |= {"prompt_id": f"serve-{trajectory}-{seg['id']}", "group_id": first_group + i, "sample_idx": 0,
+        r |= {"prompt_id": f"serve-{trajectory}-{r['segment']['id']}", "group_id": first_group + i, "sample_idx": 0,
               "data_source": "serve", "prompt": tok.decode(r["prompt_ids"], skip_special_tokens=False),
               "answer": "", "error": "", "reward": 0.0, "reward_info": "{}", "t_dispatch": now, "t_done": now,
               "transcript": json.dumps(ctx.transcript), "agent_stats": stats,
@@ -208,8 +210,6 @@ def _owner_only(path, flags: int) -> int:
 
 
 def serve_config(model: str, overrides: list[str], host: str | None, port: int | None):
-    from pipeline.config import load_config
-
     extra = [f"proxy.host={host}"] if host else []
     extra += [f"proxy.port={port}"] if port is not None else []
     return load_config(None, [f"model.path={model}", *SERVE_DEFAULTS, *extra, *overrides])
@@ -237,11 +237,6 @@ def serve_key(args) -> str | None:
 
 def cli_serve(args) -> int:
     """`loongsage serve MODEL [key=value ...] [--host] [--port] [--key-file] [--record DIR]`: serve until SIGINT."""
-    import sys
-
-    from pipeline.config import ConfigError
-    from pipeline.rundir import RunDirError, locked, previous_run
-
     try:
         cfg = serve_config(args.model, args.overrides, args.host, args.port)
     except (ConfigError, ValueError) as e:
