@@ -239,25 +239,20 @@ def check_lora(c, model_path: str) -> None:
         raise ConfigError(str(e)) from e
 
 
-def _engines():
-    """engine.kind -> (engine class, extra constructor arguments from the config)."""
-    from stages.agentflow.engine import HFEngine
-    from stages.agentflow.sglang_engine import SGLangEngine
-    from stages.agentflow.vllm_engine import VLLMEngine
-
-    return {"hf": (HFEngine, lambda c, special: (c.rollout.nice, c.trainer.lora, c.engine.max_rows,
-                                                  c.engine.kv_cache_mb, special)),
-            "vllm": (VLLMEngine, lambda c, special: (c.vllm, c.trainer.lora)),
-            "sglang": (SGLangEngine, lambda c, special: (c.sglang, c.trainer.lora))}
-
-
 def start_engines(c, model_path: str, res, placement=None, special_ids: tuple[int, int] | None = None) -> list:
     """special_ids: (eos, pad) of the model's tokenizer, which an HF engine then does not load."""
     import ray
 
     from pipeline import seeds
+    from stages.agentflow.engine import HFEngine
+    from stages.agentflow.sglang_engine import SGLangEngine
+    from stages.agentflow.vllm_engine import VLLMEngine
 
-    cls, extra = _engines()[c.engine.kind]
+    # engine.kind -> (engine class, extra constructor arguments from the config)
+    cls, extra = {"hf": (HFEngine, (c.rollout.nice, c.trainer.lora, c.engine.max_rows, c.engine.kv_cache_mb,
+                                    special_ids)),
+                  "vllm": (VLLMEngine, (c.vllm, c.trainer.lora)),
+                  "sglang": (SGLangEngine, (c.sglang, c.trainer.lora))}[c.engine.kind]
     if placement is not None:
         opts = placement.options("rollout")
     else:
@@ -265,7 +260,7 @@ def start_engines(c, model_path: str, res, placement=None, special_ids: tuple[in
         opts = [{"num_cpus": res.engine_cpus, **gpus}] * c.engine.count
     return [ray.remote(cls).options(**o, max_concurrency=16, max_restarts=c.engine.restarts).remote(
         model_path, c.model.dtype, seeds.derive(c.run.seed, "engine", i), res.engine_threads, f"engine{i}",
-        *extra(c, special_ids))
+        *extra)
         for i, o in enumerate(opts)]
 
 

@@ -52,12 +52,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(root: Path) -> None:
-    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "xxh3_128": file_digest(p, "xxh3_128")}
-             for p in _files(root)}
-    (root / MANIFEST).write_text(json.dumps({"format": 1, "algorithm": "xxh3_128", "files": files}, indent=1))
-
-
 def is_no_space(e: BaseException) -> bool:
     """ENOSPC, raised here or in the trainer actor (Ray wraps it: its errno may not survive)."""
     seen = set()
@@ -74,14 +68,24 @@ def write(final: Path, fill: Callable[[Path], None]) -> Path:
     a manifest, is fsynced and renamed into place. A full disk is a one-line CheckpointError."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final.parent)
+    for p in final.parent.glob(".step_*.*-*"):      # left by a writer that died mid-checkpoint (the run
+        pid = p.name.rsplit("-", 1)[-1]             # directory's lock means no live one races us)
+        if pid.isdigit() and int(pid) != os.getpid():
+            shutil.rmtree(p, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", suffix=f"-{os.getpid()}", dir=final.parent))
     try:
         fill(tmp)
-        write_manifest(tmp)
+        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "xxh3_128": file_digest(p, "xxh3_128")}
+                 for p in _files(tmp)}
+        (tmp / MANIFEST).write_text(json.dumps({"format": 1, "algorithm": "xxh3_128", "files": files}, indent=1))
         for p in [*_files(tmp), tmp / MANIFEST, tmp]:
             _fsync(p)
-        _replace(tmp, final)
+        old = final.parent / f".{final.name}.old-{os.getpid()}"    # the same step saved again: swapped out first
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(e):
@@ -93,24 +97,6 @@ def write(final: Path, fill: Callable[[Path], None]) -> Path:
     return final
 
 
-def _replace(tmp: Path, final: Path) -> None:
-    """Rename tmp to final; an existing final (the same step saved again) is swapped out first."""
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove_stale_temps(root: Path) -> None:
-    """Left by a writer that died mid-checkpoint (the run directory's lock means no live one races us)."""
-    for p in root.glob(".step_*.*-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid():
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def verify(path: Path, verify_weights: bool = True) -> str | None:
     """Why the checkpoint at `path` cannot be trusted (one phrase naming the file), or None."""
     path = Path(path)
@@ -118,9 +104,7 @@ def verify(path: Path, verify_weights: bool = True) -> str | None:
         return "no such checkpoint directory"
     mf = path / MANIFEST
     problem = _check_manifest(path, mf) if mf.is_file() else _check_legacy(path)
-    if problem is None and verify_weights:
-        problem = nonfinite_weights(path)
-    return problem
+    return problem or (nonfinite_weights(path) if verify_weights else None)
 
 
 def _check_manifest(path: Path, mf: Path) -> str | None:

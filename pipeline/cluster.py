@@ -18,9 +18,10 @@ def init_ray(cfg, num_cpus: int) -> None:
         return
     if cfg.run.ray_address:
         ray.init(address=cfg.run.ray_address, log_to_driver=False)
-    else:
+    else:       # the project importable in workers even when it is run from a source checkout
+        paths = [str(Path(__file__).resolve().parent.parent), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_code_roots())}})
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, paths))}})
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
@@ -29,17 +30,19 @@ def init_ray(cfg, num_cpus: int) -> None:
     ctx.issue_detectors_config.high_memory_detector_config.detection_time_interval_s = -1
 
 
-def _code_roots() -> list[str]:
-    """Make the project importable in workers even when it is run from a source checkout."""
-    root = str(Path(__file__).resolve().parent.parent)
-    return [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
 @contextlib.contextmanager
 def ray_output_to(path: str | Path):
     """While the block runs, what Ray itself prints goes to the file `path`, not the terminal: its Python
     loggers, its C++ core writing to fd 2 (`sys.stderr` keeps the terminal through a copy of the old fd)
     and the errors the cluster pushes to the driver. Ray is shut down before the block ends."""
+    from transfer.compat.ray_api import pushed_errors_to
+
+    pushed = logging.getLogger("ray.pushed_to_driver")
+
+    def to_log(data: dict, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", []):
+            pushed.warning("(%s) %s", data.get("pid", "?"), line)
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     importlib.import_module("ray.data")     # configures its logger, with a console handler, on import
@@ -47,7 +50,7 @@ def ray_output_to(path: str | Path):
     handler.setLevel(logging.INFO)      # Ray Data logs DEBUG too; its own ray-data.log in the session dir keeps them
     handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
     try:
-        with _loggers_to(handler), _fd2_to(path), _pushed_errors_to(logging.getLogger("ray.pushed_to_driver")):
+        with _loggers_to(handler), _fd2_to(path), pushed_errors_to(to_log):
             try:
                 yield path
             finally:
@@ -107,17 +110,6 @@ def _fd2_to(path: Path):
             sys.stderr = old
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def _pushed_errors_to(logger: logging.Logger):
-    """While the block runs, the errors the cluster pushes to this driver are logged, not printed."""
-    from transfer.compat.ray_api import pushed_errors_to
-
-    def to_log(data: dict, ignore_prefix: bool = False) -> None:
-        for line in data.get("lines", []):
-            logger.warning("(%s) %s", data.get("pid", "?"), line)
-
-    return pushed_errors_to(to_log)
 
 
 def on_driver_node() -> dict:

@@ -29,7 +29,13 @@ def export(checkpoint: str, out: str, merge: bool = False, base: str = "", dtype
         if not merge:
             raise ExportError(f"{ckpt} holds a LoRA adapter: pass --merge to write base + adapter as one HF model "
                               "(or load the directory itself with peft)")
-        model = merged(ckpt, base, dtype)
+        base = base or base_of(ckpt)        # the HF base the adapter names, merged with it into a plain HF model
+        if not base or not (Path(base) / "config.json").is_file():
+            raise ExportError(f"{ckpt}: its base model {base!r} is not an HF directory here; "
+                              "pass --base DIR (the model it was trained on)")
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(load_model(base, dtype), str(ckpt)).merge_and_unload()
     elif (ckpt / "config.json").is_file():
         model = load_model(str(ckpt), dtype)        # full weights: nothing to merge
     else:
@@ -42,20 +48,6 @@ def export(checkpoint: str, out: str, merge: bool = False, base: str = "", dtype
         tok = load_tokenizer(base or base_of(ckpt))
     tok.save_pretrained(str(dest))
     return dest
-
-
-def merged(adapter_dir: Path, base: str = "", dtype: str = "float32"):
-    """The HF base (`base`, or the one the adapter names) with the adapter merged in: a plain HF model."""
-    from peft import PeftModel
-
-    from stages.lora import base_of
-    from stages.model import load_model
-
-    base = base or base_of(adapter_dir)
-    if not base or not (Path(base) / "config.json").is_file():
-        raise ExportError(f"{adapter_dir}: its base model {base!r} is not an HF directory here; "
-                          "pass --base DIR (the model it was trained on)")
-    return PeftModel.from_pretrained(load_model(base, dtype), str(adapter_dir)).merge_and_unload()
 
 
 def cmd_export(args) -> int:

@@ -93,7 +93,11 @@ class Faults:
                 self._known[i] = info.get("incarnation")
                 self.restarts += 1
                 self.log(f"engine{i} restarted: re-sent weights version {version}")
-                self._back(f"engine{i}")
+                for node, (_, names) in self.lost.items():      # it no longer counts as lost
+                    if f"engine{i}" in names:
+                        names.discard(f"engine{i}")
+                        if not names:
+                            self.log(f"every actor of lost node {node[:12]} is back: the run continues")
 
     def _watch_nodes(self) -> None:
         """Its own thread: the engine watch can sit 30 s in a call to an engine whose node died."""
@@ -135,14 +139,6 @@ class Faults:
                 self.reason = f"node {node[:12]} ({nodes.get(node, (0, '?'))[1]}) was lost"
                 return self.reason
         return ""
-
-    def _back(self, name: str) -> None:
-        """An engine restarted (and was re-sent the weights): it no longer counts as lost."""
-        for node, (_, names) in self.lost.items():
-            if name in names:
-                names.discard(name)
-                if not names:
-                    self.log(f"every actor of lost node {node[:12]} is back: the run continues")
 
     def waiting_for(self) -> set[str]:
         return set().union(*(names for _, names in self.lost.values()))

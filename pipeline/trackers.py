@@ -33,12 +33,6 @@ class TrackerConfig:
     mlflow_experiment: str = key("loongsage", "MLflow experiment name")
 
 
-def _numbers(line: dict) -> dict[str, float]:
-    """The loggable part of a metrics line: finite numbers, without the step and wall-clock keys."""
-    return {k: float(v) for k, v in line.items() if k not in ("step", "time_s") and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
-
-
 class TensorBoardSink:
     def __init__(self, run_dir: Path, config: dict):
         from torch.utils.tensorboard import SummaryWriter
@@ -127,7 +121,8 @@ class TrackedMetrics:
 
     def write(self, step: int, metrics: dict) -> dict:
         line = self.writer.write(step, metrics)
-        numbers = _numbers(line)
+        numbers = {k: float(v) for k, v in line.items() if k not in ("step", "time_s")      # the loggable part
+                   and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         for s in list(self.sinks):
             try:
                 s.log(line["step"], numbers)
