@@ -12,6 +12,7 @@ before the run's own modules load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import os
@@ -122,8 +123,6 @@ def cmd_run(args) -> int:
 
 def _train(cfg, run_dir: Path, verbose: bool, one_line: tuple) -> dict:
     """The run under a live progress line; Ray's own output goes to RUN_DIR/ray.log unless verbose."""
-    import contextlib
-
     from pipeline.cluster import ray_output_to
     from pipeline.controller import run
 

@@ -2,12 +2,8 @@
 
     start:  engines, trainer, window gate, TransferMesh (pipeline/builder.py), and the pipeline
             source -> rollout -> [teacher scoring] -> reward
-    run:    evaluate; then for each step (pipeline/loop.py)
-                batch   = window.next_step(version)          (rollout runs in Ray Data)
-                metrics = trainer.train_step(batch)
-                version += 1; publish weights to every engine
-                window.consumed(batch, version)              (the window moves on)
-            evaluate again, checkpoint
+    run:    evaluate; the step loop (pipeline/loop.py: take a step's batch off the window, train it,
+            publish the weights); evaluate again, checkpoint
     stop:   the actors go
 
 The driver holds no weights. It keeps the version clock, writes the run directory (config.yaml,
@@ -122,20 +118,16 @@ class Controller:
         with rundir.locked(self.run_dir, self.log):      # the CLI holds it already; a Python caller takes it here
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(c, self.run_dir / "config.yaml")
-            self.metrics = open_metrics(self.run_dir, c.trackers, to_dict(c), self.log)   # time_s counts from here
             self.recorder = Recorder(self.run_dir, c.rollout.n_samples)
-            try:
+            # time_s counts from here
+            with contextlib.closing(open_metrics(self.run_dir, c.trackers, to_dict(c), self.log)) as self.metrics:
                 if self.pipeline is None:
                     self.start()
                 routes = "\n".join(f"{n}: {r.transport} ({r.reason})" for n, r in self.mesh.plan().items())
                 (self.run_dir / "topology.txt").write_text(self.mesh.topology_table() + "\n\n" + routes + "\n")
-                self.profiler = self.pipeline.profiler = Profiler(self.run_dir)
-                try:
+                with contextlib.closing(Profiler(self.run_dir)) as self.profiler:
+                    self.pipeline.profiler = self.profiler
                     return self._run()
-                finally:
-                    self.profiler.close()
-            finally:
-                self.metrics.close()
 
     def _run(self) -> dict:
         c, a = self.cfg, self.actors
@@ -176,10 +168,9 @@ class Controller:
             return summary | {"final": {}, "interrupted": signal.Signals(signals[0]).name,
                               "resume_from": self.checkpoint()}
         if self.faults.reason:      # a node was lost for good: the same stop, unless the trainer went with it
-            if "trainer" in self.faults.reason:      # its state is gone: the newest checkpoint on disk resumes
-                path = str(ckpt.newest_intact(self.run_dir / "checkpoints") or "")
-            else:
-                path = self.checkpoint()
+            # (its state is gone: the newest checkpoint on disk resumes)
+            path = (str(ckpt.newest_intact(self.run_dir / "checkpoints") or "") if "trainer" in self.faults.reason
+                    else self.checkpoint())
             return summary | {"final": {}, "interrupted": "NODE_LOST", "lost": self.faults.reason, "resume_from": path}
         if loop.step < c.run.steps:
             self.log(f"the data stream ended after {loop.step} of {c.run.steps} steps "

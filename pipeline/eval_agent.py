@@ -41,7 +41,7 @@ def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -
 def main(argv: list[str] | None = None) -> int:
     from pipeline.cluster import init_ray
     from pipeline.config import ConfigError, load_config
-    from stages.model import resolve_model_path
+    from stages.model import resolve_model_path, validate_model_dir
 
     p = argparse.ArgumentParser(prog="python -m pipeline.eval_agent", description=__doc__.split("\n\n")[0])
     p.add_argument("config")
@@ -54,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         model = args.model or resolve_model_path(cfg.model, log=lambda m: print(m, file=sys.stderr))
         if args.model:
-            from stages.model import validate_model_dir
-
             validate_model_dir(args.model)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ the live engines, so its accuracy is what training moves (pipeline/eval_agent.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import pyarrow as pa
@@ -32,15 +33,13 @@ class Evaluator:
 
     def __init__(self, cfg, model_path: str, tok, tok_class: str, prompts: pa.Table):
         self.cfg, self.model_path, self.tok, self.tok_class, self.prompts = cfg, model_path, tok, tok_class, prompts
-        self._reward = self._rollout = None
+        self._rollout = None
 
-    @property
+    @functools.cached_property
     def reward(self):
-        if self._reward is None:
-            from stages.reward import Reward
+        from stages.reward import Reward
 
-            self._reward = Reward(self.cfg.reward, self.model_path, tokenizer=self.tok)
-        return self._reward
+        return Reward(self.cfg.reward, self.model_path, tokenizer=self.tok)
 
     def __call__(self, engines: list) -> dict:
         c = self.cfg
@@ -52,7 +51,7 @@ class Evaluator:
         return evaluate_agent(self._rollout, self.reward, self.prompts, c.eval.n_samples)
 
     def close(self) -> None:
-        for stage in (self._rollout, self._reward):
+        for stage in (self._rollout, self.__dict__.get("reward")):
             if stage is not None:
                 stage.close()       # its agent and reward worker processes
 

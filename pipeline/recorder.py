@@ -171,11 +171,10 @@ def _group_index(f: StepFile, kinds=None) -> tuple[pa.Table, int]:
         [("reward", "mean"), ("sample_idx", "count_distinct")])
     samples = g.column("sample_idx_count_distinct").to_pylist()
     n = f.n_samples or max(samples, default=0)
-    short = [(gid, r) for gid, r in zip(g.column("group_id").to_pylist(), samples) if r != n]
-    if short:
-        gid, r = short[0]
-        raise RecordingError(f"{f.path}: group {gid} has {r} samples, expected {n} (rollout.n_samples); "
-                             f"a partial group cannot be trained")
+    for gid, r in zip(g.column("group_id").to_pylist(), samples):
+        if r != n:
+            raise RecordingError(f"{f.path}: group {gid} has {r} samples, expected {n} (rollout.n_samples); "
+                                 f"a partial group cannot be trained")
     if g.num_rows != len(set(g.column("group_id").to_pylist())):
         raise RecordingError(f"{f.path}: a group spans several data sources")
     return pa.table({"step": pa.array([f.step] * g.num_rows, pa.int64()), "group_id": g.column("group_id"),
