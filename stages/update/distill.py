@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from stages.update.losses import masked
+from stages.update.losses import masked, token_mean
 
 
 @dataclass
@@ -83,10 +83,6 @@ def topk_kl(student_topk_lp: torch.Tensor, teacher_topk_lp: torch.Tensor, mask: 
     return masked((t.exp() * (t - student_topk_lp)).sum(-1), mask)
 
 
-def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(masked(x, mask).sum() / mask.sum().clamp(min=1))
-
-
 def distill_metrics(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor, sources: list[str],
                     resp_ids: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None) -> dict:
     """Overall and per data source: reverse_kl = mean (log pi_S - log pi_T) over the student's
@@ -100,11 +96,11 @@ def distill_metrics(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: to
         m = mask * rows[:, None]
         if m.sum() == 0:
             continue
-        out[f"distill/reverse_kl{suffix}"] = _token_mean(student_lp - teacher_lp, m)
+        out[f"distill/reverse_kl{suffix}"] = float(token_mean(student_lp - teacher_lp, m))
         if topk_ids is not None and resp_ids is not None:
-            out[f"distill/agree{suffix}"] = _token_mean((resp_ids == topk_ids[..., 0]).to(m.dtype), m)
+            out[f"distill/agree{suffix}"] = float(token_mean((resp_ids == topk_ids[..., 0]).to(m.dtype), m))
         else:
-            out[f"distill/logprob_gap{suffix}"] = _token_mean((teacher_lp - student_lp).abs(), m)
+            out[f"distill/logprob_gap{suffix}"] = float(token_mean((teacher_lp - student_lp).abs(), m))
     return out
 
 

@@ -68,7 +68,7 @@ SURROGATES: dict[str, Callable] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": 
 
 # ---- aggregation over tokens: (x [B,T], mask, norm_length) -> scalar
 
-def _token_mean(x, mask, norm_length):
+def token_mean(x, mask, norm_length=0):
     return masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -94,7 +94,7 @@ def _denominator(loss_agg, mask):
 
 
 AGGREGATIONS: dict[str, Callable] = {
-    "token_mean": _token_mean,
+    "token_mean": token_mean,
     "seq_mean_token_mean": _seq_mean_token_mean,
     "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
 }
@@ -139,10 +139,10 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
     with torch.no_grad():
         log_ratio = masked(logprobs - old, mask)
         metrics = {"pg_loss": pg_loss.item(),
-                   "clipfrac": _token_mean(clipped.to(mask.dtype), mask, 0).item(),
+                   "clipfrac": token_mean(clipped.to(mask.dtype), mask).item(),
                    # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old, with r = pi / pi_old:
                    # E_old[r - 1 - log r] (unbiased: E_old[r] = 1). How far this update moved the policy.
-                   "approx_kl": _token_mean(torch.expm1(log_ratio) - log_ratio, mask, 0).item()}
+                   "approx_kl": token_mean(torch.expm1(log_ratio) - log_ratio, mask).item()}
     if ref_logprobs is not None:
         kl = agg(KL_ESTIMATORS[cfg.kl_estimator](masked(logprobs, mask), masked(ref_logprobs.detach(), mask)))
         loss = loss + cfg.kl_coef * kl
@@ -159,28 +159,15 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
 
 # ---- DAPO overlong handling: rewards [B], mask [B,T] -> shaped rewards, mask
 
-def _overlong_none(cfg, rewards, mask, lengths, truncated, max_len):
-    return rewards, mask
-
-
-def _overlong_mask(cfg, rewards, mask, lengths, truncated, max_len):
-    # Overlong filtering: a truncated answer was cut, not wrong; do not teach from it.
-    return rewards, mask * (~truncated.bool()).to(mask.dtype)[:, None]
-
-
-def _overlong_soft(cfg, rewards, mask, lengths, truncated, max_len):
-    # Soft overlong punishment: 0 up to max_len - buffer, then linear down to -penalty at max_len.
-    buffer = cfg.overlong_buffer or max(max_len // 5, 1)
-    excess = (lengths.to(rewards.dtype) - (max_len - buffer)).clamp(0, buffer) / buffer
-    return rewards - cfg.overlong_penalty * excess, mask
-
-
-OVERLONG: dict[str, Callable] = {"none": _overlong_none, "mask": _overlong_mask, "soft": _overlong_soft}
-
-
 def shape_overlong(cfg: AlgorithmConfig, rewards: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
                    truncated: torch.Tensor, max_response_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """DAPO (2503.14476) overlong handling. rewards [B], mask [B,T], lengths [B] (response
     tokens), truncated [B] bool, max_response_len the rollout's token limit."""
     cfg = cfg.resolved()
-    return OVERLONG[cfg.overlong](cfg, rewards, mask, lengths, truncated, max_response_len)
+    if cfg.overlong == "mask":      # overlong filtering: a truncated answer was cut, not wrong; do not teach from it
+        return rewards, mask * (~truncated.bool()).to(mask.dtype)[:, None]
+    if cfg.overlong == "soft":      # soft punishment: 0 up to max_len - buffer, then linear down to -penalty at max_len
+        buffer = cfg.overlong_buffer or max(max_response_len // 5, 1)
+        excess = (lengths.to(rewards.dtype) - (max_response_len - buffer)).clamp(0, buffer) / buffer
+        return rewards - cfg.overlong_penalty * excess, mask
+    return rewards, mask

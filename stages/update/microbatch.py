@@ -17,14 +17,14 @@ import torch
 ADDITIVE = ("loss", "pg_loss", "kl_ref", "entropy", "gkd_kl")   # scaled by their share: they add up
 
 
-def token_micro_batches(seq_len: np.ndarray, prompt_len: np.ndarray, prompt_key: np.ndarray | None,
+def token_micro_batches(seq_len: np.ndarray, prompt_len: np.ndarray, prompt_key: np.ndarray,
                         rows: torch.Tensor, max_tokens: int, shared: bool) -> list[torch.Tensor]:
     """`rows` (indices into the step's rows) cut into micro-batches of at most `max_tokens` laid-out
     positions each; a row longer than that alone runs alone. max_tokens = 0: one micro-batch."""
     if max_tokens <= 0 or len(rows) <= 1:
         return [rows]
     r = rows.numpy()
-    keys = prompt_key[r] if shared and prompt_key is not None else np.arange(len(r))
+    keys = prompt_key[r] if shared else np.arange(len(r))
     longest = {k: seq_len[r][keys == k].max() for k in np.unique(keys)}
     order = sorted(range(len(r)), key=lambda i: (-longest[keys[i]], keys[i], -seq_len[r[i]]))
     out, cur, width = [], [], {}

@@ -53,10 +53,9 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
         return None
     p_len, r_len = b.prompt_len[r], b.attn[rows].sum(1).numpy() - b.prompt_len[r]
     starts = np.zeros(len(r), dtype=np.int64)        # where each row's response starts in its sequence
-    width, first = np.zeros(len(uniq), dtype=np.int64), np.full(len(uniq), -1)
-    for i, g in enumerate(inverse):     # sequence g: its prompt (from its first row), then its rows' responses
-        if first[g] < 0:
-            first[g], width[g] = i, p_len[i]
+    width = np.zeros(len(uniq), dtype=np.int64)
+    width[inverse] = p_len              # sequence g: its prompt (its rows share it), then its rows' responses
+    for i, g in enumerate(inverse):
         starts[i], width[g] = width[g], width[g] + r_len[i]
     G, W = len(uniq), int(width.max())
     if G * W * W > PACK_MASK_CELLS:     # long prompts: the [G, W, W] mask would cost more than it saves
@@ -65,11 +64,9 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
     position = torch.zeros((G, W), dtype=torch.long)
     seg = torch.full((G, W), -1, dtype=torch.long)      # -1 pad, 0 prompt, i + 1 row i's response
     src = b.input_ids[rows]
-    for g, i in enumerate(first.tolist()):
-        p = int(p_len[i])
-        ids[g, :p], position[g, :p], seg[g, :p] = src[i, :p], torch.arange(p), 0
     for i, g in enumerate(inverse):
         a, n_r, p = int(starts[i]), int(r_len[i]), int(p_len[i])
+        ids[g, :p], position[g, :p], seg[g, :p] = src[i, :p], torch.arange(p), 0     # the same for each row
         ids[g, a:a + n_r], seg[g, a:a + n_r] = src[i, p:p + n_r], i + 1
         position[g, a:a + n_r] = torch.arange(p, p + n_r)
     q, k = seg[:, :, None], seg[:, None, :]
@@ -81,24 +78,6 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
     pos = torch.where(t[None, :] == 0, (p_t - 1)[:, None], starts_t[:, None] + t[None, :] - 1)
     pos = pos.clamp(max=W - 1) * (t[None, :] < torch.from_numpy(r_len)[:, None])   # pads: any valid index
     return Packed(ids, position, mask[:, None], torch.from_numpy(inverse), pos)
-
-
-@contextlib.contextmanager
-def activation_checkpointing(model):
-    """HF activation checkpointing on `model` (a peft model: its base) while the block runs; a model
-    without HF's support runs as it is. Non-reentrant checkpoints need no gradient on their inputs, so
-    the embedding hook HF adds for them is taken off (it would pile up, one per call)."""
-    hf = model.get_base_model() if hasattr(model, "peft_config") else model
-    if not getattr(hf, "supports_gradient_checkpointing", False):
-        yield
-        return
-    new = hasattr(hf, "activation_checkpointing_enable")       # transformers >= 5.x's name
-    (hf.activation_checkpointing_enable if new else hf.gradient_checkpointing_enable)({"use_reentrant": False})
-    hf.disable_input_require_grads()
-    try:
-        yield
-    finally:
-        (hf.activation_checkpointing_disable if new else hf.gradient_checkpointing_disable)()
 
 
 @dataclass
@@ -131,8 +110,8 @@ class TorchTrainer(Trainer):
                 split_model(m)
         # with LoRA only the adapters (and their Adam state)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # torch's fused AdamW (one kernel per step, CPU included): ~10% of a quickstart update
-        # (benchmarks/trainer_vs_commit.py against the loop); the loop where no fused kernel covers the device
+        # torch's fused AdamW (one kernel per step, CPU included; ~10% of a quickstart update), the loop
+        # where no fused kernel covers the device
         kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         try:
             self.opt = torch.optim.AdamW(self.params, fused=True, **kw)
@@ -142,9 +121,7 @@ class TorchTrainer(Trainer):
     # ---- weights --------------------------------------------------------------------
     def published(self) -> dict:
         """What a version is: the HF state dict, or with LoRA the adapter alone (saved-adapter names)."""
-        if self.lora:
-            return {n: p.detach() for n, p in self.adapter.items()}
-        return {n: t.detach() for n, t in self.model.state_dict().items()}
+        return {n: t.detach() for n, t in (self.adapter if self.lora else self.model.state_dict()).items()}
 
     def memory(self) -> dict:
         """Bytes of the trained parameters and of their optimizer state, and this process's peak RSS."""
@@ -267,13 +244,25 @@ class TorchTrainer(Trainer):
         order = torch.argsort(torch.cat(micro))          # micro-batches back in `rows` order
         return sum(values), merge_metrics(parts), torch.cat(lps)[order]
 
+    @contextlib.contextmanager
     def _checkpointing(self, b: Batch, rows: torch.Tensor):
-        """Activation checkpointing on while a pass over `rows` runs, if they lay out more than
-        trainer.activation_checkpointing_tokens positions (rows x the longest of them)."""
-        limit = self.cfg.activation_checkpointing_tokens
-        if not limit or len(rows) * int(b.attn[rows].sum(1).max()) <= limit:
-            return contextlib.nullcontext()
-        return activation_checkpointing(self.model)
+        """HF activation checkpointing (on a peft model's base) while a pass over `rows` runs, if they lay out
+        more than trainer.activation_checkpointing_tokens positions (rows x the longest of them); a model
+        without HF's support runs as it is. Non-reentrant checkpoints need no gradient on their inputs, so
+        the embedding hook HF adds for them is taken off (it would pile up, one per call)."""
+        limit, m = self.cfg.activation_checkpointing_tokens, self.model
+        hf = m.get_base_model() if hasattr(m, "peft_config") else m
+        if not limit or len(rows) * int(b.attn[rows].sum(1).max()) <= limit or \
+                not getattr(hf, "supports_gradient_checkpointing", False):
+            yield
+            return
+        new = hasattr(hf, "activation_checkpointing_enable")       # transformers >= 5.x's name
+        (hf.activation_checkpointing_enable if new else hf.gradient_checkpointing_enable)({"use_reentrant": False})
+        hf.disable_input_require_grads()
+        try:
+            yield
+        finally:
+            (hf.activation_checkpointing_disable if new else hf.gradient_checkpointing_disable)()
 
     def _prepare(self, table: pa.Table, b: Batch, adv: torch.Tensor, mask: torch.Tensor):
         """The step's log-probs, IS correction and distillation, and its mini-batch (step.Trainer.train_step)."""
