@@ -283,10 +283,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     for o in overrides:
         apply_override(tree, o)
-    try:
-        seeds.reject_set(tree)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    for name, _ in seeds.DERIVED:      # a derived seed set by a recipe: an error naming the key, not a no-op
+        if isinstance(tree.get(name), dict) and "seed" in tree[name]:
+            raise ConfigError(f"{name}.seed is not a recipe key: every seed of a run derives from run.seed "
+                              f"(pipeline/seeds.py, docs/seeds.md); set run.seed instead")
     return seeds.resolve(_build(Config, tree, ""))
 
 

@@ -55,20 +55,8 @@ def resolve(cfg):
     return cfg
 
 
-def _section(tree: dict, section: str) -> dict:
-    return tree[section] if isinstance(tree.get(section), dict) else {}
-
-
-def reject_set(tree: dict, where: str = "") -> None:
-    """A recipe (or override) that sets a derived seed: an error naming the key, not a silent no-op."""
-    for path, _ in DERIVED:
-        if "seed" in _section(tree, path):
-            raise ValueError(f"{where}{path}.seed is not a recipe key: every seed of a run derives from run.seed "
-                             f"(pipeline/seeds.py, docs/seeds.md); set run.seed instead")
-
-
 def strip(tree: dict) -> dict:
     """The config tree without the derived seeds (what RUN/config.yaml holds)."""
     for path, _ in DERIVED:
-        _section(tree, path).pop("seed", None)
+        (tree[path] if isinstance(tree.get(path), dict) else {}).pop("seed", None)
     return tree
