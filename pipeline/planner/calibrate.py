@@ -128,13 +128,11 @@ def _fit_engine(waves, iters, gen_s) -> tuple[float, float]:
 
 def _latencies(spans, blocks: dict, cfg, skip: int) -> tuple[float, float]:
     rew = spans[spans["stage"] == "Reward"].set_index("batch_id")
-    ends = {b: t1 for b, (t0, t1, first) in blocks.items()}
-    first_of = {first: b for b, (t0, t1, first) in blocks.items()}
     to_reward, reward_end = [], {}
-    for first, b in first_of.items():
+    for b, (_, t1, first) in blocks.items():
         if first in rew.index:
             r = rew.loc[[first]].iloc[0]
-            to_reward.append(float(r["start"]) - ends[b])
+            to_reward.append(float(r["start"]) - t1)
             reward_end[b] = float(r["end"])
     B = cfg.batcher.groups_per_step
     gpb = cfg.rollout.groups_per_batch or B

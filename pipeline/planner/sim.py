@@ -224,8 +224,7 @@ class Simulation:
 
     # ---- processes -----------------------------------------------------------------
     def _dispatcher(self):
-        B = self.r.groups_per_step
-        gpb = self.r.groups_per_batch or B
+        gpb = self.r.groups_per_batch or self.r.groups_per_step
         seq = 0
         while True:
             worker = yield self.workers.get()

@@ -323,8 +323,8 @@ def _rollouts(run_dir: Path, log):
     from pipeline.recorder import Recording, RecordingError
 
     try:
-        columns = ["token_versions", "loss_mask", "t_dispatch", "t_done"]
-        return Recording.open(run_dir / "rollouts").read(columns=columns).to_pandas()
+        return Recording.open(run_dir / "rollouts").read(
+            columns=["token_versions", "loss_mask", "t_dispatch", "t_done"]).to_pandas()
     except RecordingError as e:
         log(f"(no staleness plot: {e})")
         return None

@@ -86,14 +86,13 @@ class RecordedLengths:
         except RecordingError as e:
             raise PlanError(f"--lengths {rollouts_dir}: {e}") from e
         d = t.to_pydict()
+        first: dict = {}      # an agent's later segment rows: the first row stands for the sample
+        for i, sample in enumerate(zip(d["step"], d["group_id"], d["sample_idx"])):
+            first.setdefault(sample, i)
+        stats = d.get("agent_stats") or [None] * len(d["step"])
         by_group: dict = {}
-        seen = set()
-        for i, (step, g, s) in enumerate(zip(d["step"], d["group_id"], d["sample_idx"])):
-            if (step, g, s) in seen:      # an agent's later segment rows: the first row stands for the sample
-                continue
-            seen.add((step, g, s))
-            stats = (d.get("agent_stats") or [None] * len(d["step"]))[i] or {}
-            spec = SampleSpec(len(d["prompt_ids"][i]), agent_turns(d["loss_mask"][i], stats))
+        for (step, g, _), i in first.items():
+            spec = SampleSpec(len(d["prompt_ids"][i]), agent_turns(d["loss_mask"][i], stats[i] or {}))
             by_group.setdefault((step, g), []).append(spec)
         return cls(list(by_group.values()), str(path))
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -94,8 +96,6 @@ def make_teacher(task: str, out_dir: str | Path, steps: int = 1500, digits: int 
     tok.save_pretrained(tmp)
     (tmp / "teacher_card.json").write_text(json.dumps(card, indent=1))
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)   # a reader never sees a half-written directory
     log(f"{card['task']}: saved to {out}; " + ", ".join(f"{k} {v:.3f}" for k, v in card.items()
@@ -133,8 +133,6 @@ def add_subcommand(sub) -> None:
 
 
 def cmd_make_teacher(args) -> int:
-    import sys
-
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     try:
         if args.prompts:

@@ -8,18 +8,8 @@ own in their style (it drops earlier turns' `<think>` reasoning, so it is NOT
 append-only), and a tiny randomly initialised Qwen2 on that vocabulary. It does not learn;
 it makes token ids that a proxy or session must carry exactly.
 
-    build_qwen_tokenizer() -> PreTrainedTokenizerFast   # seconds the first time in a process
-    CHAT_TEMPLATE                                       # the Jinja text, documented below
-    make_qwen_model_dir(out, hidden_size=64, num_layers=2, seed=0, context=8192) -> Path
-    qwen_tiny_model_dir(cache_dir="~/.cache/loongsage/models") -> str
-        # the cached directory behind `model.path: builtin:qwen-vocab-tiny`
-    qwen_tiny_32k_model_dir(cache_dir=...) -> str
-        # `builtin:qwen-vocab-tiny-32k`: 32,768 positions, 2 heads of 32 dims (vLLM's CPU attention
-        # needs head_dim >= 32), for agent-length prompts (docs/long-context.md)
-    reference_encoder()                                 # the package's own tiktoken encoder
-    ADDED_TOKENS, TOKEN_IDS                             # the 26 added tokens, name -> id
-
-Also on the command line: `loongsage make-model --vocab qwen OUT_DIR [--context N]`.
+The cached model is `model.path: builtin:qwen-vocab-tiny` (qwen_tiny_model_dir), and with 32,768 positions
+`builtin:qwen-vocab-tiny-32k`; on the command line: `loongsage make-model --vocab qwen OUT_DIR [--context N]`.
 
 Context. `context` is the model's max_position_embeddings (and the tokenizer's
 model_max_length); the engines, the proxy's prompt limit and the trainer read it from there.
@@ -344,5 +334,6 @@ def qwen_tiny_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print,
 
 
 def qwen_tiny_32k_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print, tokenizer=None) -> str:
-    """`builtin:qwen-vocab-tiny-32k`: the same vocabulary and template, 32,768 positions (SHAPE_32K)."""
+    """`builtin:qwen-vocab-tiny-32k`: the same vocabulary and template, 32,768 positions (SHAPE_32K), for
+    agent-length prompts (docs/long-context.md)."""
     return qwen_tiny_model_dir(cache_dir, log=log, tokenizer=tokenizer, name=NAME_32K, **SHAPE_32K)

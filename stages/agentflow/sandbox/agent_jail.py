@@ -3,15 +3,12 @@
     Jail.spawn(argv, env, port, connect, home)    bwrap + jail_init.py + the agent, in a cgroup of its own
     Zygote.spawn(argv, env, port, connect)        the zygote (zygote.py) forks it: the same namespaces
 
-`Link` is the worker's end of a jail's control socket: for each connection the agent opens to its
-endpoint, jail_init.py (or the zygote's supervisor) asks for a socket and gets one that `connect()`
-made (the proxy's `Endpoint.connect`, bound to the trajectory's route); a forked agent's supervisor also
-sends its pid (read from the kernel's credentials) and its exit status over it. `end(proc)` kills all
-that a trajectory's agent started.
+`Link` is the worker's end of a jail's control socket; `end(proc)` kills all that a trajectory's agent started.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -28,9 +25,10 @@ MAX_REPLY = 1 << 16
 
 
 class Link:
-    """The worker's end of one jail's control socket (stages/agentflow/sandbox/jail_init.py, zygote.py): a connected
-    socket to the trajectory's proxy endpoint per request; from a forked agent's supervisor, its pid (the
-    kernel's credentials on its first message, in this process's PID namespace) and its exit status."""
+    """The worker's end of one jail's control socket (stages/agentflow/sandbox/jail_init.py, zygote.py): for each
+    connection the agent opens, a socket that `connect()` made (the proxy's `Endpoint.connect`, bound to the
+    trajectory's route); from a forked agent's supervisor, its pid (the kernel's credentials on its first
+    message, in this process's PID namespace) and its exit status."""
 
     def __init__(self, connect):
         self.ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -221,10 +219,8 @@ class Zygote:
             self.ctl = None
         if proc is not None:
             if proc.returncode is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     proc.kill()
-                except ProcessLookupError:
-                    pass
             await proc.wait()
 
 
@@ -272,14 +268,10 @@ def end(proc) -> None:
         proc.cgroup = None
     if isinstance(proc, ForkedProcess):
         if proc.pid > 0:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     elif proc.pid > 0:       # killpg(0) would be our own group
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     if link is not None:
         link.close()

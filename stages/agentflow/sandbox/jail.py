@@ -32,11 +32,15 @@ mounts, kernel keyrings, bpf, perf, module loading, reboot/swap/clock changes, i
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from functools import lru_cache
 
 # denied with EPERM
@@ -80,11 +84,9 @@ def probe() -> str:
 
 
 def _seccomp_module():
-    try:
+    with contextlib.suppress(ImportError):
         import seccomp  # Debian's python3-seccomp (libseccomp's own binding)
         return seccomp
-    except ImportError:
-        pass
     try:
         import pyseccomp  # the same API over ctypes (PyPI)
         return pyseccomp
@@ -105,13 +107,10 @@ def seccomp_bpf() -> bytes:
         _rule(f, sc.ERRNO(errno.ENOSYS), name)
     for flag in CLONE_NEW:
         _rule(f, sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
-    allowed = sorted(SOCKET_FAMILIES)
-    for fam in range(0, allowed[-1]):
-        if fam not in allowed:
+    for fam in range(max(SOCKET_FAMILIES)):
+        if fam not in SOCKET_FAMILIES:
             _rule(f, sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.EQ, fam))
-    _rule(f, sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.GT, allowed[-1]))
-    import tempfile
-
+    _rule(f, sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.GT, max(SOCKET_FAMILIES)))
     with tempfile.TemporaryFile() as t:
         f.export_bpf(t)
         t.seek(0)
@@ -119,10 +118,8 @@ def seccomp_bpf() -> bytes:
 
 
 def _rule(f, action, name: str, *args) -> None:
-    try:
-        f.add_rule(action, name, *args)
-    except (RuntimeError, ValueError, OSError):   # a syscall this kernel/libseccomp does not know: nothing to deny
-        pass
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        f.add_rule(action, name, *args)     # fails for a syscall this kernel/libseccomp does not know: nothing to deny
 
 
 def seccomp_fd() -> int | None:
@@ -329,33 +326,24 @@ class Cgroup:
         """Processes the kernel killed in it for want of memory (its limit)."""
         for d in self.dirs:
             for name in ("memory.events", "memory.oom_control"):     # v2, v1
-                try:
+                with contextlib.suppress(OSError):
                     for line in open(os.path.join(d, name)):
                         if line.startswith("oom_kill "):
                             return int(line.split()[1])
-                except OSError:
-                    pass
         return 0
 
     def close(self) -> None:
         """Kill everything in it (a pids limit bounds the forks racing the kill), then remove it."""
-        import signal
-        import time
-
         for _ in range(200):
             pids = set()
             for f in self.procs_files():
-                try:
+                with contextlib.suppress(OSError):
                     pids |= {int(x) for x in open(f).read().split()}
-                except OSError:
-                    pass
             if not pids:
                 break
             for pid in pids:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
             time.sleep(0.005)
         for d in self.dirs:
             for _ in range(100):
@@ -415,8 +403,6 @@ def _cgroup_roots() -> tuple[dict[str, str], str]:
         return {}, f"cannot make a cgroup under {os.path.dirname(p)} ({e.strerror})"
     finally:
         for p in probe.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(p)
-            except OSError:
-                pass
     return roots, ""

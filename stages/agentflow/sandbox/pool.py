@@ -17,6 +17,7 @@ emptied directory. `session.tool()` is the registry entry (stages/agentflow/tool
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -174,10 +175,8 @@ class SandboxSession:
     async def close(self) -> None:
         self._closed = True
         if self._early is not None:
-            try:
+            with contextlib.suppress(Exception):  # a start that failed has nothing to release; run() said why
                 await self._early
-            except Exception:  # noqa: BLE001 - a start that failed has nothing to release; run() said why
-                pass
         w, self.worker = self.worker, None
         if w is not None:
             await self.pool._release(w)
@@ -290,15 +289,11 @@ class SandboxPool:
         namespace, everything the snippet started dies with the namespace's PID 1."""
         self._all.pop(w.slot, None)
         for target, kill in ((w.pid, os.kill), (w.pgid, os.killpg)):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 if target:
                     kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(w.proc.wait(), timeout=5)
-            except asyncio.TimeoutError:
-                pass
         shutil.rmtree(w.workdir, ignore_errors=True)
 
     def _background(self, coro) -> asyncio.Task:
@@ -435,10 +430,8 @@ class SandboxPool:
         """Kill every worker (and everything they started); remove their directories."""
         self._closed = True
         for t in list(self._spawning):
-            try:
+            with contextlib.suppress(Exception):  # closing: a failed start has nothing left to clean
                 await t
-            except Exception:  # noqa: BLE001 - closing: a failed start has nothing left to clean
-                pass
         await asyncio.gather(*(self._kill(w) for w in list(self._all.values())))
         self._spares.clear()
         shutil.rmtree(self._root, ignore_errors=True)
@@ -465,13 +458,11 @@ class SandboxPool:
 def _result_line(rest: bytes) -> dict:
     """The worker's {"kind", "error"} after a snippet; a snippet that broke the worker's own json or print
     makes a line that is not one: that worker is no longer trusted (a breach, "died")."""
-    try:
+    with contextlib.suppress(ValueError):
         info = json.loads(rest)
         if isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("error"), str) \
                 and info["kind"] in ("ok", "error", *BREACHES):
             return info
-    except ValueError:
-        pass
     return {"kind": "died", "error": f"the worker's result line is garbled ({rest[:80]!r}): the snippet broke it"}
 
 

@@ -25,11 +25,9 @@ mu = ln p50, sigma = ln(p99 / p50) / 2.3263 (the standard normal's 99th percenti
 random.Random(seed) in arrival order. `--error-rate` answers that fraction of requests 500
 (seeded too): a flaky service.
 
-Default distribution: p50 0.2 s, p99 1.5 s (sigma 0.866). These are illustrative figures, not
-measured here: they are the example search tool of "Tool Latency Tail: Why p99 Reshapes Agent
-Architecture" (tianpan.co, 2026: "a tool whose median is 200ms and whose p99 is 1.5 seconds"), in
-line with a 2 s p95 budget for retrieval/read tools in "Latency Budgets for Agent Tool Calls"
-(exaclaw). Set your own tool's figures from its logs.
+Default distribution: p50 0.2 s, p99 1.5 s (sigma 0.866), illustrative: the example search tool of "Tool
+Latency Tail: Why p99 Reshapes Agent Architecture" (tianpan.co, 2026), in line with a 2 s p95 budget for
+retrieval/read tools in "Latency Budgets for Agent Tool Calls" (exaclaw). Set your own tool's from its logs.
 
 Client: `ToolServiceClient(cfg)`, one aiohttp session per event loop; every call has a timeout.
 A service that is down, answers 5xx, or is too slow is a ToolServiceError; `tool()` turns it
@@ -41,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -333,8 +332,7 @@ class ToolServiceClient:
         return json.loads(body)
 
     async def _text(self, call, text) -> str:
-        """text(`call`'s answer); a ToolServiceError is an "error: ..." observation, or with on_error=fail a
-        ToolFatalError."""
+        """text(`call`'s answer); a ToolServiceError as on_error says: an observation or a ToolFatalError."""
         try:
             return text(await call)
         except ToolServiceError as e:
@@ -382,10 +380,9 @@ class RemoteSandboxSession:
 
     async def close(self) -> None:
         if self.used:
-            try:
+            # a service that is gone closed its sandboxes with it; an idle one closes them itself
+            with contextlib.suppress(ToolServiceError):
                 await self.client._post(self.id, path="/close", field="session")
-            except ToolServiceError:
-                pass        # a service that is gone closed its sandboxes with it; an idle one closes them itself
 
 
 def _error_of(body: str) -> str:

@@ -141,8 +141,7 @@ def main() -> None:
         except BaseException:  # noqa: BLE001 - a broken stdout is the pool's to see
             pass
         if forked and kind == "ok":
-            kind = "fork"
-            error = "the snippet started a process"
+            kind, error = "fork", "the snippet started a process"
         clean_cwd()
         res = json.dumps({"kind": kind, "error": error, "forked": bool(forked)}).encode()
         out.write(MARKER + req["nonce"].encode() + b" " + res + b"\n")
