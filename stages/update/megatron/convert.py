@@ -166,7 +166,7 @@ def to_megatron(names: list[str], get_hf: Callable[[str], torch.Tensor], arch: A
 def to_hf(shards: list[Mapping[str, torch.Tensor]], arch: Arch,
           layer_index: Callable[[int], int] = lambda i: i) -> dict[str, torch.Tensor]:
     """Merge every TP rank's tensors (one mapping per rank, same names) into HF tensors.
-    A tied output layer is skipped: HF's lm_head is the embedding (see hf_state_dict)."""
+    A tied output layer is skipped: HF's lm_head is the embedding (see hf_order)."""
     out = {}
     for name in shards[0]:
         if name == "output_layer.weight" and arch.tied:
@@ -188,7 +188,6 @@ def hf_order(state: Mapping[str, torch.Tensor], arch: Arch) -> dict[str, torch.T
     out = {n: state[n] for n in names if n in state}
     if arch.tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    missing = set(state) - set(out)
-    if missing:
+    if missing := set(state) - set(out):
         raise KeyError(f"unmapped HF tensors: {sorted(missing)[:5]}")
     return out

@@ -4,7 +4,7 @@ megatron-core assumes a GPU where the maths does not: buffers made on `"cuda"` o
 `torch.cuda.current_device()`, an assert that grads are `torch.cuda.FloatTensor`, and an RNG
 tracker forking the CUDA generator. Used only when the trainer runs on CPU (tests, laptops):
 
-* `active()`: a TorchFunctionMode, entered around every trainer call, mapping a CUDA device to
+* `CudaAsCpu()`: a TorchFunctionMode, entered around every trainer call, mapping a CUDA device to
   the CPU in tensor factories and `.to()`/`.cuda()`; `Tensor.type()` reports CUDA type names.
 * `install(seed)`: `torch.cuda.current_device()` answers "cpu", `torch.cuda.synchronize()` is a
   no-op, and the RNG tracker forks the CPU generator, seeded as megatron seeds the CUDA one.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
 from transfer.compat.megatron_api import rng_state_names, set_rng_tracker
@@ -26,16 +27,16 @@ _FACTORIES = device_constructors()      # the tensor factories that take device=
 
 
 def _to_cpu(device):
-    if device is None or isinstance(device, torch.dtype):
-        return device
-    if isinstance(device, int) and not isinstance(device, bool):   # an index means a CUDA device
-        return _CPU
-    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+    """A CUDA device (an int index means one) as the CPU; anything else (None, a dtype, ...) as it is."""
+    if isinstance(device, int) and not isinstance(device, bool) or \
+            isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
         return _CPU
     return device
 
 
-class _CudaAsCpu(TorchFunctionMode):
+class CudaAsCpu(TorchFunctionMode):
+    """Context in which megatron's CUDA device requests land on the CPU (thread-local)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
@@ -47,11 +48,6 @@ class _CudaAsCpu(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1:     # t.to(device, ...): the device comes first
             args = (args[0], _to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)
-
-
-def active():
-    """Context in which megatron's CUDA device requests land on the CPU (thread-local)."""
-    return _CudaAsCpu()
 
 
 def install(seed: int) -> None:
@@ -71,12 +67,7 @@ def install(seed: int) -> None:
     set_rng_tracker(tracker)
 
 
-def _tracker_base():
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-    return CudaRNGStatesTracker
-
-
-class _CpuRNGStatesTracker(_tracker_base()):
+class _CpuRNGStatesTracker(CudaRNGStatesTracker):
     """megatron's tracker, with named states of the CPU generator instead of the CUDA one."""
 
     def add(self, name, seed):

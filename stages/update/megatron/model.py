@@ -61,12 +61,6 @@ def layer_index(model):
     return lambda i: numbers[i]
 
 
-def hf_config(path: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
-
-
 class HFReader:
     """Reads single HF tensors from a model directory's safetensors files on demand, so a
     rank only ever holds the tensors it shards (not the whole checkpoint)."""
@@ -77,20 +71,12 @@ class HFReader:
 
         from safetensors import safe_open
 
-        p = Path(path)
-        index = p / "model.safetensors.index.json"
-        files = (json.loads(index.read_text())["weight_map"] if index.is_file()
-                 else {None: "model.safetensors"})
-        self._handles = {f: safe_open(str(p / f), framework="pt") for f in set(files.values())}
-        self._where = {}
-        for h in self._handles.values():
-            for name in h.keys():
-                self._where[name] = h
+        index = Path(path) / "model.safetensors.index.json"
+        files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+        handles = [safe_open(str(Path(path) / f), framework="pt") for f in files]
+        self._where = {name: h for h in handles for name in h.keys()}
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"{name} is not in the checkpoint")
         return self._where[name].get_tensor(name)
-
-    def names(self) -> list[str]:
-        return list(self._where)

@@ -62,7 +62,7 @@ class MegatronTrainer(Trainer):
     def _ctx(self):
         if self.on_cpu:
             from . import cpu_shim
-            return cpu_shim.active()
+            return cpu_shim.CudaAsCpu()
         return contextlib.nullcontext()
 
     def _build(self) -> None:
@@ -240,11 +240,8 @@ class MegatronTrainer(Trainer):
         for c in chunks:
             fill = (size if pad else max(len(c), 1)) - len(c)
             idx = torch.tensor(c + [c[0] if c else rows[0]] * fill, dtype=torch.long)
-            keep = torch.tensor([1.0] * len(c) + [0.0] * fill)
-            item = {k: v[idx].to(self.device) for k, v in fields.items() if v is not None}
-            item["mask"] = item["mask"] * keep.to(self.device)[:, None]
-            item["real"] = len(c)
-            out.append(item)
+            out.append({k: v[idx].to(self.device) for k, v in fields.items() if v is not None} | {"real": len(c)})
+            out[-1]["mask"][len(c):] = 0        # the copies' (indexing made the item's own tensors)
         return out
 
     def _run(self, model, items: list[dict], loss_func, forward_only: bool) -> list:
@@ -295,15 +292,12 @@ class MegatronTrainer(Trainer):
         """Rows r::dp live on DP rank r; put them back in row order on every DP rank."""
         if self.dp == 1:
             return mine
-        per = -(-n // self.dp)
-        buf = torch.zeros(per, T, dtype=mine.dtype, device=self.device)     # NCCL needs device tensors
+        buf = torch.zeros(-(-n // self.dp), T, dtype=mine.dtype, device=self.device)     # NCCL: device tensors
         buf[: len(mine)] = mine
         parts = [torch.empty_like(buf) for _ in range(self.dp)]
         torch.distributed.all_gather(parts, buf, group=self.dp_group)
-        full = torch.empty(n, T, dtype=mine.dtype)
-        for r, part in enumerate(parts):
-            full[r::self.dp] = part.cpu()[: len(range(r, n, self.dp))]
-        return full
+        # rank r's j-th row is row j * dp + r: interleave the ranks' rows, then drop the padding
+        return torch.stack(parts, 1).cpu().reshape(-1, T)[:n]
 
     def _optimizer_step(self, i: int, rows: np.ndarray, fields: dict) -> tuple:
         """One mini-batch: forward-backward, then the optimizer step unless a loss or gradient is NaN / inf
