@@ -92,12 +92,10 @@ class TeacherScoring:
         first = idx[0]
         out["teacher_swaps"][first], out["teacher_swap_bytes"][first] = swap.swaps_in, swap.bytes_in
         out["teacher_swap_s"][first] = swap.seconds
-        mb = self.cfg.micro_batch
-        for j in range(0, len(idx), mb):
-            chunk = [i for i in idx[j: j + mb] if rows[i]["response_ids"]]
-            for i in idx[j: j + mb]:
-                out["teacher_id"][i], out["teacher_logprobs"][i] = tid, []   # empty responses stay empty
-            if chunk:
+        for i in idx:
+            out["teacher_id"][i], out["teacher_logprobs"][i] = tid, []   # empty responses stay empty
+        for j in range(0, len(idx), mb := self.cfg.micro_batch):
+            if chunk := [i for i in idx[j: j + mb] if rows[i]["response_ids"]]:
                 self._score_chunk(tid, model, chunk, rows, out)
 
     def _score_chunk(self, tid, model, chunk: list[int], rows: list[dict], out: dict) -> None:

@@ -102,13 +102,8 @@ class AlgorithmConfig:
     def resolved(self) -> AlgorithmConfig:
         """This config with every empty field filled from the preset, then from CLIP_DEFAULTS."""
         preset = PRESETS[self.name]
-        filled = {k: v for k, v in preset.items() if getattr(self, k) in ("", None)}
-        loss = filled.get("loss", self.loss)
-        for name, default in zip(("clip_low", "clip_high"), CLIP_DEFAULTS[loss]):
-            if getattr(self, name) is None and name not in filled:
-                filled[name] = default
-        if self.overlong == "" and "overlong" not in filled:
-            filled["overlong"] = "none"
+        fallback = dict(zip(("clip_low", "clip_high"), CLIP_DEFAULTS[self.loss or preset["loss"]]), overlong="none")
+        filled = {k: v for k, v in (fallback | preset).items() if getattr(self, k) in ("", None)}
         return dataclasses.replace(self, **filled) if filled else self
 
 

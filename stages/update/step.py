@@ -28,15 +28,6 @@ class NonFiniteUpdate(FloatingPointError):
     """trainer.on_nonfinite=stop and a mini-batch's loss or gradient norm was NaN / inf."""
 
 
-def on_nonfinite(cfg: TrainerConfig, step: int, mini_batch: int, what: str) -> None:
-    """A mini-batch's loss or gradients were NaN / inf (`what` says which): its update is not applied
-    (trainer.on_nonfinite=skip; the caller counts it), or NonFiniteUpdate naming the step (stop)."""
-    if cfg.on_nonfinite == "stop":
-        raise NonFiniteUpdate(f"training step {step} (version {step} -> {step + 1}), mini-batch {mini_batch}: "
-                              f"{what}; the weights were not updated (trainer.on_nonfinite=stop; "
-                              "'skip' drops such mini-batches and goes on)")
-
-
 def lr_at(cfg: TrainerConfig, step: int) -> float:
     """The learning rate of training step `step` (0-based): linear warm-up over lr_warmup_steps, then
     constant or a linear / cosine decay reaching lr * lr_min_ratio at lr_decay_steps."""
@@ -239,8 +230,12 @@ class Trainer:
         for _ in range(cfg.ppo_epochs):
             for idx in mini_batches(cfg, self.rng, b):
                 loss, part, gnorm, failed = mini_batch(len(losses) + skipped, idx)
-                if failed:    # never applied: weights and optimizer state stay as they were
-                    on_nonfinite(cfg, self.version, len(losses) + skipped + 1, failed)
+                if failed:    # a NaN / inf loss or gradient, never applied: skipped and counted, or stop
+                    if cfg.on_nonfinite == "stop":
+                        raise NonFiniteUpdate(f"training step {self.version} (version {self.version} -> "
+                                              f"{self.version + 1}), mini-batch {len(losses) + skipped + 1}: "
+                                              f"{failed}; the weights were not updated (trainer.on_nonfinite=stop;"
+                                              " 'skip' drops such mini-batches and goes on)")
                     skipped += 1
                     continue
                 losses.append(loss)
