@@ -70,7 +70,6 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
         rows = rec.read(columns=cols).to_pandas()
     except (ConfigError, ProfileError, RecordingError, ValueError) as e:
         raise PlanError(f"--calibrate {run}: {e}") from e
-    lengths = RecordedLengths.open(run / "rollouts")
     steady = spans[spans["step"] > skip]
     if not len(steady):
         raise PlanError(f"--calibrate {run}: the profile has no step after step {skip} to calibrate on")
@@ -103,7 +102,7 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
     stages = StageCosts(r_fixed, r_row, handoff, dispatch, reward_workers=1)
     costs = Costs(engine, trainer, sync, stages, Layout(engines=cfg.engine.count, description="this run"),
                   sources={k: f"calibrated from {run}" for k in ("engine", "trainer", "sync", "stages")})
-    return Calibration(costs, lengths)
+    return Calibration(costs, RecordedLengths.open(run / "rollouts"))
 
 
 def _outside_generation(block) -> float:

@@ -304,9 +304,8 @@ def profile_report(run_dir: str | Path, out_dir: str | Path | None = None, log=p
         plots["bubbles"] = plot_bubbles(b)
     if rollouts is not None:
         plots["staleness"] = plot_staleness(rollouts)
-    paths = {}
+    paths = {name: out / f"{name}.png" for name in plots}
     for name, ax in plots.items():
-        paths[name] = out / f"{name}.png"
         ax.figure.savefig(paths[name], dpi=100)
     log("plots: " + ", ".join(str(p) for p in paths.values()))
     return {"stages": table, "bubbles": b, "plots": paths, "spans": spans}

@@ -184,7 +184,6 @@ class Zygote:
 
     async def spawn(self, argv: list[str], env: dict[str, str], port: int, connect) -> "ForkedProcess":
         await self._start()
-        loop = asyncio.get_running_loop()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
@@ -197,7 +196,7 @@ class Zygote:
                 raise RuntimeError(f"the agent zygote did not start the agent: {link.result.result()}")
             if cg is not None:
                 cg.add(pid)
-            await loop.sock_sendall(link.ours, b"go")
+            await asyncio.get_running_loop().sock_sendall(link.ours, b"go")
         except BaseException:
             link.close()
             if cg is not None:

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from functools import lru_cache
+from pathlib import Path
 
 # denied with EPERM
 DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
@@ -159,13 +160,9 @@ def _base_root() -> list[str]:
 def _bind_prefix(prefix: str) -> list[str]:
     """`prefix` read-only at its path, its parents made traversable (a home such as /root is 0700 on the host:
     the worker, once it has its own uid, could otherwise import nothing it had not imported before)."""
-    parents, p = [], os.path.dirname(prefix)
-    while p not in ("/", ""):
-        parents.append(p)
-        p = os.path.dirname(p)
     args = []
-    for d in reversed(parents):
-        args += ["--perms", "0755", "--dir", d]
+    for d in reversed(Path(prefix).parents[:-1]):       # outermost first, "/" left out
+        args += ["--perms", "0755", "--dir", str(d)]
     return args + ["--ro-bind", prefix, prefix]
 
 

@@ -16,6 +16,7 @@ forks. Standard library only, started with -I -S: it runs before anything of the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -35,16 +36,13 @@ def listen(port: int) -> socket.socket:
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
     try:
-        while data := src.recv(CHUNK):
-            dst.sendall(data)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            while data := src.recv(CHUNK):
+                dst.sendall(data)
     finally:
         for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(how)
-            except OSError:
-                pass
 
 
 def _connection(ctl: socket.socket, lock: threading.Lock) -> socket.socket | None:
