@@ -17,6 +17,4 @@ def lower_priority(nice: int) -> None:
             return
     except Exception:  # noqa: BLE001 - not in Ray at all
         return
-    current = os.nice(0)
-    if current < nice:
-        os.nice(nice - current)
+    os.nice(max(0, nice - os.nice(0)))

@@ -88,9 +88,8 @@ def save_tokenizer(dst: str | Path, model_dir: str, staged: str = "") -> None:
     """The tokenizer of `model_dir` written into `dst` as save_pretrained writes it: copied from `staged`
     (a stage_tokenizer directory) when this host has it, else loaded and saved. A checkpoint comes at
     the end of an update, when the trainer holds the most; a 151k-token load would add ~250 MB there."""
-    src = Path(staged) if staged else None
-    if src is not None and (src / STAGED_MARK).is_file():
-        for f in src.iterdir():
+    if staged and (Path(staged) / STAGED_MARK).is_file():
+        for f in Path(staged).iterdir():
             if f.is_file() and f.name != STAGED_MARK:
                 shutil.copyfile(f, Path(dst) / f.name)
         return
