@@ -62,16 +62,16 @@ def defer_head(gpt):
     layer = getattr(gpt, "output_layer", None)
     if layer is None or getattr(layer, "sequence_parallel", False):
         return None
-    real, weight = layer.forward, {}
+    real, held = layer.forward, {}
 
-    def passthrough(hidden, weight_=None, runtime_gather_output=None, **_):
-        weight["w"] = weight_
+    def passthrough(hidden, weight=None, **_):
+        held["w"] = weight
         return hidden, None
 
-    layer.forward = lambda hidden, weight=None, **kw: passthrough(hidden, weight, **kw)
+    layer.forward = passthrough
 
     def head(h: torch.Tensor) -> torch.Tensor:
-        z, _ = real(h[:, None, :], weight=weight.get("w"))
+        z, _ = real(h[:, None, :], weight=held.get("w"))
         return z[:, 0, :]
 
     return head
