@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Protocol
@@ -31,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.batcher_config import BatcherConfig
+from stages.keys import import_object
 from stages.schema import conform, mask_old_versions, mask_stale, oldest_trained_version
 
 
@@ -93,9 +93,8 @@ def make_strategy(name: str) -> WindowStrategy:
     if name in STRATEGIES:
         return STRATEGIES[name]()
     if "." in name or ":" in name:
-        mod, _, attr = name.replace(":", ".").rpartition(".")
         try:
-            return getattr(importlib.import_module(mod), attr)()
+            return import_object(name)()
         except Exception as e:      # the user's module may raise anything while it imports
             raise ValueError(f"window strategy {name!r} does not import: {type(e).__name__}: {e}") from e
     raise ValueError(f"unknown window strategy {name!r}; built-in: {', '.join(STRATEGIES)} (or a dotted path)")

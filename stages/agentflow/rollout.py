@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import time
 import traceback
@@ -42,6 +41,7 @@ from stages.agentflow.config import AgentConfig, ProxyConfig, RolloutConfig, Sam
 from stages.agentflow.engine_config import EngineConfig
 from stages.agentflow.limits import PromptLimit
 from stages.agentflow.workflows import CalculatorAgent, RetryAgent, SandboxAgent
+from stages.keys import import_object
 from stages.priority import lower_priority
 from stages.schema import with_columns
 
@@ -55,9 +55,8 @@ def load_agent(name: str, preload: tuple = ()):
         return BUILTIN_AGENTS[name]()
     if name.startswith("cmd:"):
         return SubprocessAgent(name[4:].strip(), preload)
-    mod, _, attr = name.replace(":", ".").rpartition(".")
     try:
-        obj = getattr(importlib.import_module(mod), attr)
+        obj = import_object(name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"agent.name {name!r} does not import: {e} (built-in agents: "
                          f"{', '.join(BUILTIN_AGENTS)}; or a dotted path, or cmd:<command>)") from e
