@@ -4,6 +4,8 @@ Apart from stages/model.py (which loads models with torch) so a recipe is checke
 """
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from stages.keys import NONNEG, POSITIVE, between, key, one_of, section
@@ -54,3 +56,19 @@ def attention_heads(hidden_size: int) -> tuple[int, int]:
                          f"every engine runs), got {hidden_size}")
     heads = max(1, min(4, hidden_size // MIN_HEAD_DIM))
     return heads, max(1, heads // 2)
+
+
+def cached_model_dir(out: Path, build, what: str, log=print) -> str:
+    """`out`, first made by build(tmp) and renamed to it where it is not there yet."""
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    log(f"building {what} (cached at {out}) ...")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    build(tmp)
+    try:
+        tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp)  # another process published the same model first: use theirs
+    return str(out)

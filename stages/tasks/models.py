@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from stages.model_config import ModelConfig, attention_heads
+from stages.model_config import ModelConfig, attention_heads, cached_model_dir
 
 SPECIAL = ["<pad>", "<eos>", "<bos>"]
 def build_char_tokenizer(chars: str):
@@ -41,22 +40,6 @@ def tiny_model_dir(cfg: ModelConfig, log=print) -> str:
     out = Path(os.path.expanduser(cfg.cache_dir)) / f"tiny-{cfg.builtin_task}-{digest}"
     return cached_model_dir(out, lambda tmp: build_tiny_model(cfg, tmp, log=log),
                             f"the built-in tiny model for task {cfg.builtin_task!r}", log)
-
-
-def cached_model_dir(out: Path, build, what: str, log=print) -> str:
-    """`out`, first made by build(tmp) and renamed to it where it is not there yet."""
-    if (out / "model.safetensors").is_file():
-        return str(out)
-    log(f"building {what} (cached at {out}) ...")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    build(tmp)
-    try:
-        tmp.rename(out)  # atomic publish: a concurrent run never sees a half-written cache
-    except OSError:
-        if not (out / "model.safetensors").is_file():
-            raise
-        shutil.rmtree(tmp)  # another process published the same model first: use theirs
-    return str(out)
 
 
 def tiny_qwen2(tok, hidden_size: int, num_layers: int, heads: tuple[int, int], context: int = 64):

@@ -321,7 +321,7 @@ def qwen_tiny_model_dir(cache_dir: str = "~/.cache/loongsage/models", log=print,
     """The built-in `builtin:qwen-vocab-tiny` model directory, built once and cached in `cache_dir`
     (`tokenizer`: one build_qwen_tokenizer() made already, to save building another; `shape`:
     heads, kv_heads, context, as make_qwen_model_dir takes them)."""
-    from stages.tasks.models import cached_model_dir
+    from stages.model_config import cached_model_dir
 
     def build(tmp: Path) -> None:
         t0 = time.perf_counter()
