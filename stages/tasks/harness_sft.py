@@ -79,11 +79,15 @@ def _sample_vocab(pairs, size: int, n_vocab: int, gen: torch.Generator) -> torch
 
 
 def teach(model_dir: str, pairs: list, steps: int = 300, lr: float = 1e-2, windows=(256, 1024, 2048),
-          sample: int = 4096, full_steps: int = 0, threads: int = 1, log=print):
+          sample: int = 4096, full_steps: int = 0, threads: int = 1, pool: list = (), per_step: int = 0,
+          held: list = (), log=print):
     """SFT the model at `model_dir` on (prompt, target) pairs until every target is its greedy answer
-    (checked at the widest window) or `steps` run out; returns its state dict. `sample`: vocabulary ids
-    in each step's softmax (0: all of them); the last `full_steps` steps use all of them, which takes
-    the mass a sampled softmax leaves on the untrained ids (what sampling at temperature 1 would find).
+    (checked at the widest window), and so is every `held` pair's, which it never trains on, or `steps` run out;
+    returns its state dict. `pool`: more pairs, `per_step` of them drawn anew each step (an input that varies per
+    run, such as a tool's output holding a random id, is learnt from many examples, not a few by heart).
+    `sample`: vocabulary ids in each step's softmax (0: all of them); the last `full_steps` steps use all of
+    them, which takes the mass a sampled softmax leaves on the untrained ids (what sampling at temperature 1
+    would find).
     `threads`: torch threads (1: measured 4.0 s a step against 20 s with 2 on the shared 2-core machine)."""
     from stages.model import load_model
 
@@ -100,17 +104,19 @@ def teach(model_dir: str, pairs: list, steps: int = 300, lr: float = 1e-2, windo
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        vocab = _sample_vocab(pairs, 0 if step >= steps - full_steps else sample, n_vocab, gen)
-        for (p, t), k in weights.items():
+        drawn = [pool[i] for i in torch.randperm(len(pool), generator=gen)[:per_step].tolist()] if pool else []
+        items = list(weights.items()) + [((tuple(p), tuple(t)), 1) for p, t in drawn]
+        vocab = _sample_vocab(list(pairs) + drawn, 0 if step >= steps - full_steps else sample, n_vocab, gen)
+        for (p, t), k in items:
             w = windows[step % len(windows)]
-            loss = _loss(model, list(p), list(t), w, vocab) * (k / len(pairs))
+            loss = _loss(model, list(p), list(t), w, vocab) * (k / (len(pairs) + len(drawn)))
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 10 == 9:
             log(f"warm step {step + 1}: loss {total:.4f} ({time.time() - t0:.0f}s)", flush=True)
-            if total < 0.05 and _greedy_ok(model, pairs, max(windows)):
+            if total < 0.05 and _greedy_ok(model, list(pairs) + list(held), max(windows)):
                 break
     model.eval()
     log(f"warmed in {step + 1} steps, {time.time() - t0:.1f}s, loss {total:.4f}", flush=True)

@@ -122,8 +122,10 @@ def _warm(h: H.Harness, srv, prompt: list[int]) -> None:
     if h.final_call:
         answer = turn_texts(srv.tok, call_json(h.tool, h.args(h.final_call)), "")[0]
     # the widest window is the whole prompt: tokens the model never saw in training must not come first at inference
+    more = {k: examples(srv.tok, prompt, call, answer, H.OUTPUT, getattr(h, k))[1:] for k in ("pool", "held")
+            if getattr(h, k)}
     state = _teach_cached(srv.model_path, examples(srv.tok, prompt, call, answer, H.OUTPUT, h.outputs or TOOL_OUTPUTS),
-                          windows=(256, 1024, max(2048, len(prompt))))
+                          windows=(256, 1024, max(2048, len(prompt))), **more, **({"per_step": 4} if h.pool else {}))
     srv.version += 1
     ray.get([e.load_weights.remote(state, srv.version) for e in srv.engines])
 
