@@ -6,15 +6,14 @@ Apart from the rollout stage, which imports Ray, so a recipe is checked without 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, between, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, between, key, one_of, section
 
 # what a model call can be part of (stages/agentflow/session.py): agent.train_segments names some
 KINDS = ("main", "compaction", "subagent", "side")
 
 
-@dataclass(frozen=True)
+@section("rollout")
 class RolloutConfig:
     n_samples: int = key(8, "N: samples per prompt (a group)", POSITIVE)
     num_workers: int = key(1, "rollout worker actors (asyncio inside each)", POSITIVE)
@@ -28,11 +27,8 @@ class RolloutConfig:
     nice: int = key(0, "niceness of engine and rollout/reward worker processes (0 = as started): > 0 lets the trainer,"
                        " an async run's bottleneck, keep its core", between(0, 19))
 
-    def __post_init__(self):
-        check_fields(self, "rollout")
 
-
-@dataclass(frozen=True)
+@section("sampling")
 class SamplingConfig:
     max_new_tokens: int = key(8, "tokens per model turn (and the cap on a proxy call's max_tokens)", POSITIVE)
     max_prompt_tokens: int = key(0, "prompt tokens per model call; 0 = the model's context less one. A longer prompt "
@@ -44,11 +40,8 @@ class SamplingConfig:
     seed: int = key(0, "set from run.seed (pipeline/seeds.py), not a recipe key; per sample: (seed, group, index); "
                        "per turn within it", NONNEG)
 
-    def __post_init__(self):
-        check_fields(self, "sampling")
 
-
-@dataclass(frozen=True)
+@section("agent")
 class AgentConfig:
     name: str = key("single_turn", 'built-in name | dotted path | "cmd:<command>" (subprocess black-box)')
     preload: tuple = key((), 'modules a "cmd:python SCRIPT.py" agent imports, loaded once per worker in a zygote'
@@ -76,7 +69,6 @@ class AgentConfig:
                                                                     "these kinds is its own row")
 
     def __post_init__(self):
-        check_fields(self, "agent")
         for k in ("train_segments", "preload", "binds", "env"):     # a list, or one string
             v = getattr(self, k)
             object.__setattr__(self, k, (v,) if isinstance(v, str) else tuple(v))
@@ -92,16 +84,13 @@ class AgentConfig:
         object.__setattr__(self, "binds", tuple(map(_host_path, self.binds)))
 
 
-@dataclass(frozen=True)
+@section("proxy")
 class ProxyConfig:
     host: str = key("127.0.0.1", "bind address (loopback unless you mean it)")
     port: int = key(0, "port; 0 = any free port", between(0, 65535))
     max_body_mb: float = key(8.0, "larger request bodies get 413", POSITIVE)
     force_sampling: bool = key(False, "True: the sampling section's temperature/top_p and seeds override an agent's "
                                       "request")
-
-    def __post_init__(self):
-        check_fields(self, "proxy")
 
 
 def _host_path(p) -> str:

@@ -4,12 +4,10 @@ Apart from the engines, which import torch, so a recipe is checked without torch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import NONNEG, POSITIVE, at_least, between, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, at_least, between, key, one_of, section
 
 
-@dataclass(frozen=True)
+@section("engine")
 class EngineConfig:
     kind: str = key("hf", "hf (embedded torch engine, any CPU) | vllm (`pip install .[vllm]`; `vllm:` section) | "
                           "sglang (GPU; `sglang:` section)", one_of("hf", "vllm", "sglang"))
@@ -21,11 +19,8 @@ class EngineConfig:
     restarts: int = key(3, "times Ray restarts a dead engine (its groups are re-run); -1 = always", at_least(-1))
     retries: int = key(3, "re-runs of a trajectory whose engine died under it", NONNEG)
 
-    def __post_init__(self):
-        check_fields(self, "engine")
 
-
-@dataclass(frozen=True)
+@section("vllm")
 class VLLMConfig:
     """The `vllm:` recipe section (used when engine.kind is vllm)."""
     kv_cache_mb: int = key(256, "KV cache per engine, MiB (vLLM's default is most of the machine's memory)",
@@ -38,11 +33,8 @@ class VLLMConfig:
     max_loras: int = key(2, "adapters resident at once with trainer.lora (the current and the previous)", at_least(1))
     engine_args: dict = key({}, "any other vllm.EngineArgs field")
 
-    def __post_init__(self):
-        check_fields(self, "vllm")
 
-
-@dataclass(frozen=True)
+@section("sglang")
 class SGLangConfig:
     """The `sglang:` recipe section (used when engine.kind is sglang)."""
     tp: int = key(1, "GPUs per engine (SGLang tensor parallel); Ray gives each engine this many", at_least(1))
@@ -54,6 +46,3 @@ class SGLangConfig:
     startup_timeout_s: float = key(900.0, "seconds an engine may take to start its server", POSITIVE)
     request_timeout_s: float = key(3600.0, "seconds one generation request may take", POSITIVE)
     bucket_bytes: int = key(512 << 20, "weights handed to the server per update_weights_from_tensor call", POSITIVE)
-
-    def __post_init__(self):
-        check_fields(self, "sglang")

@@ -7,9 +7,7 @@ directories, weights, tokenizers, budget vs sizes) at start, before an actor exi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import NONNEG, POSITIVE, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, key, one_of, section
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -19,7 +17,7 @@ class TeacherError(ValueError):
     """A teacher set-up problem found at start; the message names the teacher or data source."""
 
 
-@dataclass(frozen=True)
+@section("teacher")
 class TeacherConfig:
     teachers: dict[str, str] = key({}, "teacher id -> local HF directory (safetensors)")
     routes: dict[str, str] = key({}, "data_source -> teacher id")
@@ -37,7 +35,6 @@ class TeacherConfig:
     workers: int = key(1, "scoring actors; each holds its own resident set, so the budget is per actor", POSITIVE)
 
     def __post_init__(self):
-        check_fields(self, "teacher")
         for name in ("teachers", "routes"):
             bad = [(k, v) for k, v in getattr(self, name).items() if not isinstance(v, str) or not v]
             if bad:

@@ -8,9 +8,8 @@ modes) are listed here; tests/test_config_light.py checks the lists match those 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from stages.keys import NONNEG, POSITIVE, UNIT, Check, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, UNIT, Check, key, one_of, section
 from stages.lora_config import LoraConfig
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")   # advantages.ESTIMATORS
@@ -48,7 +47,7 @@ ENTROPY_ROWS = ("all", "trained")
 _DUAL_CLIP = Check("0 (off) or > 1", lambda c: c == 0 or c > 1)
 
 
-@dataclass(frozen=True)
+@section("algorithm")
 class AlgorithmConfig:
     name: str = key("grpo", "preset the empty keys below are filled from", one_of(*PRESETS))
     advantage: str = key("", "\"\" = preset's; else an estimator in advantages.ESTIMATORS", one_of("", *ADVANTAGES))
@@ -85,7 +84,6 @@ class AlgorithmConfig:
                              one_of(*DISTILL_MODES))
 
     def __post_init__(self):
-        check_fields(self, "algorithm")
         if self.mis_high and not 0 <= self.mis_low <= 1 <= self.mis_high:
             raise ValueError("algorithm.mis_low <= 1 <= mis_high is needed, or mis_high = 0 to turn MIS off")
         if self.decoupled and (self.tis_cap or self.mis_high or self.geo_is):
@@ -112,7 +110,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 _BETAS = Check("two numbers, each in [0, 1)", lambda b: len(b) == 2 and all(0 <= x < 1 for x in b))
 
 
-@dataclass(frozen=True)
+@section("trainer")
 class TrainerConfig:
     lr: float = key(2e-4, "peak learning rate (AdamW)", POSITIVE)
     weight_decay: float = key(0.0, "AdamW weight decay", NONNEG)
@@ -161,7 +159,6 @@ class TrainerConfig:
     lora: LoraConfig = key(LoraConfig, "train LoRA adapters only (stages/lora.py)")
 
     def __post_init__(self):
-        check_fields(self, "trainer")
         if self.lora.enabled and self.backend != "torch":
             raise ValueError(f"trainer.lora.enabled needs trainer.backend=torch: the {self.backend} trainer has no "
                              "LoRA (peft adapts HF modules; Megatron's are its own, sharded)")

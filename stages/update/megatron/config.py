@@ -5,12 +5,10 @@ without megatron-core installed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from stages.keys import NONNEG, POSITIVE, at_least, check_fields, key, one_of
+from stages.keys import NONNEG, POSITIVE, at_least, key, one_of, section
 
 
-@dataclass(frozen=True)
+@section("megatron")
 class MegatronConfig:
     tensor_parallel: int = key(1, "TP: each layer's matmuls split over this many ranks", at_least(1))
     pipeline_parallel: int = key(1, "PP: layers split into this many stages", at_least(1))
@@ -22,9 +20,6 @@ class MegatronConfig:
                               one_of("auto", "cuda", "cpu"))
     timeout_s: float = key(600.0, "seconds for every collective; a dead peer surfaces as an error, not a hang",
                                   POSITIVE)
-
-    def __post_init__(self):
-        check_fields(self, "megatron")
 
     @property
     def world_size(self) -> int:
