@@ -24,11 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def codex_output(rng: random.Random) -> str:
-    return (f"Chunk ID: {rng.getrandbits(24):06x}\nWall time: {rng.random() * 0.05:.4f} seconds\nProcess exited "
-            "with code 0\nOriginal token count: 4\nOutput:\n{out}\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fixed", type=int, default=0, help="teach N fixed outputs only (0: the test's warm)")
@@ -53,7 +48,7 @@ def main() -> None:
         prompt = T._capture(h, srv, T._home("codex"))
         call = call_json(h.tool, h.args(f"echo {H.OUTPUT}"))
         rng = random.Random(args.seed + 1000)
-        taught = tuple(codex_output(rng) for _ in range(args.fixed)) if args.fixed else h.outputs
+        taught = tuple(H.codex_output(rng) for _ in range(args.fixed)) if args.fixed else h.outputs
         more = {} if args.fixed else {k: examples(srv.tok, prompt, call, h.answer, H.OUTPUT, getattr(h, k))[1:]
                                       for k in ("pool", "held")}
         state = T._teach_cached(srv.model_path, examples(srv.tok, prompt, call, h.answer, H.OUTPUT, taught),
@@ -66,7 +61,7 @@ def main() -> None:
     model.load_state_dict(state)
     rng = random.Random(args.seed)
     unseen = examples(srv.tok, prompt, call, h.answer, H.OUTPUT,
-                      tuple(codex_output(rng) for _ in range(args.unseen)))[1:]
+                      tuple(H.codex_output(rng) for _ in range(args.unseen)))[1:]
     right = 0
     with torch.no_grad():
         for p, target in unseen:

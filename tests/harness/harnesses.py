@@ -104,10 +104,14 @@ OPENCODE_RESPONSES = Harness("opencode-responses", argv=OPENCODE_ARGV, env=lambd
 # two fixed ones and four a step drawn from 64 more, and checked after eight others it is never taught (fixed by
 # a seed: the warm is cached by its examples). Greedy answers to unseen ones: 21 of 30 right when taught after the
 # two fixed ones alone, 58 of 60 after eight fixed ones and the check, 240 of 240 as now (benchmarks/harness_warm.py).
+def codex_output(rng: random.Random) -> str:
+    """One exec_command result as Codex shows it, its chunk id and wall time drawn from `rng`."""
+    return (f"Chunk ID: {rng.getrandbits(24):06x}\nWall time: {rng.random() * 0.05:.4f} seconds\nProcess exited "
+            "with code 0\nOriginal token count: 4\nOutput:\n{out}\n")
+
+
 _RNG = random.Random(0)
-CODEX_OUTPUTS, CODEX_POOL, CODEX_HELD = (
-    tuple(f"Chunk ID: {_RNG.getrandbits(24):06x}\nWall time: {_RNG.random() * 0.05:.4f} seconds\nProcess exited "
-          "with code 0\nOriginal token count: 4\nOutput:\n{out}\n" for _ in range(n)) for n in (2, 64, 8))
+CODEX_OUTPUTS, CODEX_POOL, CODEX_HELD = (tuple(codex_output(_RNG) for _ in range(n)) for n in (2, 64, 8))
 
 
 CODEX = Harness(
