@@ -324,7 +324,7 @@ class Cgroup:
         for d in self.dirs:
             for name in ("memory.events", "memory.oom_control"):     # v2, v1
                 with contextlib.suppress(OSError):
-                    for line in open(os.path.join(d, name)):
+                    for line in Path(d, name).read_text().splitlines():
                         if line.startswith("oom_kill "):
                             return int(line.split()[1])
         return 0
@@ -335,7 +335,7 @@ class Cgroup:
             pids = set()
             for f in self.procs_files():
                 with contextlib.suppress(OSError):
-                    pids |= {int(x) for x in open(f).read().split()}
+                    pids |= {int(x) for x in Path(f).read_text().split()}
             if not pids:
                 break
             for pid in pids:
@@ -363,7 +363,7 @@ def _cgroup_roots() -> tuple[dict[str, str], str]:
     both), checked by making and removing a child; ({}, why) where that fails."""
     mounts: dict[str, str] = {}
     try:
-        for line in open("/proc/self/mountinfo"):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
             pre, _, post = line.partition(" - ")
             fstype, _src, opts = (post.split() + ["", ""])[:3]
             if fstype == "cgroup2":
@@ -373,8 +373,8 @@ def _cgroup_roots() -> tuple[dict[str, str], str]:
                     if c in opts.split(","):
                         mounts[c] = pre.split()[4]
         mine = {}
-        for line in open("/proc/self/cgroup"):
-            _n, ctrls, path = line.rstrip("\n").split(":", 2)
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _n, ctrls, path = line.split(":", 2)
             for c in ctrls.split(",") if ctrls else [""]:
                 mine[c] = path
     except OSError as e:
@@ -384,7 +384,7 @@ def _cgroup_roots() -> tuple[dict[str, str], str]:
     elif "" in mounts:
         d = mounts[""] + mine.get("", "/").rstrip("/")
         try:
-            enabled = open(os.path.join(d, "cgroup.subtree_control")).read().split()
+            enabled = Path(d, "cgroup.subtree_control").read_text().split()
         except OSError:
             enabled = []
         if not {"pids", "memory"} <= set(enabled):
