@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import logging
 import math
 import os
 import shlex
@@ -50,7 +49,6 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TAIL_BYTES = 4096
 PASSED_ENV = ("PATH", "LANG", "LANGUAGE", "TERM", "TZ")     # and LC_*: nothing that could be a secret
 HIDDEN_FIELDS = ("answer",)                                # a row's fields an agent never gets
-log = logging.getLogger(__name__)
 
 
 class AgentExit(RuntimeError):
@@ -94,32 +92,11 @@ def base_env(names: tuple[str, ...] = ()) -> dict[str, str]:
 
 def agent_env(base_url: str, api_key: str, sample: dict, names: tuple[str, ...] = ()) -> dict[str, str]:
     """A subprocess agent's whole environment: an allowlist, never the worker's environment."""
+    shown = {k: v for k, v in sample.items()
+             if k not in HIDDEN_FIELDS and (v is None or isinstance(v, (str, int, float, bool)))}
     return base_env(names) | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
                   "ANTHROPIC_BASE_URL": anthropic_base_url(base_url), "ANTHROPIC_API_KEY": api_key,
-                  "LOONGSAGE_SAMPLE": sample_json(sample)}
-
-
-def sample_json(sample: dict) -> str:
-    return json.dumps({k: v for k, v in sample.items() if k not in HIDDEN_FIELDS
-                       and (isinstance(v, (str, int, float, bool)) or v is None)})
-
-
-def last_json(stdout: str) -> dict | None:
-    last = loads(stdout.strip().splitlines()[-1], None) if stdout.strip() else None
-    return last if isinstance(last, dict) else None
-
-
-def reported_reward(ctx, report: dict | None) -> None:
-    """Adopt {"reward": x, "info": {...}} from trusted code (an in-process agent's return value)."""
-    if not report or "reward" not in report:
-        return
-    if isinstance(report["reward"], bool) or not isinstance(report["reward"], (int, float)):
-        raise ValueError(f"the agent reported a non-numeric reward: {report['reward']!r}")
-    if not math.isfinite(report["reward"]):   # NaN / Infinity (json reads 1e999 as inf); training must not
-        raise ValueError(f"the agent reported a non-finite reward: {report['reward']!r}")
-    ctx.reward = float(report["reward"])
-    if isinstance(report.get("info"), dict):
-        ctx.info.update(report["info"])
+                  "LOONGSAGE_SAMPLE": json.dumps(shown)}
 
 
 def _installed(module: str) -> bool:
@@ -227,7 +204,9 @@ class SubprocessAgent:
                 how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                 why = " at its memory limit (agent.memory_mb)" if oom else ""
                 raise AgentExit(f"agent {self.cmd!r} {how}{why}")
-        ctx.info.update(last_json(out.decode(errors="replace")) or {})
+        stdout = out.decode(errors="replace").strip()
+        last = loads(stdout.splitlines()[-1], None) if stdout else None
+        ctx.info.update(last if isinstance(last, dict) else {})
 
 
 AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when agent.max_agents is 0
@@ -244,8 +223,15 @@ class OpenAIFunctionAgent:
         async with ctx.openai_endpoint() as ep:
             args = (ep.base_url, ep.api_key, sample)
             res = await (self.fn(*args) if asyncio.iscoroutinefunction(self.fn) else asyncio.to_thread(self.fn, *args))
-        if isinstance(res, dict):
-            reported_reward(ctx, res)
+        if not isinstance(res, dict) or "reward" not in res:    # trusted code: its reward is the trajectory's
+            return
+        if isinstance(res["reward"], bool) or not isinstance(res["reward"], (int, float)):
+            raise ValueError(f"the agent reported a non-numeric reward: {res['reward']!r}")
+        if not math.isfinite(res["reward"]):   # NaN / Infinity (json reads 1e999 as inf); training must not
+            raise ValueError(f"the agent reported a non-finite reward: {res['reward']!r}")
+        ctx.reward = float(res["reward"])
+        if isinstance(res.get("info"), dict):
+            ctx.info.update(res["info"])
 
 
 openai_agent = OpenAIFunctionAgent
