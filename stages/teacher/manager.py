@@ -1,15 +1,10 @@
-"""TeacherManager: K frozen teachers, at most a budget of them resident, LRU swapping.
-
-    mgr = TeacherManager(cfg.teacher, student_dir)
-    for tid in mgr.order({"addition", "multiplication"}):   # resident teachers first
-        model, swap = mgr.acquire(tid)                      # swaps in (evicting LRU) if needed
+"""TeacherManager: K frozen teachers, at most a budget of them resident (`max_resident` teachers and/or
+`max_resident_bytes`), swapped LRU: before a swap-in the least recently used are evicted until the
+newcomer fits, so the budget is never exceeded.
 
 Every teacher's module is built once at start; offloading it swaps each parameter's storage for
 an empty placeholder, swapping it in assigns the tensors its offload store fetches (offload.py).
 Parameter objects never change, so tied weights stay tied and log-probs stay bit-identical.
-
-The budget (`max_resident` teachers and/or `max_resident_bytes`) is enforced before a swap-in:
-least recently used teachers are evicted until the newcomer fits, never exceeding it.
 """
 from __future__ import annotations
 
@@ -39,7 +34,7 @@ class Swap:
     swaps_in: int = 0
     swaps_out: int = 0
     bytes_in: int = 0
-    seconds: float = 0.0        # in and out
+    seconds: float = 0.0        # one acquire's, in and out (the stats sum seconds_in and seconds_out)
     seconds_in: float = 0.0
     seconds_out: float = 0.0
     hits: int = 0
@@ -141,8 +136,6 @@ class _Teacher:
 
 class TeacherManager:
     def __init__(self, cfg: TeacherConfig, student_dir: str):
-        if not cfg.enabled:
-            raise TeacherError("teacher.teachers is empty: there is no teacher to manage")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.specs = check_teachers(cfg, student_dir)
@@ -167,8 +160,6 @@ class TeacherManager:
 
     def acquire(self, tid: str):
         """The teacher's model, resident on the device; (model, Swap) with what it cost."""
-        if tid not in self.teachers:
-            raise TeacherError(f"unknown teacher {tid!r} (known: {', '.join(self.teachers)})")
         s, swap = self.stats, Swap()
         if tid in self.resident:
             self.resident.move_to_end(tid)

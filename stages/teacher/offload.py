@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -88,10 +89,7 @@ def _read(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 class CpuOffload:
     def __init__(self, files: list[Path], dtype: str, device: torch.device):
-        self.files, self.dtype = files, DTYPES[dtype]
-
-    def fetch(self) -> dict[str, torch.Tensor]:
-        return _read(self.files, self.dtype)
+        self.fetch = partial(_read, files, DTYPES[dtype])
 
 
 class PinnedOffload:

@@ -1,17 +1,11 @@
-"""Teacher scoring stage: the teacher's log-probs of the student's own sampled tokens.
+"""Teacher scoring stage: the teacher's log-probs (and with teacher.top_k its top-k) of the student's own
+sampled tokens, between rollout and the update. teacher_swaps / _swap_bytes / _swap_s are what a row's
+teacher group cost to swap in, on the group's first row, so a sum over rows counts each swap once.
 
-Input columns:  data_source, prompt_ids, response_ids, status, error
-Output columns: teacher_id, teacher_logprobs (aligned with response_ids), status, error,
-                teacher_topk_ids / teacher_topk_logprobs (per position, when teacher.top_k > 0),
-                teacher_swaps / teacher_swap_bytes / teacher_swap_s (what the row's teacher group
-                cost to swap in, on the group's first row: a sum over rows counts each swap once)
-
-On-policy distillation needs the teachers' view of the tokens the student sampled, between rollout
-and the update. Teachers are frozen, so nothing addresses them from outside: they live in this
-stage's own actor pool (the budget is per scoring actor), where the rows already are.
-
-Each teacher is visited once per batch, resident ones first: at most one swap-in per teacher a
-batch needs. A row its teacher fails on (or with no teacher) is marked failed with the error.
+Teachers are frozen, so nothing addresses them from outside: they live in this stage's own actor pool
+(the budget is per scoring actor), where the rows already are. Each teacher is visited once per batch,
+resident ones first: at most one swap-in per teacher a batch needs. A row its teacher fails on (or with
+no teacher) is marked failed with the error.
 """
 from __future__ import annotations
 
@@ -66,10 +60,9 @@ class TeacherScoring:
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.select(list(self.inputs)).to_pylist()
         n = len(rows)
-        out = {"teacher_id": [None] * n, "teacher_logprobs": [None] * n,
-               "status": [r["status"] for r in rows], "error": [r["error"] or "" for r in rows],
-               "teacher_topk_ids": [None] * n, "teacher_topk_logprobs": [None] * n,
-               "teacher_swaps": [0] * n, "teacher_swap_bytes": [0] * n, "teacher_swap_s": [0.0] * n}
+        out = {k: [None] * n for k in self.outputs} | {
+            "status": [r["status"] for r in rows], "error": [r["error"] or "" for r in rows],
+            "teacher_swaps": [0] * n, "teacher_swap_bytes": [0] * n, "teacher_swap_s": [0.0] * n}
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
             if r["status"] in SKIP:
