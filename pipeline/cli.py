@@ -1,13 +1,8 @@
 """`loongsage` command line: `run` here, every other subcommand in the module SUBCOMMANDS names.
 
-    loongsage run configs/quickstart.yaml [section.key=value ...] [--run-dir DIR] [--resume | --overwrite] [--verbose]
-
-Every subcommand takes its options and its positional arguments (key=value overrides too) in any order;
-an option of several values (plan --sweep) takes every word up to the next option.
-
-The command line answers before torch or Ray is imported: -h lists the subcommands without importing
-their modules, a subcommand imports only its own, and `run` refuses a bad value or a used run directory
-before the run's own modules load.
+Options and positionals (key=value overrides too) come in any order. The command line answers before torch
+or Ray is imported: -h lists the subcommands without importing their modules, a subcommand imports only its
+own, and `run` refuses a bad value or a used run directory before the run's own modules load.
 """
 from __future__ import annotations
 
@@ -111,8 +106,7 @@ def cmd_run(args) -> int:
         if not args.verbose:
             print(f"(Ray's own log of this run: {run_dir / 'ray.log'})", file=sys.stderr)
         raise
-    code = resume_hint(summary, args.config, args.overrides, run_dir)
-    if code is not None:
+    if (code := resume_hint(summary, args.config, args.overrides, run_dir)) is not None:
         return code
     init, final = summary["initial"].get("eval/accuracy"), summary["final"].get("eval/accuracy")
     print(f"done: {summary['steps']} steps, weights version {summary['version']}; run directory {run_dir}")
@@ -141,8 +135,7 @@ def _finite(v) -> bool:
 
 
 def _num(v, spec: str) -> str:
-    """A metric as the display shows it: '-' when it is missing, None (NaN in metrics.jsonl),
-    not a number or not finite. The display never stops a run."""
+    """A metric as the display shows it, '-' if missing or not a finite number: the display never stops a run."""
     return format(v, spec) if _finite(v) else "-"
 
 
@@ -182,16 +175,14 @@ def _progress(total: int):
 
 
 def resume_hint(summary: dict, config: str, overrides: list[str], run_dir: str | Path) -> int | None:
-    """A run stopped by a signal (the summary's "interrupted": "SIGINT" | "SIGTERM") or by a
-    lost node: print how to resume it in its own run directory and return the shell's exit
-    code (128 + the signal's number: 130, 143; 1 otherwise). None for a run that finished."""
+    """A run stopped by a signal or a lost node: print how to resume it in its own run directory and return
+    the shell's exit code (128 + the signal's number; 1 for a lost node). None for a run that finished."""
     sig = summary.get("interrupted")
     if not sig:
         return None
     code = 128 + signal.Signals[sig].value if sig in signal.Signals.__members__ else 1
-    where = f"interrupted at step {summary.get('steps', '?')}"
-    if summary.get("lost"):     # a Ray node that held engines or the trainer died and did not come back
-        where = f"stopped at step {summary.get('steps', '?')}: {summary['lost']}"
+    at = summary.get("steps", "?")      # "lost": a Ray node that held engines or the trainer died for good
+    where = f"stopped at step {at}: {summary['lost']}" if summary.get("lost") else f"interrupted at step {at}"
     if summary.get("resume_from"):
         # the same directory, its newest intact checkpoint (the one just written): metrics go on in one file
         again = ["loongsage", "run", config, *(o for o in overrides if not o.startswith("run.resume_from=")),

@@ -1,12 +1,10 @@
-"""Recipe config: frozen dataclasses, one per concern, mirrored 1:1 in YAML.
+"""Recipe config: frozen dataclasses, one per concern, mirrored 1:1 in YAML (`section: {key: value}`).
 
-A recipe file is a mapping `section -> {key: value}`; each section is the config dataclass of one
-concern (sampling, agent, engine, ...), which a stage receives as it is; defined next to its stage in a module that
-imports neither torch nor Ray, so a recipe is read and refused (a bad key or value) in a fraction of a second.
-Command-line overrides are `section.key=value` (values parsed as YAML). Any unknown section or key is an error
-that lists the valid ones (a key of the earlier layout names its new place: MOVED), so a typo never silently runs
-the default. Every refusal is a ConfigError of one line: a hostile file (too big, not UTF-8, nested too deep, an
-alias bomb) included, and no message formats a value whole.
+Each section is defined next to its stage in a module that imports neither torch nor Ray, so a recipe is read
+and refused in a fraction of a second. Overrides are `section.key=value` (values parsed as YAML). An unknown
+section or key is an error listing the valid ones (a key of the earlier layout names its new place: MOVED), so a
+typo never silently runs the default. Every refusal is a ConfigError of one line, a hostile file (too big, not
+UTF-8, nested too deep, an alias bomb) included, and no message formats a value whole.
 """
 from __future__ import annotations
 
@@ -123,10 +121,6 @@ def _cut(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _shown(value) -> str:
-    return _cut(repr(value))
-
-
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, bounded while it composes (before any Python value is built): the
     nesting depth, and the size of the document with every alias expanded. An alias bomb (ten
@@ -218,12 +212,12 @@ def _coerce(value, typ, where: str):
         return None if value is None else _coerce(value, args[0], where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
+            raise ConfigError(f"{where}: expected a list, got {_cut(repr(value))}")
         (item,) = typing.get_args(typ)[:1] or (object,)
         return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {_shown(value)}")
+            raise ConfigError(f"{where}: expected a mapping, got {_cut(repr(value))}")
         return dict(value)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if typ is float and (number or isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip())):
@@ -231,7 +225,7 @@ def _coerce(value, typ, where: str):
     if typ is str and number:
         return str(value)
     if typ in (int, float, str, bool) and not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {typ.__name__}, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {_cut(repr(value))}")
     return value
 
 
@@ -239,7 +233,7 @@ def _build(cls, data, where: str):
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {_shown(data)}")
+        raise ConfigError(f"{where}: expected a mapping of keys, got {_cut(repr(data))}")
     hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:     # a key of the earlier layout is named with its new place
@@ -250,7 +244,7 @@ def _build(cls, data, where: str):
     for k, v in kwargs.items():
         why = None if dataclasses.is_dataclass(v) else problem(v, check_of(fields[k]))
         if why:
-            raise ConfigError(f"{where + '.' if where else ''}{k} must be {why}, got {_shown(v)}")
+            raise ConfigError(f"{where + '.' if where else ''}{k} must be {why}, got {_cut(repr(v))}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -263,7 +257,7 @@ def to_dict(cfg) -> dict:
 
 def apply_override(tree: dict, override: str) -> None:
     if "=" not in override:
-        raise ConfigError(f"override {_shown(override)} is not of the form section.key=value")
+        raise ConfigError(f"override {_cut(repr(override))} is not of the form section.key=value")
     dotted, raw = override.split("=", 1)
     keys = dotted.strip().split(".")
     node = tree
@@ -276,11 +270,9 @@ def apply_override(tree: dict, override: str) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML recipe (or start from defaults), apply `a.b=value` overrides, validate."""
-    tree: dict = {}
-    if path is not None:
-        tree = read_yaml(path) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    tree = {} if path is None else read_yaml(path) or {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
     for o in overrides:
         apply_override(tree, o)
     for name, _ in seeds.DERIVED:      # a derived seed set by a recipe: an error naming the key, not a no-op
@@ -291,10 +283,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def check_names(cfg: Config) -> None:
-    """What a recipe names outside itself is there: reward.fn and rollout.window import, the model,
-    data and teacher paths exist, black-box agents can be jailed as asked. `loongsage run` and
-    `loongsage config --check` both call this before anything starts, so --check passes what the
-    run takes and both refuse with one line."""
+    """What a recipe names outside itself is there (reward.fn and rollout.window import, the model, data and
+    teacher paths exist, black-box agents can be jailed as asked): `run` and `config --check` both call it first,
+    so --check passes what the run takes."""
     from pipeline.window import make_strategy
     from stages.model_config import validate_model_dir
     from stages.reward import load_reward_fn
