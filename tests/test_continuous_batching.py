@@ -139,10 +139,8 @@ def test_a_full_running_batch_queues_rows_first_come_first_served(long_model_dir
     assert [o["response_ids"] for o in out] == [o["response_ids"] for o in alone.generate(rows)]
 
 
-def test_batching_settings_are_checked_by_key(tiny_model_dir):
+def test_batching_settings_are_checked_by_key():
     with pytest.raises(ConfigError, match="rollout.engine_batching"):      # one decode loop: no such key
         load_config(None, ["rollout.engine_batching=static"])
     with pytest.raises(ConfigError, match="engine.max_rows"):
         load_config(None, ["engine.max_rows=0"])
-    with pytest.raises(ValueError, match="max_running_rows"):
-        HFEngine(tiny_model_dir, max_running_rows=0)

@@ -22,17 +22,18 @@ from stages.agentflow.sglang_engine import SGLangEngine
 from stages.agentflow.vllm_engine import VLLMEngine
 from tests.support.engine_checks import check_generation, check_refusals, check_resume
 
-METHODS = [n for n, f in vars(contract.RolloutEngine).items() if callable(f) and not n.startswith("_")]
+# the contract's methods (engine_contract.py's docstring) and their leading arguments
+METHODS = {"generate": ["self", "requests"], "abort_all": ["self"], "mesh": ["self", "method", "args", "kwargs"],
+           "load_weights": ["self", "named_tensors", "version"], "needs_sync": ["self"], "info": ["self"],
+           "weight_version": ["self"], "weight_specs": ["self"], "pop_stats": ["self"]}
 
 
 @pytest.mark.parametrize("cls", [HFEngine, VLLMEngine, SGLangEngine], ids=lambda c: c.__name__)
 def test_every_engine_class_answers_the_contract(cls):
-    assert len(METHODS) == 9
-    for name in METHODS:
-        want = inspect.signature(getattr(contract.RolloutEngine, name)).parameters
+    for name, want in METHODS.items():
         # Ray's tracing adds `_ray_trace_ctx` to a class's methods once the class has been an actor class
         got = [p for p in inspect.signature(getattr(cls, name)).parameters if p != "_ray_trace_ctx"]
-        assert got[:len(want)] == list(want), (cls.__name__, name, got)
+        assert got[:len(want)] == want, (cls.__name__, name, got)
     # the controller builds every engine with the same five leading arguments
     init = list(inspect.signature(cls.__init__).parameters)[1:6]
     assert init == ["model_path", "dtype", "seed", "num_threads", "engine_id"], (cls.__name__, init)

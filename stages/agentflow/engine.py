@@ -106,10 +106,6 @@ class HFEngine(EngineBase):
                  special_ids: tuple[int, int] | None = None):
         """special_ids: (eos, pad), all generation needs of the tokenizer, from a process that loaded it
         (a 151k-token tokenizer costs ~200 MB to load); without them the engine loads it (`self.tok`)."""
-        if max_running_rows < 1:
-            raise ValueError(f"max_running_rows (engine.max_rows) must be >= 1, got {max_running_rows}")
-        if not kv_cache_mb > 0:
-            raise ValueError(f"kv_cache_mb (engine.kv_cache_mb) must be > 0, got {kv_cache_mb}")
         lower_priority(nice)
         self.threads = max(1, num_threads)
         self.about = {"threads": self.threads, "engine": "hf"}

@@ -1,8 +1,8 @@
 """The one engine contract every rollout engine serves (HF: engine.py, vLLM: vllm_engine.py,
 SGLang: sglang_engine.py), and the plumbing they share (EngineBase, VersionGate, AdapterSlots).
 
-The rollout stage, the proxy, evaluation, the controller and the TransferMesh call only the
-methods of `RolloutEngine`; which engine answers is `engine.kind`. What each call means:
+The rollout stage, the proxy, evaluation, the controller and the TransferMesh call only these
+methods; which engine answers is `engine.kind`. What each call means:
 
 * `generate(rows)`: each row has prompt_ids, max_new_tokens, temperature, top_p, [seed],
   [prefix_ids, prefix_logprobs, prefix_versions] (a resumed partial rollout), [hold] (the whole
@@ -34,7 +34,6 @@ import tempfile
 import threading
 import uuid
 from contextlib import contextmanager
-from typing import Protocol
 
 from stages.agentflow.client import EngineRestarting
 from stages.agentflow.limits import failed_row, model_limits, room, row_error
@@ -47,20 +46,6 @@ STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 # pop_stats' counters; the _sums become means
 FRESH_STATS = {"requests": 0, "tokens": 0, "busy_s": 0.0, "decode_steps": 0, "_rows_sum": 0, "running_rows_max": 0,
                "_wait_sum": 0.0, "_waited": 0, "queue_wait_s_max": 0.0}
-
-
-class RolloutEngine(Protocol):
-    """What every engine actor answers (see the module docstring)."""
-
-    def generate(self, requests: list[dict]) -> list[dict]: ...
-    def abort_all(self) -> None: ...
-    def load_weights(self, named_tensors: dict, version: int) -> None: ...
-    def mesh(self, method: str, *args, **kwargs): ...
-    def needs_sync(self) -> bool: ...
-    def info(self) -> dict: ...
-    def weight_version(self) -> int: ...
-    def weight_specs(self) -> dict: ...
-    def pop_stats(self) -> dict: ...
 
 
 def reconstructed() -> bool:
@@ -106,14 +91,8 @@ def plan_rows(requests: list, context: int, vocab: int, eos_id: int, reserve: in
 
 class EngineBase:
     """What every engine does alike: who it is, the version it serves and whether a restarted process
-    still awaits it, the TransferMesh's endpoint, statistics, and generate's row planning."""
-
-    engine_id: str
-    context: int
-    vocab: int
-    eos_id: int
-    about: dict                 # what info() adds: engine (the kind), threads or server
-    _specs: dict
+    still awaits it, the TransferMesh's endpoint, statistics, and generate's row planning. An engine sets
+    context, vocab, eos_id and `about` (what info() adds: engine, the kind; threads or server)."""
 
     def _start(self, engine_id: str) -> None:
         self.engine_id, self.version, self.mesh_endpoint = engine_id, 0, None

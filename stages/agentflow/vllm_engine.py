@@ -82,10 +82,8 @@ class VLLMEngine(EngineBase):
         self._pending: list[_Row] = []
         self._rows: dict[str, _Row] = {}         # in vLLM
         self._abort_before = -1.0
-        self._closed = False
         self._ids = itertools.count(1)
-        self._thread = threading.Thread(target=self._loop, name=f"{engine_id}-vllm-step", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._loop, name=f"{engine_id}-vllm-step", daemon=True).start()
 
     def _build(self, seed: int):
         in_process_env(self.threads)
@@ -135,14 +133,6 @@ class VLLMEngine(EngineBase):
             self._abort_before = time.time()
             self._wake.notify_all()
 
-    def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
-        self._thread.join(timeout=10)
-        if self._slots is not None:
-            self._slots.remove()
-
     # ---- generation ----------------------------------------------------------------
     def generate(self, requests: list[dict]) -> list[dict]:
         """The contract's generate (engine_contract.py); a setting vLLM refuses (temperature > 2) fails its row."""
@@ -186,9 +176,7 @@ class VLLMEngine(EngineBase):
         set_native_threads(self.threads)
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._closed or self._pending or self._rows, timeout=IDLE_WAIT_S)
-                if self._closed:
-                    break
+                self._wake.wait_for(lambda: self._pending or self._rows, timeout=IDLE_WAIT_S)
                 new, self._pending = self._pending, []
                 aborted = [r for r in list(self._rows.values()) + new if r.t_dispatch < self._abort_before]
                 self._rows.update({r.rid: r for r in new})
@@ -198,7 +186,6 @@ class VLLMEngine(EngineBase):
                 self._iteration(new, aborted)
             except Exception as e:  # noqa: BLE001 - the rows in hand fail with the engine's error; the thread goes on
                 self._fail_all(e)
-        self._fail_all(RuntimeError(f"{self.engine_id} closed"))
 
     def _iteration(self, new: list[_Row], aborted: list[_Row]) -> None:
         """Admit, abort, one engine step under the weight lock; hand each row its new tokens."""
