@@ -1,13 +1,6 @@
 """Anthropic Messages (POST /v1/messages): a body read into a `Request`, the choice rendered as the reply, its
 events and errors; no I/O.
 
-    block (role)                      chat message for the template
-    text (user | assistant)           the turn's content (blocks joined)
-    thinking (assistant)              `<think>\\n...\\n</think>\\n\\n` before the turn's text
-    tool_use {id, name, input}        a tool call of the assistant turn
-    tool_result {tool_use_id, ...}    a tool message before the user turn's text (`is_error: true` prefixes
-                                      "Error: "); its tool_use_id must name a tool_use of the previous message
-
 `system` and `role: "system"` messages (Claude Code sends them mid-conversation) are system turns where they
 stand; a final assistant message (prefill) is refused. Errors are Anthropic's body, the message prefixed with the
 field at fault; a prompt over the limit reads "prompt is too long: N tokens > M maximum", one leaving no room
@@ -128,6 +121,9 @@ def _tool_choice(choice, tools: list[dict], notes: list[str]) -> str | None:
 
 # ---- messages -> chat messages ----------------------------------------------------------------------------------
 def to_messages(system: str | None, messages, notes: list[str]) -> list[dict]:
+    """Chat messages: an assistant's thinking goes inline before its text, its tool_use blocks are its tool calls;
+    a user's tool_results (each answering a tool_use of the previous message; `is_error` prefixes "Error: ") are
+    tool messages before its text."""
     if not isinstance(messages, list) or not messages:
         raise bad("must be a non-empty list of messages", "messages")
     out = [{"role": "system", "content": system}] if system else []

@@ -15,12 +15,12 @@ class EngineRestarting(RuntimeError):
 
 # the engine process died or is restarting: a trajectory is re-run, a proxy caller gets 503 (Anthropic: 529)
 ENGINE_LOST = (RayActorError, ActorUnavailableError, EngineRestarting)
+WINDOW_S = 0.002    # calls this close together go to the engine as one batch
 
 
 class EngineClient:
-    def __init__(self, engine, window_s: float = 0.002):
+    def __init__(self, engine):
         self.engine = engine
-        self.window_s = window_s
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
@@ -36,7 +36,7 @@ class EngineClient:
     async def _flush(self) -> None:
         # The batch goes to a task of its own, so this flusher is done before the engine answers: a request
         # arriving meanwhile (an agent's next turn) schedules a new flush instead of waiting behind this one.
-        await asyncio.sleep(self.window_s)
+        await asyncio.sleep(WINDOW_S)
         batch, self._pending = self._pending, []
         task = asyncio.ensure_future(self._send(batch))
         self._sending.add(task)                      # strong reference: the loop keeps only weak ones

@@ -29,7 +29,10 @@ def request_kind(headers, messages: list[dict] | None) -> tuple[str, str]:
     if kind:
         return kind, agent
     claude = (headers.get("x-claude-code-agent-id") or "").strip()     # on a Claude Code subagent's calls
-    found = ("subagent", claude) if claude else _codex(headers) or _by_system_prompt(messages or [])
+    system = messages[0].get("content") if messages and messages[0].get("role") == "system" else None
+    system = system.lstrip() if isinstance(system, str) else ""
+    found = ("subagent", claude) if claude else _codex(headers) or next(
+        ((kind, "") for opening, kind in SYSTEM_PROMPT_KINDS if system.startswith(opening)), None)
     return (found[0], agent or found[1]) if found else ("main", agent)
 
 
@@ -46,9 +49,3 @@ def _codex(headers) -> tuple[str, str] | None:
     if meta.get("subagent_kind") or (isinstance(name, str) and name not in ("", "/root")):    # /root: the main agent
         return "subagent", str(name or meta.get("thread_id") or "")
     return None
-
-
-def _by_system_prompt(messages: list[dict]) -> tuple[str, str] | None:
-    text = messages[0].get("content") if messages and messages[0].get("role") == "system" else None
-    text = text.lstrip() if isinstance(text, str) else ""
-    return next(((kind, "") for opening, kind in SYSTEM_PROMPT_KINDS if text.startswith(opening)), None)

@@ -198,7 +198,6 @@ class Proxy:
 def _error(request: web.Request, e: APIError, headers: dict | None = None) -> web.Response:
     """An error in the protocol of the path it answers, noted with the trajectory it was for (proxy_notes:
     a run's rows then show what status a harness saw, as `loongsage serve`'s requests.jsonl does)."""
-    # Anthropic's paths (…/v1/messages and below) answer in its error format
     status, body = anthropic_api.error_response(e) if "/v1/messages" in request.path else (e.status, e.body())
     if request.get(SESSION) is not None:
         request[SESSION].note(f"answered HTTP {status} to {request.method} {request.path.rsplit('/v1', 1)[-1]}")

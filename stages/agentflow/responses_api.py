@@ -1,13 +1,6 @@
 """OpenAI Responses (POST /v1/responses): a body read into a `Request`, the choice rendered as the reply and its
 events; no I/O.
 
-    input item                          chat message for the template
-    message user|system|developer       user | system (developer -> system), content parts joined
-    message assistant                   assistant (output_text parts joined)
-    reasoning (content, else summary)   `<think>\\n...\\n</think>\\n\\n` before the next assistant turn
-    function_call {call_id, name, ...}  a tool call of the assistant turn it follows (or a new one)
-    function_call_output {call_id, ...} tool message (its call_id must name an earlier function_call)
-
 `previous_response_id` names a response stored with this trajectory as the chat messages it ended with, less
 its instructions (an unknown id is 400 previous_response_not_found, as OpenAI answers). The output: a `reasoning`
 item when the text opens with `<think>`, a `message`, a call item per `<tool_call>` block; a completion cut by the
@@ -154,8 +147,9 @@ def _tool_choice(choice, toolset: Toolset, notes: list[str]) -> tuple[str | dict
 # ---- input items -> chat messages ---------------------------------------------------------------------
 def _messages(value, toolset: Toolset, notes: list[str], prior: list[dict]) -> list[dict]:
     """The chat messages of a stored response (`prior`), then of this request's input items: a reasoning item
-    goes inline before the next assistant turn, a function call joins the assistant turn it follows (or opens
-    one), an output must answer an earlier call. Items a text model cannot use are dropped, noted."""
+    (its content, else its summary) goes inline before the next assistant turn, a function call joins the
+    assistant turn it follows (or opens one), an output must answer an earlier call. Items a text model cannot
+    use are dropped, noted."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list):

@@ -275,9 +275,12 @@ class Session:
         if full:
             best = max(full, key=lambda i: len(self.tips[i].text))
             k, head = len(self.tips[best].ids), self.tips[best].text
-        else:
+        else:   # the most leading tokens of the nearest tip whose decoded text starts `text` (a cut inside a
+            # multi-byte character decodes to U+FFFD and does not match)
             best = max(range(len(self.tips)), key=lambda i: _common(self.tips[i].text, text), default=-1)
-            k, head = self._tokens_within(self.tips[best], text) if best >= 0 else (0, "")
+            ids = self.tips[best].ids if best >= 0 else []
+            k = _most(lambda k: text.startswith(decode(self.tok, ids[:k])), len(ids))
+            head = decode(self.tok, ids[:k])
         rest = text[len(head):]
         base = self._from_tip(best, k, encode(self.tok, rest), rest, text)
         base.resent_bytes = len(head.encode())
@@ -303,12 +306,6 @@ class Session:
         base.add_context(rest, decode_continuation(self.tok, tip.ids, rest) if rest_text is None else rest_text)
         return base
 
-    def _tokens_within(self, tip: TokenStream, text: str) -> tuple[int, str]:
-        """The most leading tokens of `tip` whose decoded text starts `text`, and that text (a cut inside a
-        multi-byte character decodes to U+FFFD and does not match)."""
-        k = _most(lambda k: text.startswith(decode(self.tok, tip.ids[:k])), len(tip.ids))
-        return k, decode(self.tok, tip.ids[:k])
-
     # ---- turns and the tree ----------------------------------------------------------------
     def admit(self, base: Prompt, kind: str, agent: str) -> None:
         """Count a call as a turn (or refuse it past the turn limit or the token budget) and place it in the tree."""
@@ -323,9 +320,8 @@ class Session:
             raise bad(f"token budget spent: this trajectory may generate {self.max_tokens} tokens "
                       f"(agent.max_trajectory_tokens)", code="trajectory_budget_spent")
         self.calls += 1
-        shared = base.shared if base.origin >= 0 else 0
-        self.reused_tokens += shared
-        self.fresh_tokens += len(base.ids) - shared
+        self.reused_tokens += base.shared
+        self.fresh_tokens += len(base.ids) - base.shared
         self.resent_bytes += base.resent_bytes
         seg = self.tree[self.tip_segs[base.origin]] if base.origin >= 0 else None
         if seg is not None and base.extends and (seg.kind, seg.agent) == (kind, agent):
@@ -342,7 +338,7 @@ class Session:
         else:   # the latest segment (-1: none; an id is its index), as a main call after a compaction follows it
             parent = len(self.tree) - 1
         base.segment = len(self.tree)
-        self.tree.append(Segment(base.segment, kind, agent, parent, shared, calls=1))
+        self.tree.append(Segment(base.segment, kind, agent, parent, base.shared, calls=1))
 
     def tokens_left(self) -> int | None:
         return max(self.max_tokens - self.generated, 0) if self.max_tokens else None

@@ -75,10 +75,8 @@ def calculate(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
-CALCULATOR = Tool(
+BUILTIN_TOOLS = (Tool(
     name="calculator", description="Evaluate an arithmetic expression (+ - * / and parentheses).",
     parameters={"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     fn=calculate,
-)
-
-BUILTIN_TOOLS = (CALCULATOR,)
+),)
