@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.update.losses import AGGREGATIONS, PRESETS, SURROGATES, AlgorithmConfig, policy_loss, shape_overlong
+from stages.update.config import PRESETS
+from stages.update.losses import AGGREGATIONS, SURROGATES, AlgorithmConfig, policy_loss, shape_overlong
 
 B, T = 7, 6
 

@@ -28,21 +28,17 @@ def _group_moments(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torc
     return size, mean, var.sqrt()
 
 
-def _per_token(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return seq_adv[:, None] * mask
-
-
 def grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """GRPO (Shao et al. 2024, 2402.03300), outcome supervision: (r - mean_g) / (std_g + eps)."""
     _, mean, std = _group_moments(rewards, group_ids, weights)
-    return _per_token((rewards - mean) / (std + eps), mask)
+    return ((rewards - mean) / (std + eps))[:, None] * mask
 
 
 def dr_grpo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, 2503.20783): r - mean_g. Dividing by the std up-weights
     prompts that are too easy or too hard, so Dr.GRPO drops it (and the length norm, in the loss)."""
     _, mean, _ = _group_moments(rewards, group_ids, weights)
-    return _per_token(rewards - mean, mask)
+    return (rewards - mean)[:, None] * mask
 
 
 def rloo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Tensor:
@@ -50,7 +46,7 @@ def rloo(rewards, group_ids, mask, eps: float = 1e-6, weights=None) -> torch.Ten
     rewards, an unbiased baseline since it does not depend on sample i."""
     size, mean, _ = _group_moments(rewards, group_ids, weights)
     others_mean = (mean * size - rewards) / (size - 1).clamp(min=1)
-    return _per_token(torch.where(size > 1, rewards - others_mean, 0.0), mask)
+    return torch.where(size > 1, rewards - others_mean, 0.0)[:, None] * mask
 
 
 def _whiten_over_tokens(returns: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,14 +61,14 @@ def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, weights=None):
     """REINFORCE++ (Hu et al. 2025, 2501.03262): the token return (the outcome reward; KL to the reference
     enters through the loss), normalised over the whole batch's tokens instead of per group, which keeps
     the estimate unbiased for a prompt whose group happens to agree."""
-    return _whiten_over_tokens(_per_token(rewards, mask), mask, eps)
+    return _whiten_over_tokens(rewards[:, None] * mask, mask, eps)
 
 
 def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, weights=None):
     """REINFORCE++-baseline (same paper): subtract the group mean reward first, then
     normalise over the batch's tokens as REINFORCE++ does."""
     _, mean, _ = _group_moments(rewards, group_ids, weights)
-    return _whiten_over_tokens(_per_token(rewards - mean, mask), mask, eps)
+    return _whiten_over_tokens((rewards - mean)[:, None] * mask, mask, eps)
 
 
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
@@ -88,8 +84,6 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor
                        eps: float = 1e-6, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages [B,T] from rewards [B], group ids [B] and loss mask [B,T] with estimator `name`.
     `weights` [B]: a row's share of its sample, when a sample made several rows (agent segments)."""
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
     dtype = torch.promote_types(rewards.dtype, mask.dtype)     # the estimators take both in one float dtype
     with torch.no_grad():
         return ESTIMATORS[name](rewards.to(dtype), group_ids, mask.to(dtype), eps=eps, weights=weights)

@@ -91,9 +91,5 @@ def _mean_over(x: torch.Tensor, sel: torch.Tensor) -> float:
 def old_policy_logprobs(cfg: AlgorithmConfig, recomputed: torch.Tensor | None,
                         engine_logprobs: torch.Tensor) -> torch.Tensor:
     """The log-probs PPO's ratio is taken against. decoupled=true uses the engine's recorded
-    ones, so the trainer can skip the extra forward pass that recomputes them."""
-    if cfg.decoupled:
-        return engine_logprobs
-    if recomputed is None:
-        raise ValueError("algorithm.decoupled=false needs the trainer's recomputed old log-probs")
-    return recomputed
+    ones, so the trainer skips the forward pass that recomputes them (recomputed is None then)."""
+    return engine_logprobs if cfg.decoupled else recomputed

@@ -1,7 +1,5 @@
-"""On-policy distillation objectives: the teachers' scores of the student's tokens -> a signal.
-
-The student samples y ~ pi_S; a teacher scores the same tokens (stages/teacher). Two ways to learn
-from that, both pure functions of [B,T] tensors:
+"""On-policy distillation: the teachers' scores (stages/teacher) of the tokens y ~ pi_S the student
+sampled -> a training signal, two ways, both pure functions of [B,T] tensors:
 
 * pg (policy-gradient OPD): the per-token advantage log pi_T(y_t) - log pi_S(y_t), the one-sample
   estimate of minus the reverse KL(pi_S || pi_T): pushing log pi_S(y_t) up in proportion to it
@@ -10,7 +8,6 @@ from that, both pure functions of [B,T] tensors:
   (renormalised) to the student's log-probs at those ids, added to the loss through the student.
 
 Rows without teacher scores get no distillation signal; their task advantage is kept as is.
-`apply_distill` is the trainer's one call.
 """
 from __future__ import annotations
 
@@ -66,10 +63,8 @@ def reverse_kl_signal(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: 
 
 def opd_advantages(task_adv: torch.Tensor, teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor,
                    distill_coef: float = 1.0, task_coef: float = 1.0) -> torch.Tensor:
-    """task_coef * task advantage + distill_coef * (log pi_T - log pi_S), per token. [B,T]
-
-    `mask` marks the tokens with teacher scores; the task advantage (already zero on
-    untrained tokens) is kept on the others, so a row without a teacher still learns from reward."""
+    """task_coef * task advantage + distill_coef * (log pi_T - log pi_S), per token [B,T]. `mask` marks the
+    tokens with teacher scores: a row without a teacher still learns from reward."""
     return task_coef * task_adv + distill_coef * reverse_kl_signal(teacher_lp, student_lp, mask)
 
 
@@ -106,9 +101,7 @@ def distill_metrics(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: to
 
 def apply_distill(algo, table: pa.Table, adv: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor,
                   resp_ids: torch.Tensor | None = None):
-    """The trainer's hook. Returns (advantages, metrics, TeacherBatch for GKD or None).
-
-    algo needs distill_coef (0 = off), task_coef and distill (pg | gkd). student_lp is the
+    """The trainer's hook: (advantages, metrics, TeacherBatch for GKD or None). student_lp is the
     pre-update policy's log-probs of the sampled tokens (the trainer's `old`)."""
     if not algo.distill_coef:
         return adv, {}, None

@@ -1,15 +1,9 @@
 """Policy losses: per-token log-probs and advantages -> one scalar to backpropagate.
 
-`AlgorithmConfig` (the `algorithm:` section of a recipe) names a preset; the preset fills
-every field left empty ("" or None), so `name: dapo` alone gives DAPO, and any key set
-explicitly wins over the preset. `policy_loss` builds the objective in three parts:
-
-  per-token surrogate (ppo_clip | gspo | cispo), times optional IS weights (correction.py)
-  -> aggregated over tokens (token_mean | seq_mean_token_mean | seq_mean_token_sum_norm)
-  -> + kl_coef * KL(policy || reference)  - entropy_coef * entropy
-
-`shape_overlong` is DAPO's overlong handling, applied to rewards and mask before the
-advantages are computed. docs/algorithms.md lists every option with its paper.
+`policy_loss` builds the objective: a per-token surrogate (ppo_clip | gspo | cispo) times optional IS
+weights (correction.py), aggregated over tokens (token_mean | seq_mean_token_mean | seq_mean_token_sum_norm),
++ kl_coef * KL(policy || reference) - entropy_coef * entropy. `shape_overlong` is DAPO's overlong handling
+of rewards and mask, before the advantages. docs/algorithms.md lists every option with its paper.
 """
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from stages.update.config import PRESETS, AlgorithmConfig  # noqa: F401  (PRESETS: re-exported, read with the losses)
+from stages.update.config import AlgorithmConfig
 
 # ---- per-token surrogates: (cfg, logprobs, old, adv, mask) -> (loss [B,T], clipped [B,T] bool)
 
