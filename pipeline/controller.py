@@ -148,7 +148,7 @@ class Controller:
                 # pools spawn and its first blocks are cut while the engines evaluate
                 loop.start()
                 initial = self._evaluate() if self.evaluator else {}
-                window.open()
+                window.gate("open")
                 self._t_step = time.time()
                 try:
                     loop.run()

@@ -29,28 +29,21 @@ class Batch:
     table: pa.Table
     wait_s: float          # how long the loop waited for it
     version: int = 0       # the weight version it is trained at (set by the loop)
-    step: int = 0          # the step it becomes (set by the loop)
 
     @property
     def groups(self) -> list[int]:
         return sorted(set(self.table.column("group_id").to_pylist()))
 
 
-def _nothing(*args, **kwargs) -> None:
-    return None
-
-
 class StepLoop:
-    """`window`: next_step(version) -> table | None, consumed(groups, version), close(), stop_reading().
-    `train(table)`: starts an update, returns its metrics or a Ray ref to them. `publish(version,
-    sender_free)`: the weights to every engine, calling sender_free() once the trainer may go on;
-    returns the sync's metrics (None: nothing to publish to, as in replay). `lock` is held from the
-    update to the checkpoint (a restarted engine is re-sent weights between steps, not mid-update)."""
+    """`train(table)` returns an update's metrics or a Ray ref to them; `publish` is Faults.publish (None:
+    nothing to publish to, as in replay). `lock` is held from the update to the checkpoint (a restarted
+    engine is re-sent weights between steps, not mid-update)."""
 
     def __init__(self, window, train: Callable[[pa.Table], Any], record: Callable[[int, Batch, dict], None],
                  steps: int, *, step: int = 0, version: int = 0, publish: Callable | None = None,
-                 checkpoint: Callable[[], Any] = _nothing, lock: ContextManager | None = None,
-                 span: Callable[..., None] = _nothing, queue_next: bool = False, checkpoint_every: int = 0):
+                 checkpoint: Callable[[], Any] = lambda: None, lock: ContextManager | None = None,
+                 span: Callable = lambda *a, **kw: None, queue_next: bool = False, checkpoint_every: int = 0):
         self.window, self.train, self.record, self.publish = window, train, record, publish
         self.steps, self.step, self.version = steps, step, version
         self.checkpoint, self.lock, self.span = checkpoint, lock or contextlib.nullcontext(), span
@@ -79,16 +72,16 @@ class StepLoop:
                     break
                 self._in_hand = True
                 with self.lock:
-                    batch.version, batch.step = self.version, self.step + 1
+                    batch.version, step = self.version, self.step + 1
                     t0 = time.time()
-                    self.span("batcher", t0 - batch.wait_s, t0, step=batch.step, rows_out=batch.table.num_rows)
+                    self.span("batcher", t0 - batch.wait_s, t0, step=step, rows_out=batch.table.num_rows)
                     queued, self._queued = self._queued, None
                     ref = queued[1] if queued else self.train(batch.table)
                     if deferred:
                         self.record(*deferred)
                     metrics = dict(ref if isinstance(ref, dict) else _get(ref))
                     t1 = time.time()
-                    self.span("update", t0, t1, actor="trainer", step=batch.step, rows_in=batch.table.num_rows,
+                    self.span("update", t0, t1, actor="trainer", step=step, rows_in=batch.table.num_rows,
                               tokens=int(metrics.get("train/tokens", 0)))
                     self.version += 1
                     self.step += 1
@@ -97,7 +90,7 @@ class StepLoop:
                     if self.publish is not None:
                         metrics |= self.publish(self.version, self._queue_next) | {
                             "time/sync_s": time.time() - t1, "time/next_update_queued": float(bool(self._queued))}
-                        self.span("sync", t1, time.time(), actor="trainer", step=batch.step)
+                        self.span("sync", t1, time.time(), actor="trainer", step=step)
                     self.window.consumed(batch.groups, self.version)
                     if self._checkpoint_due():
                         self.checkpoint()             # before the next step touches the weights

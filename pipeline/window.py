@@ -1,20 +1,15 @@
 """The window: how far rollout runs ahead of training, and which groups each step trains.
 
-Capacity C = int(B * (1 + stale_steps)) prompt groups, B groups per step. R = dispatched but
-not collected, Q = collected but not consumed. A strategy decides whether one more group may be
-dispatched and whether a finished group may be collected:
+Capacity C = int(B * (1 + stale_steps)) prompt groups, B groups per step (`stale_steps = 0`: C = B, the
+synchronous on-policy baseline). R = dispatched but not collected, Q = collected but not consumed. A
+strategy decides whether one more group may be dispatched and whether a finished group may be collected.
 
-* `no-window`      dispatch while R + Q < C
-* `window-gated`   also seq - oldest_uncollected_seq < C (a slow group holds the window)
-* `windowed-fifo`  collect only groups with seq - min_uncompleted_seq < B
-
-The `Gate` is a small async Ray actor: rollout workers await `acquire` before they generate a
-group and get back the weight version they generate under. The `Window` is the driver's side, the
-one place that knows a step's groups: it keeps streamed rows until their group is whole, drops
-groups older than the bound (or, with dynamic sampling, of equal rewards), hands the step loop B
-groups a step and, told they were trained (`consumed`), settles them and moves the gate on.
-`settled` (trained or dropped) is what a checkpoint saves: a resumed run never streams those again.
-`stale_steps = 0` gives C = B, the synchronous on-policy baseline.
+The `Gate` is a small async Ray actor: rollout workers await `acquire` before they generate a group and
+get back the weight version they generate under. The `Window` is the driver's side, the one place that
+knows a step's groups: it keeps streamed rows until their group is whole, drops groups older than the
+bound (or, with dynamic sampling, of equal rewards), hands the step loop B groups a step and, told they
+were trained (`consumed`), settles them and moves the gate on. `settled` (trained or dropped) is what a
+checkpoint saves: a resumed run never streams those again.
 """
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterator, Protocol
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -56,12 +51,8 @@ class WindowState:
         return min(self.dispatched, default=default)
 
 
-class WindowStrategy(Protocol):
-    def can_dispatch(self, s: WindowState, seq: int) -> bool: ...
-    def can_collect(self, s: WindowState, seq: int) -> bool: ...
-
-
 class NoWindow:
+    """Dispatch while R + Q < C. A strategy is a class with these two methods."""
     name = "no-window"
 
     def can_dispatch(self, s: WindowState, seq: int) -> bool:
@@ -72,6 +63,7 @@ class NoWindow:
 
 
 class WindowGated(NoWindow):
+    """Also seq - oldest_uncollected_seq < C: a slow group holds the window."""
     name = "window-gated"
 
     def can_dispatch(self, s: WindowState, seq: int) -> bool:
@@ -79,6 +71,7 @@ class WindowGated(NoWindow):
 
 
 class WindowedFifo(NoWindow):
+    """Collect only groups with seq - min_uncompleted_seq < B."""
     name = "windowed-fifo"
 
     def can_collect(self, s: WindowState, seq: int) -> bool:
@@ -88,7 +81,7 @@ class WindowedFifo(NoWindow):
 STRATEGIES = {c.name: c for c in (NoWindow, WindowGated, WindowedFifo)}
 
 
-def make_strategy(name: str) -> WindowStrategy:
+def make_strategy(name: str) -> Any:
     """A built-in name, or `package.module:Class` / `package.module.Class` for a user strategy."""
     if name in STRATEGIES:
         return STRATEGIES[name]()
@@ -257,14 +250,11 @@ class Window:
                 table = mask_stale(table, bound)
                 oldest = oldest_trained_version(table)      # newer now, unless no token is left in the loss
                 self._ready[g] = table, oldest
-            if oldest < bound and self.cfg.stale_policy != "wait":
+            stale = oldest < bound and self.cfg.stale_policy != "wait"
+            if stale or self.cfg.filter_equal_rewards and len(set(table.column("reward").to_pylist())) <= 1:
                 dropped.append(g)
-                self.fairness.groups["dropped_stale"] += 1
-            elif self.cfg.filter_equal_rewards and len(set(table.column("reward").to_pylist())) <= 1:
-                dropped.append(g)
-                self.fairness.groups["dropped_filter"] += 1
-        for g in dropped:
-            del self._ready[g]
+                del self._ready[g]
+                self.fairness.groups["dropped_stale" if stale else "dropped_filter"] += 1
         if dropped:
             with self._lock:
                 self.settled.update(dropped)
@@ -326,10 +316,6 @@ class Window:
     def stop_reading(self) -> None:
         """Close the stream (from the thread that reads it)."""
         self._parts.close()
-
-    def open(self) -> None:
-        """Dispatch may begin (a gate made held)."""
-        self.gate("open")
 
     def close(self) -> None:
         """Dispatch nothing more: rollouts waiting at the gate return, and next_step soon returns None."""
