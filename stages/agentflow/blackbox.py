@@ -1,23 +1,17 @@
 """Black-box agents: programs that only speak a model API (OpenAI or Anthropic), run per trajectory.
 
-Subprocess (`agent.name: "cmd:python examples/agents/addition.py"`): the command runs once per trajectory with
-this environment, and nothing else of the worker's (no user tokens or credentials):
-
-    OPENAI_BASE_URL, OPENAI_API_KEY        this trajectory's proxy endpoint (.../v1) and key
-    ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY  the same endpoint without the trailing /v1 (the anthropic SDK
-                                           appends /v1/messages), the same key (sent as x-api-key)
-    LOONGSAGE_SAMPLE                       the row as JSON (prompt, data_source, ids): never its answer
-    LOONGSAGE_SEED                         the trajectory's seed (from run.seed, its group and sample): an
-                                           agent that draws random numbers seeds them with it to repeat a run
-    HOME, TMPDIR, PATH, LANG, LC_*, TERM, TZ    and what `agent.env` names (NAME or NAME=VALUE)
-
-so an agent on either official SDK (`openai.OpenAI()`, `anthropic.Anthropic()`), or a harness that reads one of
-the pairs (Codex, Claude Code), finds the proxy with no configuration. The agent grades nothing: if its last stdout
-line is a JSON object, that is its report (`agent_info`), for reward.fn, which holds the answer, to grade
-(examples/agents/rewards.py); a `reward` in it is not the trajectory's (a policy could make a harness print one).
-A non-zero exit, a crash or a hang past agent.timeout_s fails the row with the stderr tail; when the trajectory
-ends every process it started is killed. A leading `python`/`python3` means this interpreter; a relative script
-path is looked up in the working directory, then in the project root, so the shipped examples run from anywhere.
+Subprocess (`agent.name: "cmd:python examples/agents/addition.py"`): the command runs once per trajectory with an
+allowlisted environment (`agent_env`), nothing else of the worker's (no user tokens or credentials): the
+trajectory's endpoint and key as OPENAI_BASE_URL/OPENAI_API_KEY and as ANTHROPIC_BASE_URL/ANTHROPIC_API_KEY (less
+the /v1 the anthropic SDK appends itself), so an agent on either official SDK, or a harness that reads one of the
+pairs (Codex, Claude Code), finds the proxy with no configuration; LOONGSAGE_SAMPLE, the row as JSON, never its
+answer; LOONGSAGE_SEED, the trajectory's seed, for an agent that draws random numbers to repeat a run.
+The agent grades nothing: if its last stdout line is a JSON object, that is its report (`agent_info`), for
+reward.fn, which holds the answer, to grade (examples/agents/rewards.py); a `reward` in it is not the trajectory's
+(a policy could make a harness print one). A non-zero exit, a crash or a hang past agent.timeout_s fails the row
+with the stderr tail; when the trajectory ends every process it started is killed. A leading `python`/`python3`
+means this interpreter; a relative script path is looked up in the working directory, then in the project root,
+so the shipped examples run from anywhere.
 
 Each agent runs in a bubblewrap jail of its own (`agent.jail`), forked, where `agent.preload` names modules, from a
 zygote that imported them once per worker: what the jail allows and bounds is in docs/sandbox.md.

@@ -1,17 +1,15 @@
 """A black-box trajectory as the proxy records it: model calls in, a tree of token segments out.
 
-`Session.call(request, headers)` serves one call of any protocol: restore the history the harness re-serialised,
-render it, check the limits, admit the call, generate, remember what the reply gives the harness, keep the
-transcript; it returns each choice with its matched stop string and its reasoning, text and tool calls.
+`Session.call` serves one call of any protocol. A prompt reuses recorded tokens: if its text extends a recorded
+stream (a "tip": one per choice of every recent call), it is that tip's ids plus the new text's tokens, so model
+tokens are never re-tokenised; if it extends none (an edited history, a template that drops earlier reasoning),
+the longest run of a tip's tokens whose text starts it is kept as recorded and only the rest is tokenized.
 
-A prompt reuses recorded tokens: if its text extends a recorded stream (a "tip": one per choice of every recent
-call), it is that tip's ids plus the new text's tokens, so model tokens are never re-tokenised; if it extends none
-(an edited history, a template that drops earlier reasoning), the longest run of a tip's tokens whose text starts
-it is kept as recorded and only the rest is tokenized. Calls form a tree of segments: a call continues the segment
-whose tip it extends if of the same kind and agent (harness.py), else starts one -- a compaction hangs off the
-segment it extends, a main call after a compaction follows it, a subagent's first call hangs off the latest main
-segment, a branch (history not an extension) off the one it left. A segment's row is its last call's stream from
-its first prompt, so no token is trained twice; the rollout makes a row of each segment of a trained kind.
+Calls form a tree of segments: a call continues the segment whose tip it extends if of the same kind and agent
+(harness.py), else starts one -- a compaction hangs off the segment it extends, a main call after a compaction
+follows it, a subagent's first call hangs off the latest main segment, a branch (history not an extension) off the
+one it left. A segment's row is its last call's stream from its first prompt, so no token is trained twice; the
+rollout makes a row of each segment of a trained kind.
 """
 from __future__ import annotations
 
@@ -269,8 +267,7 @@ class Session:
 
     # ---- prompt assembly -----------------------------------------------------------
     def base_for_text(self, text: str) -> Prompt:
-        """The stream a prompt text continues: a recorded tip plus the new text's tokens; or, when no tip's
-        text is a prefix of it, the longest run of some tip's tokens whose text starts it, then the rest."""
+        """The stream a prompt text continues, reusing a tip's tokens (the module's docstring)."""
         full = [i for i, t in enumerate(self.tips) if text.startswith(t.text)]
         if full:
             best = max(full, key=lambda i: len(self.tips[i].text))
