@@ -1,7 +1,4 @@
-"""The `batcher:` recipe section (pipeline/window.py turns collected groups into training steps).
-
-Apart from the window, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
-"""
+"""The `batcher:` recipe section (pipeline/window.py uses it), apart so a recipe is checked without pyarrow."""
 from __future__ import annotations
 
 from stages.keys import POSITIVE, key, one_of, section

@@ -42,9 +42,8 @@ def above(lo) -> Check:
 
 def between(lo, hi, lo_open: bool = False, hi_open: bool = False) -> Check:
     """lo..hi, each end closed unless said open: between(0, 1, hi_open=True) is [0, 1)."""
-    def ok(v):
-        return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    return Check(f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}", ok)
+    return Check(f"in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}",
+                 lambda v: (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
 
 
 def one_of(*choices) -> Check:
@@ -77,20 +76,16 @@ def check_of(f: dataclasses.Field) -> Check | None:
 
 
 def default_of(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
-    return None
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def problem(value, check: Check | None) -> str | None:
     """Why `value` (already of the key's type) is refused, or None. NaN and infinities are
     refused for every float key: no recipe value means 'not a number' or 'unbounded'."""
-    numbers = value if isinstance(value, tuple) else (value,)
-    for v in numbers:
-        if isinstance(v, float) and not math.isfinite(v):
-            return f"a finite number{' ' + str(check) if check else ''}"
+    if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+        return f"a finite number{' ' + str(check) if check else ''}"
     if check is None or value is None:
         return None
     try:
@@ -99,24 +94,20 @@ def problem(value, check: Check | None) -> str | None:
         return str(check)
 
 
-def check_fields(cfg, section: str) -> None:
-    """Refuse, in __post_init__, a value its key's check refuses: a config built in code is held to
-    what the loader holds a recipe to, with the same words. Nested sections check themselves."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        why = None if dataclasses.is_dataclass(value) else problem(value, check_of(f))
-        if why:
-            raise ValueError(f"{section}.{f.name} must be {why}, got {value!r}")
-
-
 def section(name: str):
-    """A frozen config dataclass for the recipe section `name`: built, it runs check_fields, then
-    the class's own __post_init__ (if any) for what one key's check cannot say."""
+    """A frozen config dataclass for the recipe section `name`. Built, it refuses a value its key's check
+    refuses (a config built in code is held to what the loader holds a recipe to, with the same words;
+    nested sections check themselves), then runs the class's own __post_init__ (if any) for what one
+    key's check cannot say."""
     def make(cls):
         own = cls.__dict__.get("__post_init__")
 
         def __post_init__(self):
-            check_fields(self, name)
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                why = None if dataclasses.is_dataclass(value) else problem(value, check_of(f))
+                if why:
+                    raise ValueError(f"{name}.{f.name} must be {why}, got {value!r}")
             if own is not None:
                 own(self)
         cls.__post_init__ = __post_init__

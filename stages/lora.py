@@ -2,13 +2,8 @@
 
 The trainer wraps its HF policy in peft's LoRA layers and trains only the adapters (output =
 W x + (alpha / r) B A x). A version is the adapter alone under peft's saved-adapter names, so what
-travels, and what a checkpoint holds, is a valid peft adapter.
-
-Engines take a version one of two ways (LoraConfig.serve): merge writes W0 + (alpha / r) B A into
-the engine's weights from a kept copy of the base (decode at the base model's speed); peft wraps the
-engine's model in peft's layers and copies the adapter into them (no merge work).
-
-Targets are matched by peft's own matcher on the model built on the meta device, at start.
+travels, and what a checkpoint holds, is a valid peft adapter. Engines apply a version as
+LoraConfig.serve says: merged into their weights (MergedAdapter) or in peft's layers (PeftAdapter).
 """
 from __future__ import annotations
 
@@ -150,18 +145,13 @@ def wrap(model, cfg: LoraConfig, base_path: str = ""):
     return peft_model
 
 
-def adapter_params(peft_model, adapter: str = "default") -> dict[str, torch.nn.Parameter]:
+def adapter_params(peft_model) -> dict[str, torch.nn.Parameter]:
     """The trained parameters under their saved-adapter names, as peft saves them: the adapter's name
     dropped (`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`), and a module trained in
     full under its own path (`...norm.modules_to_save.default.weight` -> `...norm.weight`)."""
-    tag, saved = f".{adapter}.", f".modules_to_save.{adapter}."
-    out = {}
-    for n, p in peft_model.named_parameters():
-        if ".lora_A." in n or ".lora_B." in n:
-            out[n.replace(tag, ".", 1)] = p
-        elif saved in n:
-            out[n.replace(saved, ".", 1)] = p
-    return out
+    saved = ".modules_to_save.default."
+    return {n.replace(saved if saved in n else ".default.", ".", 1): p for n, p in peft_model.named_parameters()
+            if saved in n or ".lora_A." in n or ".lora_B." in n}
 
 
 def base_of(adapter_dir: str | Path) -> str:

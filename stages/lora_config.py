@@ -1,20 +1,15 @@
-"""The `trainer.lora:` recipe section (stages/lora.py trains and serves the adapters it describes).
-
-Apart from stages/lora.py, which needs torch, so a recipe is checked without torch.
-"""
+"""The `trainer.lora:` recipe section (stages/lora.py uses it), apart so a recipe is checked without torch."""
 from __future__ import annotations
 
 import re
 
 from stages.keys import POSITIVE, between, key, one_of, section
 
-SERVE = ("merge", "peft")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @section("trainer.lora")
 class LoraConfig:
-    """The `trainer.lora:` recipe section."""
     enabled: bool = key(False, "train LoRA adapters instead of the full model")
     rank: int = key(8, "adapter rank", POSITIVE)
     alpha: float = key(16.0, "the update is scaled by alpha / rank", POSITIVE)
@@ -25,7 +20,8 @@ class LoraConfig:
     modules_to_save: tuple[str, ...] = key((), "modules trained in full beside the adapters (peft's modules_to_save: "
                                                "every module whose path ends in one), e.g. [model.norm]; sent with "
                                                "them")
-    serve: str = key("merge", "how the HF engine applies a version: merge | peft (see stages/lora.py)", one_of(*SERVE))
+    serve: str = key("merge", "how the HF engine applies a version: merge | peft (see stages/lora.py)",
+                     one_of("merge", "peft"))
 
     def __post_init__(self):
         if self.target_regex:

@@ -1,7 +1,4 @@
-"""The `model:` recipe section: which policy model, and how the built-in tiny one is made.
-
-Apart from stages/model.py (which loads models with torch) so a recipe is checked without torch.
-"""
+"""The `model:` recipe section, apart from stages/model.py so a recipe is checked without torch."""
 from __future__ import annotations
 
 import os

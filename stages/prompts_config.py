@@ -1,7 +1,4 @@
-"""The `data:` recipe section (stages/prompts.py reads the prompts it names).
-
-Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
-"""
+"""The `data:` recipe section (stages/prompts.py reads it), apart so a recipe is checked without pyarrow."""
 from __future__ import annotations
 
 from stages.keys import NONNEG, POSITIVE, key, section

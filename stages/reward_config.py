@@ -1,7 +1,4 @@
-"""The `reward:` recipe section (stages/reward.py scores trajectories with the function it names).
-
-Apart from the stage, which imports pyarrow and numpy, so a recipe is checked in a fraction of a second.
-"""
+"""The `reward:` recipe section (stages/reward.py reads it), apart so a recipe is checked without pyarrow."""
 from __future__ import annotations
 
 from stages.keys import NONNEG, POSITIVE, at_least, key, section

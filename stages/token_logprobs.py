@@ -43,14 +43,11 @@ def _stats(h, head, targets, temperature, entropy, gather_ids, top_k):
 
 def chunked(fn, n: int, chunk: int, *tensors) -> list:
     """fn over `chunk` rows of `tensors` at a time (0 = all at once), its outputs (tensors or None)
-    concatenated. With gradients each chunk runs under activation checkpointing, recomputed in the
-    backward, so one chunk's intermediates ([chunk, V] logits) exist at a time."""
+    concatenated; with gradients, each chunk under activation checkpointing."""
     step = chunk if 0 < chunk < n else max(n, 1)
     grad = torch.is_grad_enabled() and step < n      # one chunk: nothing to save by recomputing it
-    parts = []
-    for a in range(0, max(n, 1), step):
-        args = [t[a:a + step] for t in tensors]
-        parts.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
+    parts = [checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
+             for args in ([t[a:a + step] for t in tensors] for a in range(0, max(n, 1), step))]
     if len(parts) == 1:
         return list(parts[0])
     return [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
@@ -60,11 +57,9 @@ def token_stats(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: 
                 entropy: bool = False, gather_ids: torch.Tensor | None = None, top_k: int = 0) -> TokenStats:
     """hidden [N, H] (the states that predict `targets` [N]), head: H -> V. chunk: positions per
     chunk (0 = all at once). Differentiable through `hidden` and the head's parameters."""
-    def one(h, t, g=None):
-        return _stats(h, head, t, temperature, entropy, g, top_k)
-
     tensors = (hidden, targets) if gather_ids is None else (hidden, targets, gather_ids)
-    return TokenStats(*chunked(one, hidden.shape[0], chunk, *tensors))
+    return TokenStats(*chunked(lambda h, t, g=None: _stats(h, head, t, temperature, entropy, g, top_k),
+                               hidden.shape[0], chunk, *tensors))
 
 
 def split_model(model):
@@ -84,8 +79,7 @@ def split_model(model):
 
 
 def _agrees(model, decoder, head) -> bool:
-    device = next(model.parameters()).device
-    ids = torch.tensor([[0, 1]], device=device)
+    ids = torch.tensor([[0, 1]], device=next(model.parameters()).device)
     was = model.training
     model.eval()
     try:
