@@ -342,3 +342,54 @@ def test_builtin_models_have_heads_every_engine_runs(model_dir):
     assert [attention_heads(h) for h in (32, 64, 128, 256)] == [(1, 1), (2, 1), (4, 2), (4, 2)]
     with pytest.raises(ValueError, match="multiple of 32"):
         attention_heads(48)
+
+
+@pytest.mark.parametrize("name,params", [("qwen2.5-0.5b", 494.0e6), ("qwen3-0.6b", 596.0e6),
+                                         ("qwen2.5-1.5b", 1543.5e6)])
+def test_named_shapes_are_the_published_architectures(name, params):
+    """Built on the meta device (no weights): the named shape's parameter count is the checkpoint's, less the
+    267 padding rows of its embedding that Qwen's 151,669-id vocabulary does not use."""
+    import argparse
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stages.tasks.make_model import SHAPES, shape_of
+    from stages.tasks.qwen_vocab import VOCAB_SIZE
+
+    args = argparse.Namespace(shape=name, **{k: None for k in
+                                               ("arch", "hidden_size", "num_layers", "heads", "kv_heads",
+                                                "intermediate_size", "head_dim", "context")})
+    shape = shape_of(args)
+    assert shape == SHAPES[name]
+    cfg = AutoConfig.for_model(shape["arch"], vocab_size=VOCAB_SIZE, hidden_size=shape["hidden_size"],
+                               intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_layers"],
+                               num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                               head_dim=shape.get("head_dim") or shape["hidden_size"] // shape["heads"],
+                               tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - params) / params < 0.002, n
+    args.num_layers, args.heads = 1, 7                  # a flag overrides the shape's value
+    assert shape_of(args) == {**SHAPES[name], "num_layers": 1, "heads": 7}
+
+
+def test_make_model_shape_flags_reach_the_config(tmp_path, capsys, tok):
+    from pipeline.cli import main
+    from stages.model import load_model
+
+    out = tmp_path / "q3"
+    assert main(["make-model", "--vocab", "qwen", str(out), "--arch", "qwen3", "--hidden-size", "64",
+                 "--layers", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                 "--intermediate-size", "96", "--dtype", "bfloat16"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"], cfg["dtype"]) == \
+        ("qwen3", 64, 1, 4, 2, 32, 96, "bfloat16")
+    assert load_model(str(out)).config.model_type == "qwen3"
+    capsys.readouterr()
+    assert main(["make-model", "--vocab", "qwen", str(tmp_path / "x"), "--shape", "llama-7b"]) == 2
+    assert "unknown --shape 'llama-7b' (known: qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b)" in capsys.readouterr().err
+    assert main(["make-model", "--vocab", "qwen", str(tmp_path / "x"), "--layers", "0"]) == 2
+    assert "--layers must be >= 1, got 0" in capsys.readouterr().err

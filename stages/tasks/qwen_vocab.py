@@ -266,32 +266,41 @@ def reference_encoder():
 
 
 def make_qwen_model_dir(out, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, tokenizer=None,
-                        context: int = CONTEXT, heads: int | None = None, kv_heads: int | None = None) -> Path:
-    """Write a tiny random Qwen2ForCausalLM on Qwen's vocabulary as an HF directory at `out`,
-    with `context` positions (max_position_embeddings)."""
+                        context: int = CONTEXT, heads: int | None = None, kv_heads: int | None = None,
+                        intermediate_size: int | None = None, head_dim: int | None = None, arch: str = "qwen2",
+                        dtype: str = "float32") -> Path:
+    """Write a random Qwen2ForCausalLM (arch "qwen2") or Qwen3ForCausalLM ("qwen3": q/k norms, no attention
+    bias) on Qwen's vocabulary, `head_dim` hidden_size / heads unless given, as an HF directory at `out`, with
+    `context` positions (max_position_embeddings), weights stored as `dtype`."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from stages.model_config import attention_heads
 
+    if arch not in ("qwen2", "qwen3"):
+        raise ValueError(f"arch must be qwen2 or qwen3, got {arch!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     if heads is None or kv_heads is None:           # before the tokenizer: a bad size fails at once
         heads, kv_heads = attention_heads(hidden_size)
-    if hidden_size % heads or heads % kv_heads:
+    if (head_dim is None and hidden_size % heads) or heads % kv_heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of the {heads} attention heads, "
                          f"and they of the {kv_heads} key/value heads")
     if context < 2:
         raise ValueError(f"context must be >= 2 tokens (a prompt and one more), got {context}")
     tok = tokenizer or build_qwen_tokenizer()
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = config_class(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=context, tie_word_embeddings=True, dtype="float32",
+        max_position_embeddings=context, tie_word_embeddings=True, dtype=dtype,
         bos_token_id=TOKEN_IDS["<|endoftext|>"], eos_token_id=TOKEN_IDS["<|im_end|>"],
         pad_token_id=TOKEN_IDS["<|endoftext|>"],
+        head_dim=head_dim or hidden_size // heads,
         **({"rope_parameters": {"rope_type": "default", "rope_theta": LONG_ROPE_THETA}} if context > CONTEXT else {}),
     )
-    model = Qwen2ForCausalLM(cfg)
+    model = model_class(cfg).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=[TOKEN_IDS["<|im_end|>"], TOKEN_IDS["<|endoftext|>"]],
         pad_token_id=TOKEN_IDS["<|endoftext|>"], bos_token_id=TOKEN_IDS["<|endoftext|>"])
