@@ -10,13 +10,12 @@ A transport is one module with one class per side of the wire, registered in TRA
   Send(mesh_id, receivers, cfg, party, staging)      in the sender
       prepare(snapshot) -> dict    ready for snapshot.version; what receivers connect with
       send(snapshot)               every bucket of the version to every receiver
-      close()
   Recv(mesh_id, name, address, cfg, party)           in one receiver
       receive(version, layout) -> (named, buckets)
                                    named: the version's tensors (views of the landing buffer, filled
                                    as `buckets` is iterated); buckets: (index, bytes, the sender's
                                    checksum) of each bucket as it lands
-      close()
+  and both close().
 
 The endpoints own what transports share: packing (staging.py), each bucket's checksum as it
 lands, copying it into the model, timings, and errors naming receiver, transport, version and
@@ -99,8 +98,7 @@ class Sender:
         self._party: Party | None = None
 
     def describe_sender(self) -> Party:
-        if self._party is None:
-            self._party = describe_process("sender", self.device)
+        self._party = self._party or describe_process("sender", self.device)
         return self._party
 
     def prepare(self, mesh_id: str, version: int, plan: dict[str, list[str]], cfg,
@@ -201,19 +199,14 @@ class Receiver:
 
     def describe_receiver(self) -> tuple[Party, dict, int]:
         """(this process, the weights it expects, the version it serves)."""
-        if self._party is None:
-            self._party = describe_process("receiver", self.device)
-        return self._party, self.target.weight_specs(), _version(self.target)
+        self._party = self._party or describe_process("receiver", self.device)
+        return self._party, self.target.weight_specs(), self.target.weight_version()
 
     def receive(self, mesh_id: str, name: str, version: int, layout: Layout, transport: str,
                 address: dict, cfg) -> dict[str, float]:
         """Land `version` over `transport`, verify it, load it. Returns timings: with the target's
-        weights_in_place, receive_s is the wait for its lock and load_s the landing under it."""
-        specs = self.target.weight_specs()
-        wrong = layout.mismatches(specs)
-        if wrong:
-            raise TransferError(f"model mismatch: {'; '.join(wrong[:5])}", receiver=name,
-                                transport=transport, version=version)
+        weights_in_place, receive_s is the wait for its lock and load_s the landing under it. The mesh
+        has checked the layout against the target's weight_specs before any receive starts."""
         in_place = getattr(self.target, "weights_in_place", None) if cfg.apply_in_place else None
         t0 = time.perf_counter()
         with in_place(version) if in_place else contextlib.nullcontext() as live:
@@ -221,9 +214,9 @@ class Receiver:
             named = self._land(mesh_id, name, version, layout, transport, address, cfg, live)
         if live is None:
             t1 = time.perf_counter()
-            self.target.load_weights({n: named[n] for n in specs}, version)
+            self.target.load_weights({n: named[n] for n in self.target.weight_specs()}, version)
         return {"receive_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "bytes": float(layout.total_bytes), "serves": _version(self.target)}
+                "bytes": float(layout.total_bytes), "serves": self.target.weight_version()}
 
     def _land(self, mesh_id, name, version, layout, transport, address, cfg, live) -> dict[str, torch.Tensor]:
         """Every bucket, checksummed (and copied into `live`, the target's own tensors, when given)."""
@@ -276,8 +269,3 @@ class Receiver:
     def close_receiver(self, mesh_id: str) -> None:
         for key in [k for k in self._links if k[0] == mesh_id]:
             self._drop_link(*key)
-
-
-def _version(target) -> int:
-    v = target.weight_version
-    return int(v() if callable(v) else v)

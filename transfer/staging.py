@@ -90,22 +90,17 @@ class Board:
         self.words[i, 1] = crc
         self.words[i, 0] = version
 
-    def wait(self, i: int, version: int, deadline: float) -> int:
-        """Block until bucket i of `version` is announced; return its checksum."""
-        pause = 1e-5
-        while self.words[i, 0] != version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bucket {i} of version {version} never announced")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)    # sub-ms latency early, cheap polling later
-        return int(self.words[i, 1])
-
     def landed(self, version: int, layout: Layout, data: torch.Tensor, timeout: float):
         """(index, bytes in `data`, checksum) of each bucket of `version` as the sender announces it."""
         for i in range(layout.num_buckets):
-            crc = self.wait(i, version, time.monotonic() + timeout)
+            deadline, pause = time.monotonic() + timeout, 1e-5
+            while self.words[i, 0] != version:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"bucket {i} of version {version} never announced")
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)    # sub-ms latency early, cheap polling later
             start, end = layout.span(i)
-            yield i, data[start:end], crc
+            yield i, data[start:end], int(self.words[i, 1])
 
 
 class HostStaging:
