@@ -1,14 +1,9 @@
 """The pipeline builder, and the actors a run starts for it.
 
-    Pipeline([PromptSource(...), Stage(AgentFlowRollout, engines, gate, ..., sampling=cfg.sampling, ...),
-              Stage(Reward, cfg.reward, ...)])
-
 A pipeline is a source and map stages, which run as Ray Data streaming `map_batches` over
 `pyarrow.Table` batches, each in its own actor pool; the window and the trainer take the stream from
-there. Columns are checked when the pipeline is built, before anything runs.
-
-`start_actors` starts what the pipeline runs against: the engines and the trainer (placed and sized
-by pipeline/resources.py), the window gate, and the TransferMesh from the trainer to the engines.
+there. Columns are checked when the pipeline is built, before anything runs. `start_actors` starts
+what it runs against: the engines, the trainer, the window gate and the TransferMesh between them.
 """
 from __future__ import annotations
 
@@ -29,12 +24,11 @@ TRAINED = ("group_id", "sample_idx", "status", "reward", "token_versions", "prom
 def set_stream_poll(wake: str, seconds: float = 0.01) -> bool:
     """Ray Data's streaming executor waits for its running tasks with ray.wait(all of them, timeout=0.1 s)
     each loop: while one stage holds a long call (a rollout waiting at the gate), a block another stage
-    finished sits there until the timeout. `wake="event"` (run.data_wake's default): each wait sleeps
-    until the first task has output and takes every ready one, so the executor wakes per hand-off; a task
-    that stays ready without its output being taken (Ray's output budget) makes that wait poll every
-    `seconds` instead, so it never spins. `wake="ray"`: Ray's own wait. Ray Data has no public setting for
-    it: transfer/compat/ray_api.py swaps what its executor calls `ray`. Takes effect for streams already
-    open. False (nothing changed) with "ray" or on a Ray Data without these internals."""
+    finished sits there until the timeout. `wake="event"` (run.data_wake's default) wakes the executor per
+    hand-off (_WakeOnOutput), polling every `seconds` while a ready task's output stays untaken (Ray's
+    output budget); `wake="ray"`: Ray's own wait. Ray Data has no public setting for it:
+    transfer/compat/ray_api.py swaps what its executor calls `ray`, for streams already open too.
+    False (nothing changed) with "ray" or on a Ray Data without these internals."""
     from transfer.compat.ray_api import executor_ray, executor_wait_internals, set_executor_wait
 
     if executor_wait_internals():
@@ -64,12 +58,10 @@ class _WakeOnOutput:
         if num_returns != len(refs) or timeout is None:
             return ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
         ready, _ = ray.wait(refs, num_returns=1, timeout=self.MAX_SLEEP_S, fetch_local=fetch_local)
-        if ready and frozenset(ready) <= self._last:
-            # ready before we slept and ready still: output the executor did not take. Poll as
-            # Ray does (timeout `timeout`) so a stuck-ready task cannot make this loop spin.
-            ready, rest = ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
-        else:
-            ready, rest = ray.wait(refs, num_returns=num_returns, timeout=0, fetch_local=fetch_local)
+        # ready before we slept and ready still: output the executor did not take. Poll as Ray does
+        # (timeout `timeout`) so a stuck-ready task cannot make this loop spin.
+        stuck = ready and frozenset(ready) <= self._last
+        ready, rest = ray.wait(refs, num_returns=num_returns, timeout=timeout if stuck else 0, fetch_local=fetch_local)
         self._last = frozenset(ready)
         return ready, rest
 

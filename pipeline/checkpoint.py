@@ -2,10 +2,8 @@
 
 RUN/checkpoints/step_N is written into a new owner-only hidden directory beside it; every file is
 fsynced, `manifest.json` records each file's size and xxh3-128 checksum, then the directory is
-renamed into place: a crash or a full disk mid-write never leaves a half-written step_N.
-
-`verify` checks the manifest (every file present, same size, same checksum) and that every weight
-is finite; `resolve` finds what `run.resume_from` names (`latest`: the newest that verifies).
+renamed into place: a crash or a full disk mid-write never leaves a half-written step_N. A resume
+verifies the manifest and that every weight is finite before it trusts a checkpoint.
 """
 from __future__ import annotations
 

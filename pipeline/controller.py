@@ -1,10 +1,5 @@
-"""The single controller: start the actors and the pipeline, run the step loop, stop.
-
-    start:  engines, trainer, window gate, TransferMesh (pipeline/builder.py), and the pipeline
-            source -> rollout -> [teacher scoring] -> reward
-    run:    evaluate; the step loop (pipeline/loop.py: take a step's batch off the window, train it,
-            publish the weights); evaluate again, checkpoint
-    stop:   the actors go
+"""The single controller: start the actors and the pipeline (source -> rollout -> [teacher scoring] ->
+reward), evaluate, run the step loop (pipeline/loop.py), evaluate again, checkpoint, stop.
 
 The driver holds no weights. It keeps the version clock, writes the run directory (config.yaml,
 metrics.jsonl, rollouts/, checkpoints/) and evaluates. What can go wrong while it trains (a

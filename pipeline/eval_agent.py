@@ -4,8 +4,7 @@ its reward, exactly as in training.
 
     python -m pipeline.eval_agent configs/agent_tool.yaml [--model DIR] [--prompts 200] [key=value ...]
 
---model is an HF directory (default: the recipe's model). Prints one JSON line: accuracy (the
-fraction of samples with reward 1), reward_mean, turns, tool_calls, failed, n.
+Prints one JSON line: accuracy (the fraction of samples with reward 1) and the agent's figures.
 """
 from __future__ import annotations
 

@@ -67,16 +67,13 @@ def eval_rollout(cfg, engines: list, model_path: str, tok_class: str = ""):
 
 
 def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,
-             n_samples: int = 1, seed: int | None = None) -> dict:
-    """`seed`: sample k draws with seed + k, whatever engine and batch it lands in (every evaluation of a
-    run draws the same numbers: accuracy moves with the weights, not with the draws); None: the engines'
-    own streams."""
+             n_samples: int, seed: int) -> dict:
+    """Sample k draws with seed + k, whatever engine and batch it lands in (every evaluation of a run
+    draws the same numbers: accuracy moves with the weights, not with the draws)."""
     t0 = time.time()
     rows = [r for r in prompts.to_pylist() for _ in range(n_samples)]
     reqs = [{"prompt_ids": tok(r["prompt"], add_special_tokens=False)["input_ids"], "max_new_tokens": max_new_tokens,
-             "temperature": temperature, "hold": True} for r in rows]
-    if seed is not None:
-        reqs = [r | {"seed": seed + k} for k, r in enumerate(reqs)]
+             "temperature": temperature, "hold": True, "seed": seed + k} for k, r in enumerate(rows)]
     outs = ray.get([e.generate.remote(reqs[i::len(engines)]) for i, e in enumerate(engines)])
     results = [None] * len(reqs)
     for i, out in enumerate(outs):

@@ -8,8 +8,6 @@
   which node and what ran there, and waits `run.node_wait_s` for its engines to be restarted
   elsewhere; if they are not back, or the trainer was there, the run stops (`on_lost`).
 * SIGINT / SIGTERM (`interrupts`) end the run after the step in hand; a second one exits at once.
-
-Weight publishes and re-sends take one lock, which the step loop holds from update to checkpoint.
 """
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ class Faults:
                  log: Callable[[str], None]):
         self.mesh, self.engines, self.trainer = actors.mesh, actors.engines, actors.trainer
         self.version, self.on_lost, self.wait_s, self.log = version, on_lost, wait_s, log
-        self.lock = threading.RLock()       # one weight publish at a time (step loop, engine watch)
+        self.lock = threading.RLock()   # one weight publish at a time; the step loop holds it from update to checkpoint
         self.restarts = 0
         self.lost: dict[str, tuple[float, set[str]]] = {}    # node id -> (deadline, actors not back yet)
         self.reason = ""                                       # set once the run must stop

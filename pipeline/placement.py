@@ -1,11 +1,5 @@
 """Where the heavy actors run on a Ray cluster: placement groups for trainer ranks and engines.
 
-    placement = Placement([Pool("trainer", workers=8, gpus=1, group=2),       # TP groups of 2
-                           Pool("rollout", workers=4, gpus=2)])               # SGLang engines, TP 2
-    trainer_opts = placement.options("trainer")      # one dict of Ray actor options per worker
-    ...
-    placement.remove()
-
 A pool's workers are cut into groups of `group` consecutive workers (a tensor-parallel group); each
 group is one STRICT_PACK placement group, so its ranks share a node. An engine spanning several GPUs
 is one worker with `gpus=k`. Colocated (`colocate_with="trainer"`): worker i shares bundle i of the

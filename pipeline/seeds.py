@@ -1,8 +1,5 @@
 """Every seed of a run, derived from `run.seed` as named streams: the one place seeds come from.
 
-    derive(run_seed, "engine", 2)   -> the seed of engine 2's own sampling stream
-    resolve(cfg)                     -> cfg with every stage's `seed` field set from cfg.run.seed
-
 A stream is a name in STREAMS plus integer indices (an engine's number, a row's group and sample);
 its seed is numpy's SeedSequence of (run_seed; crc32(name), *indices), so streams of different
 names or indices are independent. Seeds are 31-bit: every library here takes them.
