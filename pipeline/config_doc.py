@@ -1,10 +1,5 @@
-"""The config reference, generated from the schema (stages/keys.py fields of `Config`).
-
-    loongsage config [SECTION]                      every key: type, default, what it accepts, doc
-    loongsage config --check RECIPE [key=value ...] validate a recipe, print the resolved config
-    loongsage config --markdown                     docs/config.md (also: python -m pipeline.config_doc)
-
-docs/config.md is this module's output; tests/test_config_doc.py fails when it is stale.
+"""`loongsage config`: the config reference, generated from the schema (stages/keys.py fields of `Config`), and
+`--check` of a recipe. docs/config.md is its `--markdown` output; tests/test_config_doc.py fails when it is stale.
 """
 from __future__ import annotations
 
@@ -30,11 +25,10 @@ class Row:
     doc: str
 
 
-def sections(cls=None, prefix: str = "") -> list[tuple[str, str, list[Row]]]:
+def sections(cls=Config, prefix: str = "") -> list[tuple[str, str, list[Row]]]:
     """(name, doc, the keys directly in it) for every section and nested section, in declaration order."""
-    hints = typing.get_type_hints(cls or Config)
-    out = []
-    for f in dataclasses.fields(cls or Config):
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             name = prefix + f.name
             out += [(name, doc_of(f), _keys(hints[f.name], name + ".")), *sections(hints[f.name], name + ".")]
@@ -53,11 +47,6 @@ def _keys(cls, prefix: str) -> list[Row]:
         name = typ.__name__ if isinstance(typ, type) else str(typ).replace("typing.", "")
         out.append(Row(prefix + f.name, name, json.dumps(default_of(f)), accepts, doc_of(f)))
     return out
-
-
-def rows() -> list[Row]:
-    """One row per key of the config."""
-    return [r for _, _, keys in sections() for r in keys]
 
 
 def text(section: str | None = None) -> str:

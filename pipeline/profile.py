@@ -1,15 +1,10 @@
 """Profiler: a span for every stage call and every driver phase -> RUN_DIR/profile/*.parquet.
 
-A span is one piece of work on one actor:
-
-    stage     the stage class (AgentFlowRollout, Reward, ...) or a driver phase:
-              batcher (the driver waiting for the next step's groups), update, sync, eval
-    actor     who did it: "Reward:4711" (stage name : pid), "driver", "trainer", "engines"
-    step      the training step a driver span belongs to (-1 for stage calls)
-    batch_id  first group seq in the batch (-1 if none): follows one block through the stages
-    rows_in, rows_out, tokens (response tokens out), start, end (unix s)
-    wait_s    how long the actor sat idle before this span began
-    overhead_s the profiler's own time spent recording this actor's previous span
+A span (SPAN_SCHEMA) is one piece of work on one actor: `stage` is the stage class or a driver phase (batcher:
+the driver waiting for the next step's groups; update, sync, eval), `actor` "Reward:4711" (stage : pid),
+"driver", "trainer" or "engines"; `step` -1 for stage calls; `batch_id` the batch's first group seq (-1: none),
+following one block through the stages; `wait_s` the actor's idle time before it; `overhead_s` the profiler's
+own time recording the actor's previous span.
 
 Recording stays on: a stage call costs two clock reads, a few Arrow reductions and a fire-and-forget
 call to a `SpanSink` actor, which writes a Parquet part every few seconds; `close()` marks the session

@@ -1,11 +1,9 @@
-"""Recorder and reader of RUN_DIR/rollouts/: the trajectories the trainer consumed, per step.
+"""Recorder and reader of RUN_DIR/rollouts/step=000001/part-0.parquet: the rows each step trained, in order.
 
-    rollouts/step=000001/part-0.parquet     rows of step 1, in the order they were trained
-
-A hive-partitioned Parquet dataset (Ray, pyarrow and pandas read `step` as a column), written a step at
-a time, each file whole or not at all; it holds every prompt and completion, so it is 0700 / 0600.
-File metadata carries the schema version, the step and the group size; `Recording.open` checks every
-file before anything reads rows, so replay never trains on partial rows.
+A hive-partitioned Parquet dataset (Ray, pyarrow and pandas read `step` as a column), written a step at a time,
+each file whole or not at all; it holds every prompt and completion, so it is 0700 / 0600. File metadata
+carries the schema version, the step and the group size; `Recording.open` checks every file before anything
+reads rows, so replay never trains on partial rows.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Replay: train from a recorded rollouts/ dataset instead of generating.
+"""Replay: train from a recorded rollouts/ dataset instead of generating (docs/replay-and-profiling.md).
 
-    replay("runs/a/rollouts", cfg, "runs/a-replay", ReplayConfig(steps=(1, 2)))
-    loongsage replay runs/a/rollouts [CONFIG] [replay.reward_min=0.5 ...] --run-dir DIR
-
-The recording is the source (`RecordedSource`); the rest is a run's path: the window (its staleness
-bound off) -> the TorchTrainer actor; no engines, weight sync or evaluation. With the recording's config
-a synchronous replay reproduces the recorded run's per-step loss, grad norm and final weights exactly.
-
-Filters keep or drop whole groups: recorded steps, data sources, a range on the group's mean reward.
-Rows of segment kinds outside agent.train_segments are left out, as a run leaves them out. Kept groups
-are re-batched B per step; groups left over are reported, never trained as a short step.
+The recording is the source (`RecordedSource`); the rest is a run's path: the window (its staleness bound off)
+-> the TorchTrainer actor; no engines, weight sync or evaluation. With the recording's config a synchronous
+replay reproduces the recorded run's per-step loss, grad norm and final weights exactly. Filters keep or drop
+whole groups; kept groups are re-batched B per step, and groups left over are reported, never trained as a
+short step.
 """
 from __future__ import annotations
 
@@ -69,10 +64,7 @@ class RecordedSource:
         self.outputs = tuple(pq.read_schema(recording.files[0].path).names)
         self.steps = groups.column("step").to_pylist()           # recorded step of each seq
         self.group_ids = groups.column("group_id").to_pylist()
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.group_ids)
+        self.num_groups = len(self.group_ids)
 
     def step_ends(self) -> list[int]:
         """Seqs at which a recorded step ends (exclusive), in order."""
@@ -101,13 +93,8 @@ class RecordedSource:
 
 
 def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayConfig | None = None,
-           trackers=None, stages: tuple = (), log: Callable[[str], None] = print,
-           on_step: Callable[[dict], None] | None = None) -> dict:
-    """Train `cfg`'s trainer on a recording; write a run directory like a run's. Returns a summary.
-
-    stages: extra map stages between the recording and the window (e.g. Stage(Reward, ...)
-    to re-score with another reward function). trackers: a pipeline.trackers.TrackerConfig.
-    """
+           trackers=None, log: Callable[[str], None] = print, on_step: Callable[[dict], None] | None = None) -> dict:
+    """Train `cfg`'s trainer on a recording; write a run directory like a run's. Returns a summary."""
     import ray
 
     from pipeline.builder import Pipeline, start_trainer
@@ -138,7 +125,7 @@ def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayCo
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-    pipeline = Pipeline([source, *stages])
+    pipeline = Pipeline([source])
     window = replay_window(cfg, pipeline, source)
     pipeline.profiler = profiler = Profiler(run_dir)
     metrics = open_metrics(run_dir, trackers or TrackerConfig())
@@ -243,7 +230,6 @@ def resolve_replay_config(rollouts_dir: str | Path, config: str | None, override
 
 
 def cli_replay(args) -> int:
-    """`loongsage replay ROLLOUTS_DIR [CONFIG] [key=value ...] [--run-dir DIR]`; returns the exit code."""
     config, overrides = args.config, args.overrides
     if config is not None and "=" in config:      # `replay DIR key=value`: no CONFIG, the first override
         config, overrides = None, [config, *overrides]

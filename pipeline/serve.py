@@ -1,19 +1,13 @@
-"""`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training.
+"""`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training
+(docs/harnesses-running.md).
 
-    LOONGSAGE_SERVE_KEY=... loongsage serve builtin:qwen-vocab-tiny [sampling.max_new_tokens=512 ...]
-                    [--port 8000] [--key-file FILE] [--record DIR]
-
-The engines start as a run starts them and the black-box proxy serves one endpoint, loopback by
-default: http://127.0.0.1:PORT/t/serve/v1. The key comes from $LOONGSAGE_SERVE_KEY or an owner-only
-`--key-file` (never the command line), else a random one is printed. Every call is recorded as in a
-training run, into a recording `loongsage replay DIR/rollouts` trains from (0700/0600):
-
-    DIR/config.yaml                      the resolved config (model.path = the served model, groups of 1)
-    DIR/rollouts/step=N/part-0.parquet   trajectory N: one row per segment (its own group, reward 0.0)
-    DIR/requests.jsonl                   one line per HTTP request: time, method, path, status, ms, kind
-
-A trajectory is what was served between two rotations: SIGUSR1 (or `Server.rotate()`) records it
-and opens the next at the same URL and key; SIGINT / SIGTERM record it and stop.
+The engines start as a run starts them and the black-box proxy serves one endpoint, loopback by default:
+http://127.0.0.1:PORT/t/serve/v1. The key comes from $LOONGSAGE_SERVE_KEY or an owner-only `--key-file` (never
+the command line), else a random one is printed. Every call is recorded as in a training run, owner-only, into
+DIR/rollouts (one step per trajectory, one row per segment, each its own group) that `loongsage replay` trains
+from, with DIR/config.yaml and DIR/requests.jsonl (one line per HTTP request). A trajectory is what was served
+between two rotations: SIGUSR1 (or `Server.rotate()`) records it and opens the next at the same URL and key;
+SIGINT / SIGTERM record it and stop.
 """
 from __future__ import annotations
 
@@ -216,8 +210,7 @@ def serve_config(model: str, overrides: list[str], host: str | None, port: int |
 
 
 def serve_key(args) -> str | None:
-    """The API key from --key-file (owner-only) or $LOONGSAGE_SERVE_KEY; None: make one. ValueError for a key
-    on the command line, which every local user can read."""
+    """The API key from --key-file (owner-only) or $LOONGSAGE_SERVE_KEY; None: make one."""
     if args.key is not None:
         raise ValueError(f"--key puts the key on the command line, where any local user reads it "
                          f"(/proc/PID/cmdline); set {KEY_ENV} or pass --key-file FILE (mode 600)")
@@ -236,7 +229,6 @@ def serve_key(args) -> str | None:
 
 
 def cli_serve(args) -> int:
-    """`loongsage serve MODEL [key=value ...] [--host] [--port] [--key-file] [--record DIR]`: serve until SIGINT."""
     try:
         cfg = serve_config(args.model, args.overrides, args.host, args.port)
     except (ConfigError, ValueError) as e:

@@ -92,10 +92,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> "TrackedMetrics":
-    """What the controller writes metrics through: RUN_DIR/metrics.jsonl plus the enabled trackers, opened
-    first (a tracker refused at start leaves no file open). A disabled one is never imported; an enabled one
-    that is missing is an error (TensorBoard, on by default, only says so: one line through `log`, or a
-    warning without one)."""
+    """RUN_DIR/metrics.jsonl plus the enabled trackers, opened first: a tracker refused at start leaves no file
+    open. A missing TensorBoard is said in one line through `log` (a warning without one)."""
     run_dir, config, sinks = Path(run_dir), config or {}, []
     if cfg.tensorboard:
         try:
