@@ -22,7 +22,6 @@ class EngineConfig:
 
 @section("vllm")
 class VLLMConfig:
-    """The `vllm:` recipe section (used when engine.kind is vllm)."""
     kv_cache_mb: int = key(256, "KV cache per engine, MiB (vLLM's default is most of the machine's memory)",
                            at_least(1))
     max_num_seqs: int = key(256, "rows decoding at once (more wait in vLLM's queue)", at_least(1))
@@ -36,7 +35,6 @@ class VLLMConfig:
 
 @section("sglang")
 class SGLangConfig:
-    """The `sglang:` recipe section (used when engine.kind is sglang)."""
     tp: int = key(1, "GPUs per engine (SGLang tensor parallel); Ray gives each engine this many", at_least(1))
     mem_fraction: float = key(0.7, "of each GPU for weights + KV cache (lower when colocated)",
                                    between(0, 1, lo_open=True, hi_open=True))

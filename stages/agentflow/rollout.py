@@ -16,10 +16,6 @@ one place. Before generating a group the stage asks the window gate; it never ru
 of the staleness bound. Agents run concurrently on one asyncio loop per worker; black-box
 agents reach the engines through this worker's proxy (stages/agentflow/proxy.py), which
 lives on the same loop. A failing agent marks its own row `failed` and the batch goes on.
-
-`agent.name` is a built-in name (single_turn, retry, calculator, sandbox), a dotted path to an
-Agent class (or to an agent object, e.g. an `@openai_agent` function), or
-`cmd:<command line>` for a subprocess black-box agent (stages/agentflow/blackbox.py).
 A row's prompt is plain text, or chat messages as a JSON list rendered by the chat template.
 """
 from __future__ import annotations
@@ -67,15 +63,14 @@ def load_agent(name: str, preload: tuple = ()):
 
 
 ENCODE_CACHE_ROWS = 4096    # prompts kept tokenized per rollout worker
-EXTRA_TYPES = ("agent_reward", "agent_info", "transcript", "agent_stats", "segment", "segment_stats",  # optional
-               "proxy_notes")
 
 
 class AgentFlowRollout:
     tasks_in_flight = 1    # one queued call per worker: blocks reach the window gate in stream order
     inputs = ("prompt_id", "group_id", "sample_idx", "prompt")
     outputs = ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "token_versions",
-               "version_start", "version_end", "status", "error", "t_dispatch", "t_done", *EXTRA_TYPES)
+               "version_start", "version_end", "status", "error", "t_dispatch", "t_done", "agent_reward", "agent_info",
+               "transcript", "agent_stats", "segment", "segment_stats", "proxy_notes")
     sections = ("rollout", "sampling", "agent", "proxy", "engine", "sandbox", "tool_service")   # its keywords
 
     def __init__(self, engines: list, gate=None, model_path: str = "", tokenizer_class: str = "", *,
@@ -108,7 +103,9 @@ class AgentFlowRollout:
         if self.gate is not None:
             seqs = sorted({r["group_id"] for r in rows})
             if ray.get(self.gate.acquire.remote(seqs)) < 0:   # window closed: the run is stopping
-                return _table(batch, [[_aborted()] for _ in rows])
+                now = time.time()
+                aborted = _failed("window closed before dispatch", "aborted") | _agent_columns(None, "", 0.0)
+                return _table(batch, [[aborted | {"t_dispatch": now, "t_done": now}]] * len(rows))
         return _table(batch, self.loop.run_until_complete(self._all(rows)))
 
     def close(self) -> None:
@@ -175,10 +172,8 @@ class AgentFlowRollout:
 
 def _chat_prompt(prompt: str) -> list[dict] | None:
     """A prompt that is a JSON list of chat messages; None for plain text."""
-    if not prompt.lstrip().startswith("["):
-        return None
     try:
-        messages = json.loads(prompt)
+        messages = json.loads(prompt) if prompt.lstrip().startswith("[") else None
     except ValueError:
         return None
     return normalise_messages(messages) if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
@@ -203,12 +198,6 @@ def _agent_columns(ctx, fail: str, wall_s: float) -> dict:
 def _failed(error: str, status: str = "failed") -> dict:
     return {"prompt_ids": [], "response_ids": [], "response_logprobs": [], "loss_mask": [], "token_versions": [],
             "version_start": -1, "version_end": -1, "status": status, "error": error, "segment": None}
-
-
-def _aborted() -> dict:
-    now = time.time()
-    return _failed("window closed before dispatch", "aborted") | _agent_columns(None, "", 0.0) | {
-        "t_dispatch": now, "t_done": now}
 
 
 def _table(batch: pa.Table, results: list[list[dict]]) -> pa.Table:

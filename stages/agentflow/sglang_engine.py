@@ -224,18 +224,17 @@ class SGLangEngine(EngineBase):
                        "sampling_params": [self._sampling(r, b) for _, r, b in todo],
                        "return_logprob": True, "logprob_start_len": -1}
             adapter = self._slots.bind() if self._slots is not None else None
-            version = self.version if adapter is None else adapter      # a LoRA request: its adapter's version
+            if adapter is not None:
+                payload["lora_path"] = [f"v{adapter}"] * len(todo)
+            version = None if self._slots is None else self.version if adapter is None else adapter    # parse_output's
             try:
                 with self._gate.holding(any(r.get("hold") for _, r, _ in todo)):
-                    if adapter is not None:
-                        payload["lora_path"] = [f"v{adapter}"] * len(todo)
                     results = self._post("/generate", payload)
             finally:
                 if self._slots is not None:
                     self._unload(self._slots.unbind(adapter))
-            results = results if isinstance(results, list) else [results]
-            for (i, r, _), res in zip(todo, results):
-                out[i] = parse_output(res, r, version if self.lora is not None else None)
+            for (i, r, _), res in zip(todo, results if isinstance(results, list) else [results]):
+                out[i] = parse_output(res, r, version)
         self._count(busy_s=time.time() - t0)
         return self._served(out)
 

@@ -21,10 +21,8 @@ from stages.agentflow.envs import RetryEnv
 
 
 class RetryAgent:
-    max_attempts = 3
-
     async def run(self, ctx, sample: dict) -> None:
-        env = RetryEnv(sample, max_attempts=self.max_attempts)
+        env = RetryEnv(sample)
         while True:
             gen = await ctx.generate()
             if (await ctx.step(env, gen.text)).done:
@@ -81,7 +79,7 @@ class SandboxAgent:
         session = self.attach(ctx)
         session.prestart()      # the sandbox starts while the model writes its first snippet
         try:
-            env = RetryEnv(sample, max_attempts=self.attempts, decay=0.5)
+            env = RetryEnv(sample, max_attempts=self.attempts)
             while True:
                 gen = await ctx.generate(stop=[";"])
                 if gen.stopped:
@@ -104,14 +102,13 @@ class SandboxAgent:
         ctx.tools.register(session.tool())
         return session
 
-    async def run_snippet(self, ctx, code: str) -> str:
-        """One sandbox call: its result (whole) back, its observation (in the model's alphabet) in the stream."""
+    async def run_snippet(self, ctx, code: str) -> None:
+        """One sandbox call: its observation joins the stream (in the model's alphabet), a failure agent_info."""
         result = await ctx.tools.call("python", {"code": code})
         ctx.tool_calls += 1
         ctx.add_text(self._observation(ctx.tokenizer, result), role="tool")
         if result.startswith("error"):
             ctx.info.setdefault("tool_errors", []).append(result[:300])
-        return result
 
     def _observation(self, tok, result: str) -> str:
         """The output and "=", or "?=" for a failure (or an output the model should not read), or "="
