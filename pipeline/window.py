@@ -138,10 +138,8 @@ class Gate:
                 self.s.out_of_order += 1
                 return True
             else:
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._cond.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    pass
         return False
 
     async def acquire(self, seqs: list[int]) -> int:
@@ -210,8 +208,7 @@ class Window:
         self.gate = gate or (lambda method, *args: None)
         self.settled = set(settled)                 # trained or dropped: never streamed again
         self.fairness = Fairness()                  # also the counts of groups completed, trained, dropped
-        self._rows: dict[int, list[pa.Table]] = {}  # a group's rows until all its samples arrived
-        self._samples: dict[int, set] = {}
+        self._partial: dict[int, tuple[list, set]] = {}   # a group's rows and samples until all its samples arrived
         self._ready: dict[int, tuple[pa.Table, float]] = {}   # whole groups: (rows, oldest trained version)
         self._parts: Iterator[pa.Table] = (part for part in ())
         self._lock = threading.Lock()               # settled: the stream's thread drops, the loop settles
@@ -227,12 +224,11 @@ class Window:
         done = []
         for lo, hi in zip(starts, np.r_[starts[1:], len(gids)]):
             g, rows = int(gids[lo]), part.slice(lo, hi - lo)
-            self._rows.setdefault(g, []).append(rows)
-            seen = self._samples.setdefault(g, set())
+            parts, seen = self._partial.setdefault(g, ([], set()))
+            parts.append(rows)
             seen.update(rows.column("sample_idx").to_pylist())
             if len(seen) >= self.n:
-                table = pa.concat_tables(self._rows.pop(g))
-                del self._samples[g]
+                table = pa.concat_tables(self._partial.pop(g)[0])
                 self._ready[g] = table, oldest_trained_version(table)
                 done.append(g)
         if done:
@@ -256,9 +252,7 @@ class Window:
                 del self._ready[g]
                 self.fairness.groups["dropped_stale" if stale else "dropped_filter"] += 1
         if dropped:
-            with self._lock:
-                self.settled.update(dropped)
-            self.gate("consumed", dropped)
+            self.consumed(dropped)
         state = self.gate("snapshot") if self.strategy is not None else None
         eligible = [g for g in sorted(self._ready) if self._ready[g][1] >= bound
                     and (state is None or self.strategy.can_collect(state, g))]
@@ -302,8 +296,8 @@ class Window:
             self.feed(part)
         return None
 
-    def consumed(self, groups: list[int], version: int) -> None:
-        """The groups were trained and the weights are now `version`: settled, and the window moves on."""
+    def consumed(self, groups: list[int], version: int | None = None) -> None:
+        """The groups were trained (the weights are now `version`) or dropped: settled, and the window moves on."""
         with self._lock:
             self.settled.update(groups)
         self.gate("consumed", groups, version)
@@ -352,22 +346,20 @@ def trajectories(t: pa.Table) -> list[tuple[float, int, int]]:
 
 
 class Tally:
-    """Running sums and a wall-time histogram of trajectories: constant work per summary however
-    long the run."""
+    """Running sums of trajectories' SUMMED figures and a wall-time histogram: constant work per
+    summary however long the run."""
+    SUMMED = ("wall_s", "turns", "tokens")
 
     def __init__(self):
-        self.n, self.wall, self.turns, self.tokens = 0, 0.0, 0, 0
+        self.n, self.sums = 0, np.zeros(len(self.SUMMED))
         self.hist = np.zeros(len(_WALL_EDGES) + 1, dtype=np.int64)
 
     def add(self, rows: list[tuple[float, int, int]]) -> None:
-        if not rows:
-            return
-        w, t, k = (np.asarray(c) for c in zip(*rows))
-        self.n += len(rows)
-        self.wall += float(w.sum())
-        self.turns += int(t.sum())
-        self.tokens += int(k.sum())
-        np.add.at(self.hist, np.searchsorted(_WALL_EDGES, w, side="right"), 1)
+        if rows:
+            a = np.asarray(rows, dtype=np.float64)
+            self.n += len(rows)
+            self.sums += a.sum(axis=0)
+            np.add.at(self.hist, np.searchsorted(_WALL_EDGES, a[:, 0], side="right"), 1)
 
 
 @dataclass
@@ -394,8 +386,6 @@ class Fairness:
         out = {f"fair/groups_{k}": v for k, v in self.groups.items()}
         for name, tally in (("completed", self.completed), ("trained", self.trained)):
             if tally.n:
-                out[f"fair/{name}_wall_s_mean"] = tally.wall / tally.n
-                out[f"fair/{name}_turns_mean"] = tally.turns / tally.n
-                out[f"fair/{name}_tokens_mean"] = tally.tokens / tally.n
+                out |= {f"fair/{name}_{k}_mean": v for k, v in zip(tally.SUMMED, (tally.sums / tally.n).tolist())}
                 out[f"fair/{name}_long_share"] = float(tally.hist[cut + 1:].sum()) / tally.n
         return out
