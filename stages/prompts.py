@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.prompts_config import DataConfig
-from stages.schema import field
+from stages.schema import TRAJECTORY_SCHEMA
 
 
 def _read_file(path: str) -> pa.Table:
@@ -97,7 +97,7 @@ class PromptSource:
         for epoch in np.unique(seqs // n):
             at = seqs // n == epoch
             idx[at] = self.order(int(epoch))[seqs[at] % n]
-        rows = self.table.take(np.repeat(idx, k))
+        rows, field = self.table.take(np.repeat(idx, k)), TRAJECTORY_SCHEMA.field
         return pa.table({"prompt_id": rows["prompt_id"],
                          "group_id": pa.array(np.repeat(seqs, k), field("group_id").type),
                          "sample_idx": pa.array(np.tile(np.arange(k), len(seqs)), field("sample_idx").type),

@@ -120,9 +120,6 @@ class RewardPool:
         self.lock = threading.Lock()
         self.close = weakref.finalize(self, _kill_all, self.workers)   # close(); also runs at interpreter exit
 
-    def pids(self) -> list[int]:
-        return [w.proc.pid for w in self.workers]
-
     def map(self, calls: list[tuple]) -> list[tuple[bool, object]]:
         with self.lock:
             results: list = [None] * len(calls)

@@ -74,10 +74,6 @@ COLUMNS = tuple(f.name for f in FIELDS)
 _BY_NAME = {f.name: f for f in FIELDS}
 
 
-def field(name: str) -> pa.Field:
-    return _BY_NAME[name]
-
-
 def _column(name: str, values: list) -> tuple[pa.Field, pa.Array]:
     """A known column with the schema's type, an unknown one with the type inferred."""
     f = _BY_NAME.get(name)

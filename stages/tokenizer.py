@@ -79,7 +79,6 @@ def stage_tokenizer(tok, where: str | Path) -> str:
     files (save_tokenizer) instead of loading the tokenizer again to save it."""
     tok.save_pretrained(str(where))
     (Path(where) / STAGED_MARK).touch()
-    gc.collect()
     trim_heap()     # the serialised JSON (~20 MB of Python string for 151k tokens) and its parse's heap
     return str(where)
 
@@ -104,11 +103,11 @@ def tokenizer_class_of(tok) -> str:
 def release_build_copies(tok) -> None:
     """Drop the Python copies a tokenizer was built from and hand the freed heap back to the system."""
     drop_build_copies(tok)
-    gc.collect()
     trim_heap()
 
 
 def trim_heap() -> None:
-    """Return freed heap glibc keeps for reuse to the system (a no-op without malloc_trim)."""
+    """Collect garbage, then hand the heap glibc keeps for reuse back (a no-op without malloc_trim)."""
+    gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)

@@ -91,7 +91,7 @@ def test_a_hung_row_fails_alone_and_the_pool_goes_on(tiny_model_dir):
                 out.column("error").to_pylist()
             assert out.column("reward").to_pylist() == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
             assert "timed out after 2.0s" in out.column("error")[1].as_py()
-        assert len(r.pool.pids()) <= 2      # killed workers were replaced, never added to
+        assert len(r.pool.workers) <= 2      # killed workers were replaced, never added to
     finally:
         r.close()
 
@@ -149,7 +149,7 @@ def test_in_a_ray_actor_the_stage_scores_and_its_workers_die_with_the_actor(ray_
     assert out.column("reward").to_pylist() == [1.0, 0.0]
     hung = actor.__call__.remote(_traj(tok, ["13"]))        # its worker hangs for a minute
     time.sleep(0.5)
-    pids = ray.get(actor.__ray_call__.remote(lambda self: self.pool.pids()))
+    pids = ray.get(actor.__ray_call__.remote(lambda self: [w.proc.pid for w in self.pool.workers]))
     assert pids and all(_alive(p) for p in pids)
     ray.kill(actor)                                         # SIGKILL: no atexit runs in the actor
     assert _wait_gone(pids, 3.0) == [], "reward workers outlived their Ray actor"
