@@ -39,26 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     return args.fn(args)
 
 
-def parser(name: str | None = None) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
-    """The parser and its subcommands: `name` declared in full by its module, or (None) every
+def parser(name: str | None = None) -> argparse.ArgumentParser:
+    """Subcommand `name`'s parser, declared in full by its module; or (None) the top level, listing every
     subcommand by its name and help alone."""
     p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: asynchronous RL post-training on Ray Data")
     sub = p.add_subparsers(dest="cmd", required=True)
-    if name is None:
-        for n, (_, text) in SUBCOMMANDS.items():
-            sub.add_parser(n, help=text)
-    else:
+    if name is not None:
         importlib.import_module(SUBCOMMANDS[name][0]).add_subcommand(sub)
-    return p, sub
+        return sub.choices[name]
+    for n, (_, text) in SUBCOMMANDS.items():
+        sub.add_parser(n, help=text)
+    return p
 
 
 def parse_argv(argv: list[str]) -> argparse.Namespace:
     """The command line as its subcommand's parser reads it, options and positionals intermixed
     (argparse refuses intermixed parsing on a parser that has subcommands: the top level only picks one)."""
     if argv and argv[0] in SUBCOMMANDS:
-        _, sub = parser(argv[0])
-        return sub.choices[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
-    return parser()[0].parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
+        return parser(argv[0]).parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0]))
+    return parser().parse_args(argv)      # -h, or no / an unknown subcommand: argparse's own message
 
 
 def add_subcommand(sub) -> None:

@@ -230,8 +230,6 @@ def _coerce(value, typ, where: str):
 
 
 def _build(cls, data, where: str):
-    if isinstance(data, cls):
-        return data
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {_cut(repr(data))}")
     hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}

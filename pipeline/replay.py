@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -72,10 +73,8 @@ class RecordedSource:
 
     def blocks(self, start: int, num_groups: int, groups_per_block: int, skip=frozenset()):
         seqs = [g for g in range(start, min(start + num_groups, self.num_groups)) if g not in skip]
-        by_step: dict[int, list[int]] = {}
-        for g in seqs:
-            by_step.setdefault(self.steps[g], []).append(self.group_ids[g])
-        for step, gids in by_step.items():
+        for step, same in itertools.groupby(seqs, key=self.steps.__getitem__):    # a step's seqs are contiguous
+            gids = [self.group_ids[g] for g in same]
             table = self.rec.read_step(step, gids)
             order = {gid: i for i, gid in enumerate(dict.fromkeys(table.column("group_id").to_pylist()))}
             for i in range(0, len(gids), groups_per_block):

@@ -180,20 +180,15 @@ def trajectory_table(session, tok, trajectory: int, first_group: int):
 
     ctx = AgentContext(None, tok, [], {})
     ctx._adopt(session)
-    rows = ctx.results()
     now = time.time()
     stats = {"turns": ctx.turns, "tool_calls": 0, "segments": ctx.segments, "wall_s": 0.0, "gen_s": ctx.gen_s,
              "fail": ""}
-    cols: dict[str, list] = {}
-    for i, r in enumerate(rows):
-        r |= {"prompt_id": f"serve-{trajectory}-{r['segment']['id']}", "group_id": first_group + i, "sample_idx": 0,
-              "data_source": "serve", "prompt": tok.decode(r["prompt_ids"], skip_special_tokens=False),
-              "answer": "", "error": "", "reward": 0.0, "reward_info": "{}", "t_dispatch": now, "t_done": now,
-              "transcript": json.dumps(ctx.transcript), "agent_stats": stats,
-              "segment_stats": ctx.segment_stats}
-        for k, v in r.items():
-            cols.setdefault(k, []).append(v)
-    return conform(table_from_columns(cols))
+    rows = [r | {"prompt_id": f"serve-{trajectory}-{r['segment']['id']}", "group_id": first_group + i, "sample_idx": 0,
+                 "data_source": "serve", "prompt": tok.decode(r["prompt_ids"], skip_special_tokens=False),
+                 "answer": "", "error": "", "reward": 0.0, "reward_info": "{}", "t_dispatch": now, "t_done": now,
+                 "transcript": json.dumps(ctx.transcript), "agent_stats": stats, "segment_stats": ctx.segment_stats}
+            for i, r in enumerate(ctx.results())]
+    return conform(table_from_columns({k: [r[k] for r in rows] for k in rows[0]}))
 
 
 def _owner_only(path, flags: int) -> int:
@@ -239,8 +234,7 @@ def cli_serve(args) -> int:
         key = serve_key(args)
         record.mkdir(mode=0o700, parents=True, exist_ok=True)
         with locked(record, log=lambda m: print(m, file=sys.stderr)):
-            found = previous_run(record)
-            if found:
+            if found := previous_run(record):
                 raise RunDirError(f"--record {record} holds a run or recording ({', '.join(found)}); "
                                   f"choose another directory")
             return _serve(Server(cfg, record, key=key).start(), record)

@@ -27,7 +27,7 @@ def _words(sp: argparse.ArgumentParser):
 
 @pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
 def test_options_before_between_or_after_the_positionals(name):
-    opts, pos = _words(cli.parser(name)[1].choices[name])
+    opts, pos = _words(cli.parser(name))
     flat = [w for o in opts for w in o]
     orders = [flat + [w for p in pos for w in p], [w for p in pos for w in p] + flat]
     if len(pos) > 1 or (pos and len(pos[0]) > 1):     # an option between two positional words
