@@ -1,7 +1,5 @@
-"""The `megatron:` section of a recipe: how the Megatron-core trainer splits the model.
-
-Kept free of megatron imports so a recipe can be parsed (and rejected) on a machine
-without megatron-core installed.
+"""The `megatron:` section of a recipe: how the Megatron-core trainer splits the model. No megatron
+import, so a recipe is parsed (and rejected) on a machine without megatron-core.
 """
 from __future__ import annotations
 

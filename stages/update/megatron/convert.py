@@ -1,21 +1,11 @@
 """HF <-> Megatron-core weights for Qwen2 / Llama causal LMs, with tensor-parallel sharding.
 
-Megatron's GPT layers fuse what HF keeps apart, and split across TP ranks along the
-dimension each layer is parallel in:
-
-  linear_qkv  [(q + k + v) per KV group, hidden]: for each of the n_kv groups, its
-              n_q/n_kv query heads, then its key head, then its value head (GQA); a TP
-              rank holds n_kv/tp whole groups, so its heads need no communication
-  linear_fc1  [gate; up] stacked: a rank holds its slice of gate followed by its
-              slice of up (megatron's glu takes the first half as the gate)
-  linear_proj, linear_fc2   row-parallel: split along the input dimension
-  word_embeddings, output_layer   vocab-parallel: rows split; the vocab is padded with
-              zero rows to a multiple of tp (the padded logits are masked, logprobs.py)
-  norms       replicated
-
-`to_megatron` builds one rank's tensors from HF ones; `to_hf` merges every rank's
-tensors back. Both are exact (pure copies and reshapes), so a round trip is bit-exact.
-The names are those of megatron's local layer spec (get_gpt_layer_local_spec).
+Megatron's GPT layers fuse what HF keeps apart: q, k, v into linear_qkv by KV group (a TP rank holds
+n_kv/tp whole groups, so its heads need no communication), gate and up into linear_fc1 (megatron's glu
+takes the first half as the gate). Each is split across TP ranks along the dimension it is parallel in;
+the vocabulary is padded with zero rows to a multiple of tp (its logits masked, logprobs.py). Both
+directions are pure copies and reshapes, so a round trip is bit-exact. The names are those of
+megatron's local layer spec (get_gpt_layer_local_spec).
 """
 from __future__ import annotations
 
@@ -165,8 +155,7 @@ def to_megatron(names: list[str], get_hf: Callable[[str], torch.Tensor], arch: A
 
 def to_hf(shards: list[Mapping[str, torch.Tensor]], arch: Arch,
           layer_index: Callable[[int], int] = lambda i: i) -> dict[str, torch.Tensor]:
-    """Merge every TP rank's tensors (one mapping per rank, same names) into HF tensors.
-    A tied output layer is skipped: HF's lm_head is the embedding (see hf_order)."""
+    """Every TP rank's tensors merged into HF ones; a tied output layer is skipped (see hf_order)."""
     out = {}
     for name in shards[0]:
         if name == "output_layer.weight" and arch.tied:

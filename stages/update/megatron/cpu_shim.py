@@ -1,15 +1,9 @@
-"""Run megatron-core on a CPU-only torch: the one place that papers over its CUDA calls.
+"""Run megatron-core on a CPU-only torch (tests, laptops): the one place that papers over its CUDA calls.
 
 megatron-core assumes a GPU where the maths does not: buffers made on `"cuda"` or
 `torch.cuda.current_device()`, an assert that grads are `torch.cuda.FloatTensor`, and an RNG
-tracker forking the CUDA generator. Used only when the trainer runs on CPU (tests, laptops):
-
-* `CudaAsCpu()`: a TorchFunctionMode, entered around every trainer call, mapping a CUDA device to
-  the CPU in tensor factories and `.to()`/`.cuda()`; `Tensor.type()` reports CUDA type names.
-* `install(seed)`: `torch.cuda.current_device()` answers "cpu", `torch.cuda.synchronize()` is a
-  no-op, and the RNG tracker forks the CPU generator, seeded as megatron seeds the CUDA one.
-
-Nothing here changes a result: the same kernels run on the same data, on the CPU.
+tracker forking the CUDA generator. Nothing here changes a result: the same kernels run on the
+same data, on the CPU.
 """
 from __future__ import annotations
 
@@ -78,8 +72,6 @@ class _CpuRNGStatesTracker(CudaRNGStatesTracker):
 
     @contextlib.contextmanager
     def fork(self, name="model-parallel-rng"):
-        if name not in self.states_:
-            raise RuntimeError(f"rng state {name} is not added")
         outer = torch.get_rng_state()
         torch.set_rng_state(self.states_[name])
         try:

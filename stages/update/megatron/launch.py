@@ -1,10 +1,7 @@
-"""Start the Megatron trainer's ranks as Ray actors and hand back the leader.
-
-    leader = launch(model_path, trainer_cfg, algo, mcfg, rank_options=placement.options("trainer"))
-    leader.train_step.remote(table)      # the same calls as on a TorchTrainer actor
-
-Every rank is created, all join one process group at rank 0's address, then the leader learns its
-peers. `rank_options`: each rank's Ray actor options in rank order (pipeline/placement.py).
+"""Start the Megatron trainer's ranks as Ray actors (`rank_options`: each one's actor options, in rank
+order, pipeline/placement.py) and hand back the leader, which takes the same calls as a TorchTrainer
+actor. Every rank is created, all join one process group at rank 0's address, then the leader learns
+its peers.
 """
 from __future__ import annotations
 

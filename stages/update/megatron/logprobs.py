@@ -14,24 +14,16 @@ import torch
 _PAD_LOGIT = -1e30       # finite, so exp() gives 0 and 0 * logit stays 0 in the entropy
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    width = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * width
-    if start + width <= vocab:
-        return logits
-    ids = torch.arange(start, start + width, device=logits.device)
-    return logits.masked_fill(ids >= vocab, _PAD_LOGIT)
-
-
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab: int, temperature: float = 1.0,
                    with_entropy: bool = False):
-    """logits [..., V/tp] (this rank's vocab slice), targets [...] global ids ->
-    (log-probs [...], entropy [...] or None), float32, differentiable."""
+    """(log-probs, entropy or None) of global target ids from this rank's vocab slice of the logits."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    z = mask_padded_vocab(logits.float() / temperature, vocab)
+    z = logits.float() / temperature
+    start = ps.get_tensor_model_parallel_rank() * z.shape[-1]
+    if start + z.shape[-1] > vocab:     # this slice holds padded rows
+        z = z.masked_fill(torch.arange(start, start + z.shape[-1], device=z.device) >= vocab, _PAD_LOGIT)
     ent = _entropy(z) if with_entropy else None
     # vocab_parallel_cross_entropy shifts its input in place: give it its own copy
     lp = -vocab_parallel_cross_entropy(z.clone() if with_entropy else z, targets)

@@ -1,9 +1,5 @@
-"""Build a megatron-core GPTModel that computes what an HF Qwen2/Llama computes.
-
-RMSNorm, SwiGLU (gated_linear_unit + silu), RoPE on the full head dimension (not
-interleaved), grouped-query attention, QKV bias for Qwen2, tied embeddings when the HF
-config ties them. Dropout is off: RL fine-tuning runs without it, and it keeps the
-trainer's log-probs those of the policy the engine samples from.
+"""Build a megatron-core GPTModel that computes what an HF Qwen2/Llama computes. Dropout is off: RL
+fine-tuning runs without it, and it keeps the trainer's log-probs those of the policy the engine samples.
 """
 from __future__ import annotations
 
@@ -61,22 +57,15 @@ def layer_index(model):
     return lambda i: numbers[i]
 
 
-class HFReader:
-    """Reads single HF tensors from a model directory's safetensors files on demand, so a
-    rank only ever holds the tensors it shards (not the whole checkpoint)."""
+def hf_reader(path: str):
+    """name -> that HF tensor, read from a model directory's safetensors files on demand, so a rank
+    only ever holds the tensors it shards (not the whole checkpoint)."""
+    import json
+    from pathlib import Path
 
-    def __init__(self, path: str):
-        import json
-        from pathlib import Path
+    from safetensors import safe_open
 
-        from safetensors import safe_open
-
-        index = Path(path) / "model.safetensors.index.json"
-        files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
-        handles = [safe_open(str(Path(path) / f), framework="pt") for f in files]
-        self._where = {name: h for h in handles for name in h.keys()}
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise KeyError(f"{name} is not in the checkpoint")
-        return self._where[name].get_tensor(name)
+    index = Path(path) / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    where = {name: h for h in [safe_open(str(Path(path) / f), framework="pt") for f in files] for name in h.keys()}
+    return lambda name: where[name].get_tensor(name)

@@ -1,9 +1,8 @@
 """Process groups for one trainer rank, and the collectives the trainer adds to megatron's.
 
-`init` joins the trainer's own default group (NCCL on GPUs, gloo on CPU) and lets
-megatron's `parallel_state` carve it into TP / PP / DP groups (rank order tp-dp-pp:
-global rank 0 is TP rank 0 of DP replica 0 of the first stage, the leader).
-`gather_hf_state` turns the ranks' shards back into one HF state dict on the leader.
+`init` joins the trainer's own default group (NCCL on GPUs, gloo on CPU) and lets megatron's
+`parallel_state` carve it into TP / PP / DP groups (rank order tp-dp-pp: global rank 0 is TP rank 0
+of DP replica 0 of the first stage, the leader).
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Megatron-core trainer: the same update as the torch trainer, on a TP x PP x DP model.
 
-Every rank is a Ray actor running this class. Rank 0, the leader, is the handle the controller
-and the TransferMesh hold; its public methods run the matching `rank_*` method on every rank,
-since all ranks join the same collectives. With one rank it is a drop-in for TorchTrainer.
-
-A step is TorchTrainer's, item for item; the old / reference log-probs are computed by each DP
-rank for its rows and all-gathered, and each mini-batch runs megatron's forward-backward schedule
-and optimizer. A micro-batch's loss goes to the schedule as (loss x n, n), n what the loss
-aggregation divides by; with calculate_per_token_loss megatron divides the gradients by the total
-n over micro-batches and DP ranks: TorchTrainer's mini-batch loss.
+Every rank is a Ray actor running this class. Rank 0, the leader, is the handle the controller and the
+TransferMesh hold; its public methods run the matching `rank_*` method on every rank, since all ranks
+join the same collectives. Each DP rank computes the old / reference log-probs of its rows, then they
+are all-gathered. A micro-batch's loss goes to megatron's schedule as (loss x n, n), n what the loss
+aggregation divides by; with calculate_per_token_loss megatron divides the gradients by the total n
+over micro-batches and DP ranks: TorchTrainer's mini-batch loss.
 """
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ from . import parallel
 from .config import MegatronConfig
 from .convert import Arch, to_megatron
 from .logprobs import chunked_token_logprobs, defer_head, token_logprobs
-from .model import HFReader, build_gpt, layer_index, transformer_config
+from .model import build_gpt, hf_reader, layer_index, transformer_config
 
 
 class MegatronTrainer(Trainer):
@@ -103,7 +100,7 @@ class MegatronTrainer(Trainer):
 
         gpt = build_gpt(self.arch, self.config, self.first, self.last).to(self.device)
         names = [n for n in gpt.state_dict() if not n.endswith("_extra_state")]
-        state = to_megatron(names, HFReader(self.model_path), self.arch, ps.get_tensor_model_parallel_rank(),
+        state = to_megatron(names, hf_reader(self.model_path), self.arch, ps.get_tensor_model_parallel_rank(),
                             self.mcfg.tensor_parallel, layer_index(gpt))
         missing, unexpected = gpt.load_state_dict(state, strict=False)
         missing = [n for n in missing if not n.endswith("_extra_state")]
@@ -139,11 +136,9 @@ class MegatronTrainer(Trainer):
         resuming (with the same layout) needs: every rank's optimizer shard and RNGs, and the version."""
         from huggingface_hub import save_torch_state_dict
 
-        state = self.published()
-        if self.arch.tied:
-            state = {n: t for n, t in state.items() if n != "lm_head.weight"}
         os.makedirs(path, exist_ok=True)
-        save_torch_state_dict({n: t.detach().cpu().contiguous() for n, t in state.items()}, path)
+        save_torch_state_dict({n: t.detach().cpu().contiguous() for n, t in self.published().items()
+                               if not (self.arch.tied and n == "lm_head.weight")}, path)
         self.hf.save_pretrained(path)
         if tokenizer_dir:      # copied from tokenizer_staged where this host has it (stages/tokenizer.py)
             from stages.tokenizer import save_tokenizer
