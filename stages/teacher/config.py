@@ -1,9 +1,6 @@
-"""The `teacher:` section of a recipe: which teachers exist, who serves which data source,
-and how many of them may be resident at once.
-
-Empty `teachers` means the recipe has no teacher stage. Everything that can be checked
-without touching a file is checked here; `manager.check_teachers` does the rest (teacher
-directories, weights, tokenizers, budget vs sizes) at start, before an actor exists.
+"""The `teacher:` section of a recipe: which teachers exist, who serves which data source, and how
+many may be resident at once; empty `teachers`: no teacher stage. What needs no file is checked
+here; `manager.check_teachers` checks the rest (directories, weights, tokenizers, budget) at start.
 """
 from __future__ import annotations
 

@@ -65,8 +65,7 @@ def reinforce_pp(rewards, group_ids, mask, eps: float = 1e-6, weights=None):
 
 
 def reinforce_pp_baseline(rewards, group_ids, mask, eps: float = 1e-6, weights=None):
-    """REINFORCE++-baseline (same paper): subtract the group mean reward first, then
-    normalise over the batch's tokens as REINFORCE++ does."""
+    """REINFORCE++-baseline (same paper): the group mean reward subtracted first, then as REINFORCE++."""
     _, mean, _ = _group_moments(rewards, group_ids, weights)
     return _whiten_over_tokens((rewards - mean)[:, None] * mask, mask, eps)
 
@@ -82,8 +81,7 @@ ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
                        eps: float = 1e-6, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Advantages [B,T] from rewards [B], group ids [B] and loss mask [B,T] with estimator `name`.
-    `weights` [B]: a row's share of its sample, when a sample made several rows (agent segments)."""
+    """Advantages [B,T] by estimator `name`; `weights` [B]: a row's share of its sample (agent segments)."""
     dtype = torch.promote_types(rewards.dtype, mask.dtype)     # the estimators take both in one float dtype
     with torch.no_grad():
         return ESTIMATORS[name](rewards.to(dtype), group_ids, mask.to(dtype), eps=eps, weights=weights)

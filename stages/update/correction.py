@@ -9,8 +9,7 @@ from the old policy (trainer) to the behaviour policy (engine):
   MIS  drop tokens / sequences whose ratio leaves a band   (token | sequence | geometric)
   geo  one weight per sequence: geometric mean of ratios, optionally truncated at tis_cap
 
-The weights multiply each token's surrogate in losses.policy_loss; the returned mask
-replaces the loss mask, so dropped tokens also leave the normaliser.
+The returned mask replaces the loss mask, so dropped tokens also leave the normaliser.
 """
 from __future__ import annotations
 

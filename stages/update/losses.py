@@ -155,8 +155,7 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torc
 
 def shape_overlong(cfg: AlgorithmConfig, rewards: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
                    truncated: torch.Tensor, max_response_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DAPO (2503.14476) overlong handling. rewards [B], mask [B,T], lengths [B] (response
-    tokens), truncated [B] bool, max_response_len the rollout's token limit."""
+    """DAPO (2503.14476) overlong handling; max_response_len is the rollout's token limit."""
     cfg = cfg.resolved()
     if cfg.overlong == "mask":      # overlong filtering: a truncated answer was cut, not wrong; do not teach from it
         return rewards, mask * (~truncated.bool()).to(mask.dtype)[:, None]

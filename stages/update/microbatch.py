@@ -1,13 +1,7 @@
 """Micro-batches packed by tokens: one optimizer step's rows cut so that no forward pass holds
-more than `max_tokens` positions, their gradients accumulated into the one step.
-
-Rows are right-padded within a forward pass, so one long row would pad every short row beside
-it; cut by tokens, it runs alone. Each micro-batch's loss is its share of the mini-batch's
-(losses.policy_loss's `full_mask`), so the accumulated gradient is the one-batch gradient.
-
-A micro-batch costs what its forward lays out: rows x the longest row, or with prompt sharing
-(trainer.share_prompts) sequences x the widest packed sequence. Rows of one prompt are kept
-together, longest first, so sharing still pays.
+more than `max_tokens` positions, their gradients accumulated into the one step. Rows are
+right-padded within a pass, so one long row would pad every short row beside it; cut by tokens,
+it runs alone. Rows of one prompt are kept together, longest first, so prompt sharing still pays.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""One training step, the same for the torch and the Megatron trainer (`Trainer`, their base).
-
-Arrow rows -> right-padded tensors (Batch) -> overlong shaping and advantages -> the old policy
-and its IS correction -> (each trainer's mini-batches) -> the step's metrics. The learning rate
-is a function of the step alone, so a resumed run continues its schedule where it stopped.
+"""One training step, the same for the torch and the Megatron trainer (`Trainer`, their base). The
+learning rate is a function of the step alone, so a resumed run continues its schedule where it stopped.
 """
 from __future__ import annotations
 
@@ -174,8 +171,6 @@ class Trainer:
     _adopt_shared = None    # the torch trainer keeps its weights in the mesh's shared segment
 
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float, max_new_tokens: int):
-        """Threads and seed, the algorithm for the generation limit, the sampling temperature, the clock
-        (version, steps skipped over the run) and the mini-batch RNG."""
         torch.set_num_threads(max(1, cfg.num_threads))
         torch.manual_seed(cfg.seed)
         self.cfg, self.algo = cfg, algo.resolved().for_generation_limit(max_new_tokens)

@@ -1,10 +1,6 @@
-"""Embedded trainer: torch on an HF causal LM, in a Ray actor.
-
-One `train_step(table)` = one RL update from one step's trajectories (stages/update/step.py):
-rewards -> (overlong shaping) -> advantages -> [recompute old log-probs] -> IS correction
--> mini-batches of the policy loss -> optimizer steps. Log-probs are taken of
-logits / temperature, the distribution the engine sampled from, so a fresh on-policy
-token has ratio 1 up to numerics (reported as the mismatch metrics).
+"""Embedded trainer: torch on an HF causal LM, in a Ray actor; its step is stages/update/step.py's.
+Log-probs are taken of logits / temperature, the distribution the engine sampled from, so a fresh
+on-policy token has ratio 1 up to numerics (reported as the mismatch metrics).
 """
 from __future__ import annotations
 
@@ -310,7 +306,6 @@ class TorchTrainer(Trainer):
 
 
 def _scatter(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """values [N, ...] laid into a zero tensor of where's shape [b, T] (+ values' trailing dims)
-    at where's True entries, in order; differentiable through values."""
+    """values [N, ...] laid in order at where's True entries of zeros [b, T, ...]; differentiable."""
     out = values.new_zeros((*where.shape, *values.shape[1:]))
     return out.index_put(torch.nonzero(where, as_tuple=True), values)
