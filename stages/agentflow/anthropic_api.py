@@ -141,20 +141,38 @@ def to_messages(system: str | None, messages, notes: list[str]) -> list[dict]:
                 raise bad("a content block must be an object", f"{where}[{j}]")
         if m["role"] == "system":
             out.append({"role": "system", "content": text_of(blocks, where, notes, noun="block")})
-        elif m["role"] == "assistant":
-            out.append(_assistant(blocks, where, notes))
-            open_calls = {c["id"] for c in out[-1].get("tool_calls", [])}
+            continue
+        role, texts, thinking, calls, results = m["role"], [], [], [], []
+        for j, b in enumerate(blocks):
+            at, kind = f"{where}[{j}]", b.get("type")
+            if kind == "text":
+                texts.append(_field(b, "text", str, at))
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(_field(b, "thinking", str, at))
+            elif kind == "tool_use" and role == "assistant":
+                call_id, name, args = _field(b, "id", str, at), _field(b, "name", str, at), _field(b, "input", dict, at)
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": name, "arguments": json.dumps(args)}})
+            elif kind == "tool_result" and role == "user":
+                call_id = _field(b, "tool_use_id", str, at)
+                if call_id not in open_calls:
+                    raise bad(f"tool_result for {call_id!r} has no matching tool_use block in the previous "
+                              f"(assistant) message", f"{at}.tool_use_id")
+                text = "" if b.get("content") is None else text_of(b["content"], f"{at}.content", notes, noun="block")
+                results.append({"role": "tool", "tool_call_id": call_id,
+                                "content": "Error: " + text if b.get("is_error") else text})
+            else:
+                notes.append(f"{at}: a {kind!r} block dropped from the prompt (a text model reads text)")
+        if role == "assistant":
+            content = with_reasoning("".join(thinking) if thinking else None, "".join(texts))
+            out.append({"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}))
         else:
-            out += _user(blocks, where, open_calls, notes)
-            open_calls = set()
+            out += results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+        open_calls = {c["id"] for c in calls}
     if messages[-1]["role"] == "assistant":
         raise bad("a final assistant message (prefill) is not supported: the last message must be the user's",
                   f"messages[{len(messages) - 1}].role")
     return out
-
-
-def _dropped(b: dict, where: str, notes: list[str]) -> None:
-    notes.append(f"{where}: a {b.get('type')!r} block dropped from the prompt (a text model reads text)")
 
 
 def _field(b: dict, key: str, kind, where: str):
@@ -162,43 +180,6 @@ def _field(b: dict, key: str, kind, where: str):
     if not isinstance(v, kind):
         raise bad(f"Field required ({kind.__name__})" if v is None else f"must be a {kind.__name__}", f"{where}.{key}")
     return v
-
-
-def _assistant(blocks: list[dict], where: str, notes: list[str]) -> dict:
-    thinking, texts, calls = [], [], []
-    for j, b in enumerate(blocks):
-        at, kind = f"{where}[{j}]", b.get("type")
-        if kind == "text":
-            texts.append(_field(b, "text", str, at))
-        elif kind == "thinking":
-            thinking.append(_field(b, "thinking", str, at))
-        elif kind == "tool_use":
-            call_id, name, args = _field(b, "id", str, at), _field(b, "name", str, at), _field(b, "input", dict, at)
-            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}})
-        else:
-            _dropped(b, at, notes)
-    msg = {"role": "assistant", "content": with_reasoning("".join(thinking) if thinking else None, "".join(texts))}
-    return msg | ({"tool_calls": calls} if calls else {})
-
-
-def _user(blocks: list[dict], where: str, open_calls: set[str], notes: list[str]) -> list[dict]:
-    results, texts = [], []
-    for j, b in enumerate(blocks):
-        at, kind = f"{where}[{j}]", b.get("type")
-        if kind == "text":
-            texts.append(_field(b, "text", str, at))
-        elif kind == "tool_result":
-            call_id = _field(b, "tool_use_id", str, at)
-            if call_id not in open_calls:
-                raise bad(f"tool_result for {call_id!r} has no matching tool_use block in the previous "
-                          f"(assistant) message", f"{at}.tool_use_id")
-            content = b.get("content")
-            text = "" if content is None else text_of(content, f"{at}.content", notes, noun="block")
-            results.append({"role": "tool", "tool_call_id": call_id,
-                            "content": "Error: " + text if b.get("is_error") else text})
-        else:
-            _dropped(b, at, notes)
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
 # ---- the reply ------------------------------------------------------------------------------------------------

@@ -135,11 +135,9 @@ class Session:
             if req.messages is not None:
                 self.remember(c.message["content"], gen.calls)
         c = choices[0]
-        if not self.closed and req.messages is None:
-            prompt = req.prompt if isinstance(req.prompt, str) else base.text
-            self.transcript = [{"role": "prompt", "content": prompt}, {"role": "assistant", "content": c.text}]
-        elif not self.closed:       # a reply with reasoning apart: as the history would send it back
-            self.transcript = req.messages + [c.gen.turn() if req.reasoning else c.message]
+        if not self.closed:     # a reply with reasoning apart: as the history would send it back
+            self.transcript = [{"role": "prompt", "content": base.text}, {"role": "assistant", "content": c.text}] \
+                if req.messages is None else req.messages + [c.gen.turn() if req.reasoning else c.message]
         return choices
 
     async def count(self, req: Request) -> int:
@@ -261,8 +259,8 @@ class Session:
         raw, args = self.said_args.get(call.get("id")), fn.get("arguments")
         if raw is None or raw == args:
             return call
-        value = _json(args)
-        same = value is not _INVALID and (value == _json(raw) or value == {"input": custom_input(raw)})
+        value = loads(args, _INVALID) if isinstance(args, str) else args
+        same = value is not _INVALID and value in (loads(raw, _INVALID), {"input": custom_input(raw)})
         return call | {"function": fn | {"arguments": raw}} if same else call
 
     # ---- prompt assembly -----------------------------------------------------------
@@ -364,10 +362,6 @@ _INVALID = object()
 async def _off_loop(fn, text: str):
     """`fn(text)`, on a thread for a long text: the loop serves other trajectories meanwhile."""
     return await asyncio.to_thread(fn, text) if len(text) > THREAD_CHARS else fn(text)
-
-
-def _json(v):
-    return loads(v, _INVALID) if isinstance(v, str) else v
 
 
 def _common(a, b) -> int:
