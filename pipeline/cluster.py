@@ -66,8 +66,6 @@ def _loggers_to(handler: logging.Handler):
     moved = {}
     for name in names:
         lg = logging.getLogger(name)
-        if isinstance(lg, logging.PlaceHolder):
-            continue
         consoles = [h for h in lg.handlers if isinstance(h, logging.StreamHandler)
                     and not isinstance(h, logging.FileHandler)]
         if consoles or name == "ray":

@@ -53,12 +53,10 @@ class StepLoop:
         self._queued: tuple[Batch, Any] | None = None    # the next update, submitted behind the weight send
         self._in_hand = False                 # a batch is being trained (its step not yet counted)
         self._start, self._taken = (step, version), 0     # tables taken off the window since the start
-        self._started = False
 
     def start(self) -> None:
         """Begin taking the first table (run() does, if this did not)."""
-        if not self._started:
-            self._started = True
+        if self._ahead is None and not self._taken:
             self._take()
 
     def run(self) -> int:
