@@ -84,11 +84,7 @@ class RecordedSource:
     def dataset(self, start: int, num_groups: int, groups_per_block: int, skip: frozenset = frozenset()):
         import ray
 
-        blocks = list(self.blocks(start, num_groups, groups_per_block, skip))
-        if not blocks:
-            raise ReplayError(f"no recorded groups at seqs [{start}, {start + num_groups}): the recording "
-                              f"{self.rec.root} holds {self.num_groups} after the filters")
-        return ray.data.from_arrow(blocks)
+        return ray.data.from_arrow(list(self.blocks(start, num_groups, groups_per_block, skip)))
 
 
 def replay(rollouts_dir: str | Path, cfg, run_dir: str | Path, filters: ReplayConfig | None = None,

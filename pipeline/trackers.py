@@ -34,7 +34,7 @@ class TrackerConfig:
 
 
 class TensorBoardSink:
-    def __init__(self, run_dir: Path, config: dict):
+    def __init__(self, run_dir: Path, config: dict, cfg: TrackerConfig):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
@@ -95,19 +95,16 @@ def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = 
     """RUN_DIR/metrics.jsonl plus the enabled trackers, opened first: a tracker refused at start leaves no file
     open. A missing TensorBoard is said in one line through `log` (a warning without one)."""
     run_dir, config, sinks = Path(run_dir), config or {}, []
-    if cfg.tensorboard:
+    for enabled, make, pkg in ((cfg.tensorboard, TensorBoardSink, "tensorboard"), (cfg.wandb, WandbSink, "wandb"),
+                               (cfg.mlflow, MlflowSink, "mlflow")):
         try:
-            sinks.append(TensorBoardSink(run_dir, config))
-        except ImportError:
+            sinks += [make(run_dir, config, cfg)] if enabled else []
+        except ImportError as e:
+            if pkg != "tensorboard":
+                raise TrackerError(f"trackers.{pkg}=true but {pkg} does not import ({e}); pip install {pkg}") from e
             note = ("TensorBoard event files off: tensorboard is not installed (pip install tensorboard); "
                     "metrics.jsonl only")
             log(note) if log else warnings.warn(note, stacklevel=2)
-    for enabled, make, pkg in ((cfg.wandb, WandbSink, "wandb"), (cfg.mlflow, MlflowSink, "mlflow")):
-        if enabled:
-            try:
-                sinks.append(make(run_dir, config, cfg))
-            except ImportError as e:
-                raise TrackerError(f"trackers.{pkg}=true but {pkg} does not import ({e}); pip install {pkg}") from e
     return TrackedMetrics(MetricsWriter(run_dir), sinks)
 
 
