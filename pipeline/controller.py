@@ -85,8 +85,7 @@ class Controller:
         self.actors = self.pipeline = self.loop = None
 
     def start(self) -> None:
-        """Start Ray, the engines, the trainer, the window gate and the mesh, and build the default
-        pipeline (a caller may swap in its own before run())."""
+        """The actors (builder.start_actors) and the default pipeline, which a caller may swap before run()."""
         c = self.cfg
         self.actors = a = start_actors(c, self.model_path, self.special_ids, self.state["version"],
                                        str(self.resume or ""), self.log)
@@ -111,7 +110,6 @@ class Controller:
         """Evaluate, run the step loop, evaluate again, checkpoint; returns the run's summary."""
         c = self.cfg
         with rundir.locked(self.run_dir, self.log):      # the CLI holds it already; a Python caller takes it here
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(c, self.run_dir / "config.yaml")
             self.recorder = Recorder(self.run_dir, c.rollout.n_samples)
             # time_s counts from here

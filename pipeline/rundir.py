@@ -47,17 +47,11 @@ def _describe(info: dict) -> str:
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started {when})"
 
 
-def _open_lock(path: Path) -> int | None:
-    """An fd of the regular file `path`, created owner-only if missing (None: it vanished meanwhile).
-    A symlink (a planted `.lock -> ~/.bashrc` would be truncated), fifo or directory is refused."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+def _open_lock(path: Path) -> int:
+    """An fd of the regular file `path`, created owner-only if missing. A symlink (a planted
+    `.lock -> ~/.bashrc` would be truncated), fifo or directory is refused."""
     try:
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            fd = os.open(path, flags)
-    except FileNotFoundError:
-        return None
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError:         # ELOOP: a symlink; EISDIR: a directory; ENXIO: a socket
         fd = None
     if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
@@ -74,8 +68,6 @@ def _acquire(path: Path, log: Callable[[str], None]) -> int:
     """An fd of `path` holding its flock, with this process written in; RunDirError names a live holder."""
     while True:
         fd = _open_lock(path)
-        if fd is None:
-            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
