@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property, partial
 
@@ -371,8 +372,4 @@ def _common(a, b) -> int:
 
 def _most(holds, hi: int) -> int:
     """The largest k in [0, hi] for which `holds(k)`, true up to some k and false after (a binary search)."""
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if holds(mid) else (lo, mid - 1)
-    return lo
+    return bisect_left(range(1, hi + 1), True, key=lambda k: not holds(k))
