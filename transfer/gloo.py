@@ -59,14 +59,8 @@ class GlooRecv:
         if self.pg is None:
             self.pg = _join(self.store, self.address, self.rank, self.ip, self.td)
         self.flat = landing_buffer(self.flat, layout.total_bytes)
-        header = torch.empty(3, dtype=torch.int64)
-
-        def recv_header():
-            self.pg.broadcast(header, 0, self.td).wait(self.td)
-            return header.tolist()
-
         return layout.unpack(self.flat), stream_buckets(
-            self.flat, version, layout, recv_header, lambda t: self.pg.broadcast(t, 0, self.td).wait(self.td))
+            self.flat, version, layout, lambda t: self.pg.broadcast(t, 0, self.td).wait(self.td))
 
     def close(self) -> None:
         self.pg = None

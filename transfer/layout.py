@@ -153,10 +153,17 @@ def landing_buffer(buf: torch.Tensor | None, nbytes: int, device="cpu") -> torch
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def stream_buckets(flat: torch.Tensor, version: int, layout: Layout, recv_header: Callable[[], tuple],
-                   recv_into: Callable[[torch.Tensor], None]):
+def stream_buckets(flat: torch.Tensor, version: int, layout: Layout, recv_into: Callable[[torch.Tensor], None],
+                   recv_header: Callable[[], tuple] | None = None):
     """The receiving loop of the streaming transports (gloo, zmq, nccl): per bucket a header
-    (version, index, checksum), checked against the bucket awaited, then its bytes into `flat`."""
+    (version, index, checksum), checked against the bucket awaited, then its bytes into `flat`.
+    recv_header None: the header is 3 int64 words that recv_into lands (a broadcast's)."""
+    if recv_header is None:
+        header = torch.empty(3, dtype=torch.int64, device=flat.device)
+
+        def recv_header():
+            recv_into(header)
+            return header.tolist()
     for i in range(layout.num_buckets):
         v, j, crc = (int(x) for x in recv_header())
         if (v, j) != (version, i):

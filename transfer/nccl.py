@@ -172,11 +172,5 @@ class NcclRecv(_Link):
         if self.wire is None:
             self.wire = _Wire(self.nccl, self.world, self.unique_id, self.rank, self.device, self.timeout_s)
         self.flat = landing_buffer(self.flat, layout.total_bytes, self.device)
-        header = torch.empty(3, dtype=torch.int64, device=self.device)
-
-        def recv_header():
-            self.wire.wait(self.wire.broadcast(header))
-            return header.tolist()
-
-        return layout.unpack(self.flat), stream_buckets(self.flat, version, layout, recv_header,
+        return layout.unpack(self.flat), stream_buckets(self.flat, version, layout,
                                                         lambda t: self.wire.wait(self.wire.broadcast(t)))

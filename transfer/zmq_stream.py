@@ -81,7 +81,7 @@ class ZmqRecv:
             if self.sock.recv_into(memoryview(bucket.numpy())) != bucket.numel() or self.sock.getsockopt(zmq.RCVMORE):
                 raise RuntimeError("a bucket arrived with the wrong size")
 
-        return layout.unpack(self.flat), stream_buckets(self.flat, version, layout, recv_header, recv_into)
+        return layout.unpack(self.flat), stream_buckets(self.flat, version, layout, recv_into, recv_header)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
