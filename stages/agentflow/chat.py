@@ -13,6 +13,8 @@ import json
 import re
 import secrets
 
+from stages.agentflow.limits import RequestRejected
+
 FALLBACK_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m['content'] is string -%}{{ m['content'] }}{%- endif -%}"
@@ -86,14 +88,10 @@ def cut_at_stop(tok, context_ids: list[int], ids: list[int], stops: list[str],
     return ids[:k], stop
 
 
-class MessageError(ValueError):
+class MessageError(RequestRejected):
     """A malformed message or content part, a 400 at the proxy; `param` names the field (messages[0].content)."""
 
     code = None
-
-    def __init__(self, message: str, param: str = "messages"):
-        super().__init__(message)
-        self.param = param
 
 
 def normalise_messages(messages, notes: list[str] | None = None) -> list[dict]:
@@ -101,7 +99,7 @@ def normalise_messages(messages, notes: list[str] | None = None) -> list[dict]:
     With `notes`, content parts a text model cannot read (images, audio, files) are dropped and noted there;
     without, they are an error."""
     if not isinstance(messages, list) or not messages:
-        raise MessageError("'messages' must be a non-empty list")
+        raise MessageError("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
         at = f"messages[{i}]"

@@ -32,7 +32,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 
 from stages.agentflow import anthropic_api
 from stages.agentflow.anthropic_api import MESSAGES, parse_messages
-from stages.agentflow.chat import MessageError, ensure_chat_template
+from stages.agentflow.chat import ensure_chat_template
 from stages.agentflow.client import ENGINE_LOST
 from stages.agentflow.limits import PromptLimit, RequestRejected, longest_token_chars
 from stages.agentflow.openai_api import CHAT, COMPLETIONS
@@ -145,7 +145,7 @@ class Proxy:
             return await handler(request)
         except APIError as e:
             return _error(request, e)
-        except (RequestRejected, MessageError) as e:  # a bad message; a row the engine refused, as our checks would
+        except RequestRejected as e:  # a bad message (chat.MessageError); a row the engine refused, as our checks would
             return _error(request, APIError(400, str(e), e.param, e.code))
         except web.HTTPRequestEntityTooLarge:
             return _error(request, APIError(413, f"request body over the {self.max_body} byte limit"))
