@@ -8,11 +8,9 @@ cache joined to the batch's, left-padded). A step is one forward under the weigh
 lands between steps and a row spanning an update records both versions (partial rollout); a `hold`
 call keeps one version (VersionGate). With trainer.lora a version is the adapter alone (stages/lora.py).
 
-Memory follows the response, not vocabulary x prompt: the LM head runs at the last position only; the
-KV cache is bounded by engine.kv_cache_mb (rows are admitted while rows x the widest row's context +
-budget fits; a request that cannot fit alone fails, naming the key); distinct contexts are prefilled
-in packs whose padded attention mask (rows x width^2) stays under PREFILL_MASK_ELEMS; sampling takes
-a few rows at a time (sampling.py).
+Memory follows the response, not vocabulary x prompt: the LM head runs at the last position only, the
+KV cache is bounded by engine.kv_cache_mb (_admit, _kv_error), distinct contexts are prefilled in packs
+(_prefill) and sampling takes a few rows at a time (sampling.py).
 """
 from __future__ import annotations
 

@@ -119,7 +119,6 @@ class EngineBase:
         self._lora_files = self.lora        # the adapter as the engine reads its files
 
     def info(self) -> dict:
-        """Who serves, where, which version, the process's incarnation and whether it awaits the current weights."""
         return {"engine_id": self.engine_id, "pid": os.getpid(), "host": socket.gethostname(),
                 "version": self.version, "incarnation": self.incarnation, "needs_sync": self.needs_sync(), **self.about}
 

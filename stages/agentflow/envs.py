@@ -1,10 +1,6 @@
-"""Environments for white-box agents: `step(action text) -> Step` (or an awaitable of one).
-
-An environment is built per trajectory from its sample and answers each action with an
-observation, a reward and whether the episode is over. A white-box agent drives it with
-`await ctx.step(env, action)`: the observation joins the trajectory as loss_mask=0 tokens
-and the rewards add up into the trajectory's agent reward, which the Reward stage then
-uses instead of its reward function.
+"""Environments for white-box agents: `step(action text) -> Step` (or an awaitable of one), built per
+trajectory from its sample and driven by `await ctx.step(env, action)` (stages/agentflow/agent.py). The
+rewards add up into the trajectory's agent reward, which the Reward stage uses instead of its reward function.
 """
 from __future__ import annotations
 

@@ -62,9 +62,6 @@ def load_agent(name: str, preload: tuple = ()):
     return agent
 
 
-ENCODE_CACHE_ROWS = 4096    # prompts kept tokenized per rollout worker
-
-
 class AgentFlowRollout:
     tasks_in_flight = 1    # one queued call per worker: blocks reach the window gate in stream order
     inputs = ("prompt_id", "group_id", "sample_idx", "prompt")
@@ -92,8 +89,8 @@ class AgentFlowRollout:
         self.sampling = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                          "top_p": sampling.top_p, "hold": rollout.partial == "wait"}
         self.loop = asyncio.new_event_loop()
-        # prompt text -> ids (AgentContext copies them): a group's N samples share one prompt
-        self._encode = functools.lru_cache(ENCODE_CACHE_ROWS)(functools.partial(encode, self.tok))
+        # prompt text -> ids, 4096 prompts kept (AgentContext copies them): a group's N samples share one prompt
+        self._encode = functools.lru_cache(4096)(functools.partial(encode, self.tok))
         # started on first use, on self.loop: it serves while a batch runs, which is when agents call it
         self.proxy = Proxy(self.tok, proxy.host, proxy.port, int(proxy.max_body_mb * 2 ** 20), proxy.force_sampling,
                            self.limit)

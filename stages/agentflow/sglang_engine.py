@@ -174,8 +174,7 @@ class SGLangEngine(EngineBase):
         if self.lora is not None:
             return self._load_adapter(named_tensors, version)
         buckets = list(self._buckets(named_tensors))
-        # a version whole: one update at a time, after the `hold` requests in flight have finished, with
-        # generation paused (queued requests wait for resume)
+        # one update at a time, with generation paused (queued requests wait for continue_generation)
         with self._update_lock, self._gate.updating():
             self._post("/pause_generation", {"mode": self.cfg.pause_mode})
             try:

@@ -124,8 +124,7 @@ class SandboxAgent:
         return ""
 
     async def start_remote(self) -> None:
-        """The remote sandbox's client; with no tool_service.url, a service process of this
-        worker's, started once."""
+        """The remote sandbox's client; with no tool_service.url, this worker's own service, started once."""
         from stages.agentflow.sandbox.tool_service import ToolService, ToolServiceClient
 
         async with self._starting:
