@@ -11,7 +11,6 @@ from stages.update.distill import (
     distill_metrics,
     gkd_term,
     opd_advantages,
-    reverse_kl_signal,
     teacher_batch,
     topk_kl,
 )
@@ -42,14 +41,14 @@ def test_opd_advantage_sign_and_masking_by_hand():
     teacher = torch.tensor([[-0.1, -3.0, -1.0, 0.0]])
     student = torch.tensor([[-2.0, -0.5, -1.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    sig = reverse_kl_signal(teacher, student, mask)
+    sig = opd_advantages(torch.zeros(1, 4), teacher, student, mask, 1.0, 0.0)
     # teacher likes token 0 more than the student: reinforce; token 1 less: suppress; agreement: 0; pad: 0
     assert sig[0].tolist() == pytest.approx([1.9, -2.5, 0.0, 0.0])
     task = torch.tensor([[0.5, 0.5, 0.5, 0.0]])                   # task advantages come masked already
     assert opd_advantages(task, teacher, student, mask, 2.0, 0.0)[0].tolist() == pytest.approx([3.8, -5.0, 0.0, 0.0])
     assert opd_advantages(task, teacher, student, mask, 1.0, 1.0)[0].tolist() == pytest.approx([2.4, -2.0, 0.5, 0.0])
     inf_pad = torch.tensor([[-0.1, -3.0, -1.0, -torch.inf]])     # -inf in padding never leaks
-    assert torch.isfinite(reverse_kl_signal(inf_pad, student, mask)).all()
+    assert torch.isfinite(opd_advantages(torch.zeros(1, 4), inf_pad, student, mask, 1.0, 0.0)).all()
 
 
 @pytest.mark.parametrize("seed", range(3))

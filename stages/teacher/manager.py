@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from stages.model import load_model, load_tokenizer
 from stages.teacher.config import TeacherConfig, TeacherError
 from stages.teacher.offload import OFFLOADS, read_header, resident_nbytes, weight_files
 
@@ -46,8 +47,6 @@ class Swap:
 
 def _check_tokenizer(tid: str, path: str, student_tok) -> None:
     """A teacher without its own tokenizer shares the student's; one with its own must match it."""
-    from stages.model import load_tokenizer
-
     p = Path(path)
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return
@@ -82,8 +81,6 @@ def _spec(tid: str, path: str, dtype: str, student_tok) -> TeacherSpec:
 
 def check_teachers(cfg: TeacherConfig, student_dir: str, sources=()) -> dict[str, TeacherSpec]:
     """Every start-up check: dirs, weights, tokenizers, budget vs sizes, every source routed."""
-    from stages.model import load_tokenizer
-
     student_tok = load_tokenizer(student_dir)
     specs = {tid: _spec(tid, path, cfg.dtype, student_tok) for tid, path in cfg.teachers.items()}
     if cfg.max_resident_bytes:
@@ -91,35 +88,24 @@ def check_teachers(cfg: TeacherConfig, student_dir: str, sources=()) -> dict[str
         if big.nbytes > cfg.max_resident_bytes:
             raise TeacherError(f"teacher.max_resident_bytes={cfg.max_resident_bytes} is smaller than teacher "
                                f"{big.id!r} ({big.nbytes} bytes in {cfg.dtype}): it could never be resident")
-    unrouted = sorted({s for s in sources if not cfg.routes.get(s, cfg.default)})
-    if unrouted:
+    if unrouted := sorted({s for s in sources if not cfg.routes.get(s, cfg.default)}):
         raise TeacherError(f"data_source {', '.join(map(repr, unrouted))} has no teacher: add "
                            f"teacher.routes.<source> or set teacher.default "
                            f"(routed: {', '.join(cfg.routes) or 'none'})")
     return specs
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TeacherError("teacher.device=cuda but this actor sees no CUDA device")
-    return torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
-
-
 # ---- the manager -------------------------------------------------------------------------------
 
 class _Teacher:
     def __init__(self, spec: TeacherSpec, dtype: str, device: torch.device):
-        from stages.model import load_model
-
         self.model = load_model(spec.path, dtype)           # validates that the files load as this model
         self.params = dict(self.model.named_parameters())   # deduplicated: a tied weight appears once
         missing, extra = set(self.params) - spec.names, spec.names - set(self.params)
         if missing or extra:
             raise TeacherError(f"teacher {spec.id!r} ({spec.path}): weight names do not match the model "
                                f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]})")
-        self.offload = OFFLOADS[device.type](spec.files, dtype, device)
+        self.fetch = OFFLOADS[device.type](spec.files, dtype, device)
         self.drop()
         self.model.to(device)    # moves the (small, computed) buffers; parameters are placeholders now
         self.model.requires_grad_(False)
@@ -129,7 +115,7 @@ class _Teacher:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def load(self) -> None:
-        tensors = self.offload.fetch()
+        tensors = self.fetch()
         for name, p in self.params.items():
             p.data = tensors[name]
 
@@ -137,7 +123,10 @@ class _Teacher:
 class TeacherManager:
     def __init__(self, cfg: TeacherConfig, student_dir: str):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cuda" and not torch.cuda.is_available():
+            raise TeacherError("teacher.device=cuda but this actor sees no CUDA device")
+        self.device = torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
         self.specs = check_teachers(cfg, student_dir)
         self.teachers = {tid: _Teacher(s, cfg.dtype, self.device) for tid, s in self.specs.items()}
         self.resident: OrderedDict[str, None] = OrderedDict()   # least recently used first

@@ -1,12 +1,11 @@
-"""Where an offloaded teacher's weights wait, and how they come back: one class per host kind.
+"""Where an offloaded teacher's weights wait, and how they come back: OFFLOADS[device type](files, dtype,
+device) gives `fetch() -> {name: tensor on the resident device}`.
 
-Both stores have one method, `fetch() -> {name: tensor on the resident device}`:
-
-* CpuOffload (CPU hosts): the weights stay in the teacher's safetensors files; a swap-in maps them
-  and copies every tensor into memory the process owns, in chunks (a zero-copy mmap view would
-  make "resident" whatever pages the OS kept, fault inside the forward and escape the budget).
-* PinnedOffload (GPU hosts): a pinned CPU copy of every tensor, made once at start; a swap-in is
-  one asynchronous host-to-device copy per tensor, at full bus bandwidth.
+* CPU hosts: the weights stay in the teacher's safetensors files; a swap-in maps them and copies
+  every tensor into memory the process owns, in chunks (a zero-copy mmap view would make "resident"
+  whatever pages the OS kept, fault inside the forward and escape the budget).
+* GPU hosts: a pinned CPU copy of every tensor, made once at start; a swap-in is one asynchronous
+  host-to-device copy per tensor, at full bus bandwidth.
 """
 from __future__ import annotations
 
@@ -87,20 +86,14 @@ def _read(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-class CpuOffload:
-    def __init__(self, files: list[Path], dtype: str, device: torch.device):
-        self.fetch = partial(_read, files, DTYPES[dtype])
+def _pinned(files: list[Path], dtype: str, device: torch.device):
+    host = {name: t.pin_memory() for name, t in _read(files, DTYPES[dtype]).items()}
 
-
-class PinnedOffload:
-    def __init__(self, files: list[Path], dtype: str, device: torch.device):
-        self.device = device
-        self.host = {name: t.pin_memory() for name, t in _read(files, DTYPES[dtype]).items()}
-
-    def fetch(self) -> dict[str, torch.Tensor]:
-        out = {name: t.to(self.device, non_blocking=True) for name, t in self.host.items()}
-        torch.cuda.current_stream(self.device).synchronize()   # the forward must not see half-copied weights
+    def fetch() -> dict[str, torch.Tensor]:
+        out = {name: t.to(device, non_blocking=True) for name, t in host.items()}
+        torch.cuda.current_stream(device).synchronize()   # the forward must not see half-copied weights
         return out
+    return fetch
 
 
-OFFLOADS = {"cpu": CpuOffload, "cuda": PinnedOffload}
+OFFLOADS = {"cpu": lambda files, dtype, device: partial(_read, files, DTYPES[dtype]), "cuda": _pinned}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+from stages.model import load_tokenizer
 from stages.schema import with_columns
 from stages.teacher.config import TeacherConfig
 from stages.teacher.manager import TeacherManager
@@ -53,8 +54,6 @@ class TeacherScoring:
             torch.set_num_threads(num_threads)
         self.cfg = cfg
         self.manager = TeacherManager(cfg, student_dir)
-        from stages.model import load_tokenizer
-
         self.pad_id = load_tokenizer(student_dir).pad_token_id
 
     def __call__(self, batch: pa.Table) -> pa.Table:

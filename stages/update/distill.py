@@ -56,16 +56,11 @@ def teacher_batch(table: pa.Table, T: int) -> TeacherBatch:
     return TeacherBatch(lp, has, ids, top, [s or "" for s in sources])
 
 
-def reverse_kl_signal(teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token log pi_T - log pi_S on trained tokens, 0 elsewhere. [B,T]"""
-    return masked(teacher_lp - student_lp, mask)
-
-
 def opd_advantages(task_adv: torch.Tensor, teacher_lp: torch.Tensor, student_lp: torch.Tensor, mask: torch.Tensor,
                    distill_coef: float = 1.0, task_coef: float = 1.0) -> torch.Tensor:
     """task_coef * task advantage + distill_coef * (log pi_T - log pi_S), per token [B,T]. `mask` marks the
     tokens with teacher scores: a row without a teacher still learns from reward."""
-    return task_coef * task_adv + distill_coef * reverse_kl_signal(teacher_lp, student_lp, mask)
+    return task_coef * task_adv + distill_coef * masked(teacher_lp - student_lp, mask)
 
 
 def topk_kl(student_topk_lp: torch.Tensor, teacher_topk_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
