@@ -5,7 +5,8 @@ An actor that holds weights creates one endpoint and forwards one remote method 
 `mesh(method, *args, **kwargs)`; the driver's TransferMesh calls only the public methods below
 (their names never overlap: one threaded colocated actor can host both endpoints).
 
-A transport is one module with one class per side of the wire, registered in TRANSPORT_CLASSES:
+A transport is one module, transfer/<name>.py (zmq: zmq_stream.py), with one class per side of the
+wire, found by name (cuda_ipc: CudaIpcSend, CudaIpcRecv):
 
   Send(mesh_id, receivers, cfg, party, staging)      in the sender
       prepare(snapshot) -> dict    ready for snapshot.version; what receivers connect with
@@ -37,17 +38,12 @@ from .layout import Layout, byte_views, checksum, unpack_bucket
 from .staging import HostStaging, Snapshot
 from .topology import Party, describe_process, local_device
 
-# transport -> (module, sender class, receiver class); imported on first use, so a CPU-only
-# process never touches CUDA code
-TRANSPORT_CLASSES = {"inproc": ("inproc", "InprocSend", "InprocRecv"), "shm": ("shm", "ShmSend", "ShmRecv"),
-                     "gloo": ("gloo", "GlooSend", "GlooRecv"), "zmq": ("zmq_stream", "ZmqSend", "ZmqRecv"),
-                     "cuda_ipc": ("cuda_ipc", "CudaIpcSend", "CudaIpcRecv"), "nccl": ("nccl", "NcclSend", "NcclRecv")}
 
-
-def link_class(transport: str, side: int) -> type:
-    """side 1: the sender's class, 2: the receiver's."""
-    spec = TRANSPORT_CLASSES[transport]
-    return getattr(importlib.import_module(f"{__package__}.{spec[0]}"), spec[side])
+def link_class(transport: str, side: str) -> type:
+    """The transport's class for `side` ("Send" or "Recv"), its module imported on first use, so a
+    CPU-only process never touches CUDA code."""
+    module = importlib.import_module(f"{__package__}.{'zmq_stream' if transport == 'zmq' else transport}")
+    return getattr(module, "".join(w.capitalize() for w in transport.split("_")) + side)
 
 
 class WeightTarget(Protocol):
@@ -113,7 +109,7 @@ class Sender:
             for transport, names in plan.items():
                 if transport in reset or m.members.get(transport) != names:
                     self._close_link(m, transport)
-            staged = any(link_class(t, 1).staged for t in plan)
+            staged = any(link_class(t, "Send").staged for t in plan)
             if staged:
                 m.staging = m.staging or HostStaging(mesh_id, cfg.shm_dir)
                 m.staging.prepare(version, layout)
@@ -126,7 +122,7 @@ class Sender:
             m.plan, addresses = list(plan), {}
             for transport, names in plan.items():
                 if transport not in m.links:
-                    m.links[transport] = link_class(transport, 1)(mesh_id, names, cfg, self.describe_sender(),
+                    m.links[transport] = link_class(transport, "Send")(mesh_id, names, cfg, self.describe_sender(),
                                                                   m.staging)
                     m.members[transport] = list(names)
                 addresses[transport] = m.links[transport].prepare(m.snapshot)
@@ -256,7 +252,7 @@ class Receiver:
             if seen != address:     # first use, or the sender rebuilt its side
                 if link is not None:
                     link.close()
-                link = link_class(transport, 2)(mesh_id, name, address, cfg, self.describe_receiver()[0])
+                link = link_class(transport, "Recv")(mesh_id, name, address, cfg, self.describe_receiver()[0])
                 self._links[key] = (address, link)
             return link
 
