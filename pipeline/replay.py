@@ -58,7 +58,6 @@ class RecordedSource:
     """A pipeline source whose rows are a recording's: seq g is the g-th kept group in recorded order.
     Blocks never span two recorded steps, so with the recording's groups_per_step the batcher forms
     exactly the recorded steps."""
-    inputs: tuple = ()
 
     def __init__(self, recording: Recording, groups: pa.Table):
         self.rec, self.n_samples = recording, recording.n_samples
