@@ -44,8 +44,7 @@ class Evaluator:
     def __call__(self, engines: list) -> dict:
         c = self.cfg
         if c.agent.name == "single_turn":
-            return evaluate(engines, self.reward, self.prompts, self.tok, c.eval.temperature,
-                            c.sampling.max_new_tokens, c.eval.n_samples, seed=seeds.derive(c.run.seed, "eval"))
+            return evaluate(c, engines, self.reward, self.prompts, self.tok)
         if self._rollout is None:
             self._rollout = eval_rollout(c, engines, self.model_path, self.tok_class)
         return evaluate_agent(self._rollout, self.reward, self.prompts, c.eval.n_samples)
@@ -66,18 +65,17 @@ def eval_rollout(cfg, engines: list, model_path: str, tok_class: str = ""):
     return AgentFlowRollout(engines, None, model_path, tok_class, **sections)
 
 
-def evaluate(engines: list, reward_stage, prompts: pa.Table, tok, temperature: float, max_new_tokens: int,
-             n_samples: int, seed: int) -> dict:
-    """Sample k draws with seed + k, whatever engine and batch it lands in (every evaluation of a run
-    draws the same numbers: accuracy moves with the weights, not with the draws)."""
-    t0 = time.time()
+def evaluate(cfg, engines: list, reward_stage, prompts: pa.Table, tok) -> dict:
+    """Single-turn, straight on the engines. Sample k draws with seed + k, whatever engine and batch it
+    lands in (every evaluation of a run draws the same numbers: accuracy moves with the weights, not
+    with the draws)."""
+    t0, n_samples, seed = time.time(), cfg.eval.n_samples, seeds.derive(cfg.run.seed, "eval")
     rows = [r for r in prompts.to_pylist() for _ in range(n_samples)]
-    reqs = [{"prompt_ids": tok(r["prompt"], add_special_tokens=False)["input_ids"], "max_new_tokens": max_new_tokens,
-             "temperature": temperature, "hold": True, "seed": seed + k} for k, r in enumerate(rows)]
+    reqs = [{"prompt_ids": tok(r["prompt"], add_special_tokens=False)["input_ids"],
+             "max_new_tokens": cfg.sampling.max_new_tokens, "temperature": cfg.eval.temperature, "hold": True,
+             "seed": seed + k} for k, r in enumerate(rows)]
     outs = ray.get([e.generate.remote(reqs[i::len(engines)]) for i, e in enumerate(engines)])
-    results = [None] * len(reqs)
-    for i, out in enumerate(outs):
-        results[i::len(engines)] = out
+    results = [outs[j % len(engines)][j // len(engines)] for j in range(len(reqs))]    # engine i got reqs[i::E]
     table = table_from_columns({   # group and sample: a user reward fn's row["seed"] differs per sample
         "group_id": [i // n_samples for i in range(len(rows))], "sample_idx": [i % n_samples for i in range(len(rows))],
         "prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows],

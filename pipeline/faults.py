@@ -59,8 +59,7 @@ class Faults:
             try:
                 m = self.mesh.publish_end(publishing)
             except TransferError as e:
-                fatal = {n: f for n, f in e.failures.items() if n not in self.mesh.dead or n == "sender"}
-                if fatal or not e.failures:
+                if not e.failures or any(n not in self.mesh.dead or n == "sender" for n in e.failures):
                     raise
                 self.log(f"weight sync v{version}: {', '.join(e.failures)} died; resent when restarted")
                 m = e.metrics

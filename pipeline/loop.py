@@ -8,9 +8,9 @@
         checkpoint, when due
         record(step, batch, metrics)              (deferred: runs during the next update)
 
-The next batch is taken on a thread (`Ahead`) while the trainer works; with `queue_next` (async
-mode) the next update is submitted as soon as the sender is free and its batch is there, while the
-engines still land the weights (not on a checkpoint's step or the last, whose weights must stay put).
+With `queue_next` (async mode) the next update is submitted as soon as the sender is free and its
+batch is there, while the engines still land the weights (not on a checkpoint's step or the last,
+whose weights must stay put).
 """
 from __future__ import annotations
 

@@ -2,11 +2,8 @@
 
 `RUN/.lock` names its holder (pid, host, start time) and is held with `flock` while the run lives:
 a lock left by a dead run on this host is taken over (said in one line); one written on another host
-cannot be checked from here and is refused, naming the host. Nested use within one process shares
-the lock. The lock file is owner-only and never opened through a symlink.
-
-`claim` adds the rule for a directory holding an earlier run: a new run into it is refused unless it
-resumes (run.resume_from, --resume) or overwrites (--overwrite: the earlier run's files go).
+cannot be checked from here and is refused, naming the host. The lock file is owner-only and never
+opened through a symlink. `claim` adds the rule for a directory holding an earlier run.
 """
 from __future__ import annotations
 
