@@ -72,9 +72,7 @@ def parse_messages(body, session=None, count_only: bool = False) -> Request:
             f.notes.append(f"{what} {brief if len(brief) <= 120 else brief[:117] + '...'} accepted, not applied")
     tools = _tools(f.body.get("tools"), f.notes)
     forced = _tool_choice(f.body.get("tool_choice"), tools, f.notes)
-    system = f.body.get("system")
-    system = text_of(system, "system", noun="block") if system is not None else None
-    return f.request(messages=to_messages(system, f.body.get("messages"), f.notes),
+    return f.request(messages=to_messages(f.body.get("system"), f.body.get("messages"), f.notes),
                      tools=None if forced == "none" else tools or None, stop=stops,
                      forced=None if forced == "none" else forced, requested=requested, stream=stream, reasoning=True,
                      call_prefix="toolu_", top_temperature=1)
@@ -120,10 +118,11 @@ def _tool_choice(choice, tools: list[dict], notes: list[str]) -> str | None:
 
 
 # ---- messages -> chat messages ----------------------------------------------------------------------------------
-def to_messages(system: str | None, messages, notes: list[str]) -> list[dict]:
+def to_messages(system, messages, notes: list[str]) -> list[dict]:
     """Chat messages: an assistant's thinking goes inline before its text, its tool_use blocks are its tool calls;
     a user's tool_results (each answering a tool_use of the previous message; `is_error` prefixes "Error: ") are
     tool messages before its text."""
+    system = None if system is None else text_of(system, "system", noun="block")
     if not isinstance(messages, list) or not messages:
         raise bad("must be a non-empty list of messages", "messages")
     out = [{"role": "system", "content": system}] if system else []

@@ -2,9 +2,8 @@
 
 One aiohttp server per rollout worker, on its event loop, bound to 127.0.0.1 by default; each trajectory gets its
 own endpoint `http://127.0.0.1:PORT/t/<route>/v1` (route: 24 random url-safe chars) and key (`Authorization:
-Bearer <key>` or `x-api-key: <key>`). It serves POST chat/completions, completions (openai_api.py), responses
-(responses_api.py), messages and messages/count_tokens (anthropic_api.py; the anthropic SDK's base_url is the
-endpoint less /v1), GET models, and a keyless HEAD on the base URL (Claude Code's reachability check).
+Bearer <key>` or `x-api-key: <key>`). It serves ENDPOINTS, each protocol's adapter named in PROTOCOLS, and a
+keyless HEAD on the base URL (Claude Code's reachability check).
 
 A request walks one way: the guard (path, key, route), the protocol's `parse` into one `Request`, the trajectory's
 `Session.call` (session.py), the protocol's `respond`. Errors are in the path's protocol (OpenAI's or Anthropic's
