@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import sys
@@ -16,13 +17,7 @@ from stages.keys import check_of, default_of, doc_of
 REGENERATE = "python -m pipeline.config_doc > docs/config.md"
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    key: str        # dotted, e.g. sandbox.workers
-    type: str
-    default: str
-    accepts: str
-    doc: str
+Row = collections.namedtuple("Row", "key type default accepts doc")      # key dotted: sandbox.workers
 
 
 def sections(cls=Config, prefix: str = "") -> list[tuple[str, str, list[Row]]]:

@@ -7,11 +7,11 @@ reads rows, so replay never trains on partial rows.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import tempfile
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,11 +69,7 @@ def write_atomic(table: pa.Table, final: Path) -> Path:
     return final
 
 
-@dataclass(frozen=True)
-class StepFile:
-    step: int
-    path: Path
-    n_samples: int
+StepFile = collections.namedtuple("StepFile", "step path n_samples")
 
 
 def _check_file(path: Path) -> StepFile:
