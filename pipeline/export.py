@@ -1,7 +1,4 @@
-"""`loongsage export`: a checkpoint as a plain HF model directory.
-
-    loongsage export --merge RUN/checkpoints/step_000160 OUT     # a LoRA checkpoint: base + adapter merged
-    loongsage export RUN/checkpoints/step_000160 OUT             # a full checkpoint: its weights as they are
+"""`loongsage export [--merge] RUN/checkpoints/step_N OUT`: a checkpoint as a plain HF model directory.
 
 A LoRA checkpoint is a peft adapter naming its HF base: --merge merges it into the base's weights
 (W + (alpha / r) B A), so OUT loads with `AutoModelForCausalLM.from_pretrained(OUT)` and no peft.

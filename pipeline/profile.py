@@ -1,10 +1,9 @@
 """Profiler: a span for every stage call and every driver phase -> RUN_DIR/profile/*.parquet.
 
-A span (SPAN_SCHEMA) is one piece of work on one actor: `stage` is the stage class or a driver phase (batcher:
-the driver waiting for the next step's groups; update, sync, eval), `actor` "Reward:4711" (stage : pid),
-"driver", "trainer" or "engines"; `step` -1 for stage calls; `batch_id` the batch's first group seq (-1: none),
-following one block through the stages; `wait_s` the actor's idle time before it; `overhead_s` the profiler's
-own time recording the actor's previous span.
+A span (SPAN_SCHEMA) is one piece of work on one actor ("Reward:4711" = stage : pid, or "driver", "trainer",
+"engines"): a stage call, or a driver phase (batcher: waiting for the next step's groups; update, sync, eval).
+`batch_id` (the first group seq) follows one block through the stages; `wait_s` is the actor's idle time before
+the span, `overhead_s` the profiler's own time recording the actor's previous one.
 
 Recording stays on: a stage call costs two clock reads, a few Arrow reductions and a fire-and-forget
 call to a `SpanSink` actor, which writes a Parquet part every few seconds; `close()` marks the session

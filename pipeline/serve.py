@@ -1,13 +1,6 @@
-"""`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training
-(docs/harnesses-running.md).
-
-The engines start as a run starts them and the black-box proxy serves one endpoint, loopback by default:
-http://127.0.0.1:PORT/t/serve/v1. The key comes from $LOONGSAGE_SERVE_KEY or an owner-only `--key-file` (never
-the command line), else a random one is printed. Every call is recorded as in a training run, owner-only, into
-DIR/rollouts (one step per trajectory, one row per segment, each its own group) that `loongsage replay` trains
-from, with DIR/config.yaml and DIR/requests.jsonl (one line per HTTP request). A trajectory is what was served
-between two rotations: SIGUSR1 (or `Server.rotate()`) records it and opens the next at the same URL and key;
-SIGINT / SIGTERM record it and stop.
+"""`loongsage serve MODEL_OR_CHECKPOINT`: a model behind the recording proxy, outside training, at one URL and
+key (docs/harnesses-running.md). Every call is recorded, owner-only, as a run records: DIR/rollouts, one step per
+trajectory (what was served between two rotations: SIGUSR1 or `Server.rotate()`), which `loongsage replay` trains.
 """
 from __future__ import annotations
 

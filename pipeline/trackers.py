@@ -92,8 +92,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def open_metrics(run_dir: str | Path, cfg: TrackerConfig, config: dict | None = None, log=None) -> "TrackedMetrics":
-    """RUN_DIR/metrics.jsonl plus the enabled trackers, opened first: a tracker refused at start leaves no file
-    open. A missing TensorBoard is said in one line through `log` (a warning without one)."""
+    """The trackers are opened first: one refused at start leaves no file open. A missing TensorBoard is said
+    through `log` (a warning without one)."""
     run_dir, config, sinks = Path(run_dir), config or {}, []
     for enabled, make, pkg in ((cfg.tensorboard, TensorBoardSink, "tensorboard"), (cfg.wandb, WandbSink, "wandb"),
                                (cfg.mlflow, MlflowSink, "mlflow")):
