@@ -1,9 +1,6 @@
-"""The update stage's recipe sections, `algorithm:` and `trainer:` (with `trainer.lora:`).
-
-They live apart from the losses and the trainer so that a recipe is read and checked without
-importing torch: `loongsage run CFG bad=value` is refused in a fraction of a second. The names
-the torch modules implement (advantage estimators, surrogates, KL estimators, distillation
-modes) are listed here; tests/test_config_light.py checks the lists match those modules.
+"""The update stage's recipe sections, `algorithm:` and `trainer:` (with `trainer.lora:`), apart from the
+losses and the trainer so that a recipe is read and checked without importing torch. The names the torch
+modules implement are listed here; tests/test_config_doc.py checks the lists match those modules.
 """
 from __future__ import annotations
 

@@ -163,9 +163,8 @@ def step_metrics(metrics: dict, parts: list[dict], losses: list[float], gnorms: 
 
 
 class Trainer:
-    """What both trainers share: the set-up, the step around their own mini-batches, the clock a resume
-    restores and the version the TransferMesh publishes. A trainer gives `published()` (its HF state
-    dict, or its LoRA adapter), `_prepare` and `opt` (whose param_groups take the step's lr)."""
+    """What both trainers share: the set-up, the step around their own mini-batches and the resume clock.
+    A trainer gives `published()` (its HF state dict or LoRA adapter), `_prepare` and `opt`."""
 
     reports = True          # a Megatron rank that does not report the step's metrics returns None
     _adopt_shared = None    # the torch trainer keeps its weights in the mesh's shared segment

@@ -7,15 +7,18 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import resource
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
+from safetensors.torch import load_file
 
 from stages import lora as lora_lib
 from stages.model import load_model
 from stages.token_logprobs import position_stats, split_model
+from stages.tokenizer import save_tokenizer
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.correction import mismatch_metrics
 from stages.update.distill import apply_distill, gkd_term
@@ -76,17 +79,6 @@ def pack_shared_prompts(b: Batch, rows: torch.Tensor, pad_id: int) -> Packed | N
     return Packed(ids, position, mask[:, None], torch.from_numpy(inverse), pos)
 
 
-@dataclass
-class Terms:
-    """What a step's loss reads besides the log-probs: per-token [B, T] tensors of the whole step."""
-    old: torch.Tensor
-    adv: torch.Tensor
-    mask: torch.Tensor
-    weights: torch.Tensor
-    ref: torch.Tensor | None
-    tb: object | None        # distill.TeacherBatch (GKD) or None
-
-
 class TorchTrainer(Trainer):
     """Ray actor: owns the policy, the optimizer and (if KL is on) a frozen reference copy."""
 
@@ -121,8 +113,6 @@ class TorchTrainer(Trainer):
 
     def memory(self) -> dict:
         """Bytes of the trained parameters and of their optimizer state, and this process's peak RSS."""
-        import resource
-
         def size(ts):
             return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
 
@@ -146,8 +136,6 @@ class TorchTrainer(Trainer):
         (stages/tokenizer.py save_tokenizer); with_state adds what resuming needs: optimizer, RNGs, version."""
         self.model.save_pretrained(path)
         if tokenizer_dir:
-            from stages.tokenizer import save_tokenizer
-
             save_tokenizer(path, tokenizer_dir, tokenizer_staged)
         if with_state:
             state = {"optimizer": self.opt.state_dict()} | self.clock_state()
@@ -159,8 +147,6 @@ class TorchTrainer(Trainer):
         With LoRA the base was loaded at start; the adapter is the checkpoint's."""
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         if self.lora:
-            from safetensors.torch import load_file
-
             saved = load_file(os.path.join(path, "adapter_model.safetensors"))
             if wrong := sorted(set(saved) ^ set(self.adapter)):
                 raise ValueError(f"{path}: the adapter does not fit trainer.lora's targets ({len(wrong)} tensors "
@@ -215,27 +201,28 @@ class TorchTrainer(Trainer):
         self.model.train()
         return out
 
-    def _forward_backward(self, b: Batch, rows: torch.Tensor, full: torch.Tensor, t: Terms):
+    def _forward_backward(self, b: Batch, rows: torch.Tensor, full: torch.Tensor, old, adv, mask, weights, ref, tb):
         """Forward and backward of `rows` (of mini-batch `full`) by micro-batch, each loss its share of
         the mini-batch's (full_mask), so the accumulated gradient is the one-batch gradient; a non-finite
-        loss is not backpropagated. Returns (loss, loss metrics, log-probs [rows, T] detached)."""
+        loss is not backpropagated. old .. ref: the step's [B, T] loss terms (ref may be None), tb the GKD
+        distill.TeacherBatch or None. Returns (loss, loss metrics, log-probs [rows, T] detached)."""
         algo, parts, values, lps = self.algo, [], [], []
         micro = self._micro_batches(b, rows)
         for mrows in micro:
             with self._checkpointing(b, mrows):
                 lp, ent, top = self.logprobs(self.model, b, mrows, with_entropy=algo.entropy_coef != 0,
-                                             topk_ids=None if t.tb is None else t.tb.topk_ids[mrows])
+                                             topk_ids=None if tb is None else tb.topk_ids[mrows])
             whole = mrows is full
-            loss, m = policy_loss(algo, lp, t.old[mrows], t.adv[mrows], t.mask[mrows],
-                                  ref_logprobs=None if t.ref is None else t.ref[mrows], entropy=ent,
-                                  is_weights=t.weights[mrows], full_mask=None if whole else t.mask[full])
-            if t.tb is not None:      # GKD: the top-k KL to the teacher, through the student
-                loss, m = gkd_term(algo, loss, m, top, t.tb, mrows, t.mask[mrows],
-                                   full=None if whole else (full, t.mask[full]))
+            loss, m = policy_loss(algo, lp, old[mrows], adv[mrows], mask[mrows],
+                                  ref_logprobs=None if ref is None else ref[mrows], entropy=ent,
+                                  is_weights=weights[mrows], full_mask=None if whole else mask[full])
+            if tb is not None:      # GKD: the top-k KL to the teacher, through the student
+                loss, m = gkd_term(algo, loss, m, top, tb, mrows, mask[mrows],
+                                   full=None if whole else (full, mask[full]))
             values.append(loss.item())
             if math.isfinite(values[-1]):
                 loss.backward()
-            parts.append((m, float(t.mask[mrows].sum())))
+            parts.append((m, float(mask[mrows].sum())))
             lps.append(lp.detach())
         order = torch.argsort(torch.cat(micro))          # micro-batches back in `rows` order
         return sum(values), merge_metrics(parts), torch.cat(lps)[order]
@@ -270,7 +257,7 @@ class TorchTrainer(Trainer):
         old, weights, mask, metrics = corrected(algo, b, recomputed, mask, self.version)
         adv, distill_m, tb = apply_distill(algo, table, adv, old, mask, b.resp_ids)   # on-policy distillation
         metrics |= distill_m
-        terms, counts = Terms(old, adv, mask, weights, ref_lp, tb), {"rows_not_forwarded": 0}
+        counts = {"rows_not_forwarded": 0}
         # rows with no gradient: every trained token's advantage is 0 and no other term reaches them
         # (the entropy term reaches every row unless algorithm.entropy_rows=trained keeps it to the others)
         live = ((adv * mask) != 0).any(1) if cfg.skip_zero_advantage and ref_lp is None and tb is None and \
@@ -290,7 +277,7 @@ class TorchTrainer(Trainer):
                     p.grad = torch.zeros_like(p)
                 self.opt.step()
                 return 0.0, None, 0.0, ""
-            value, m, lp = self._forward_backward(b, rows, full, terms)
+            value, m, lp = self._forward_backward(b, rows, full, old, adv, mask, weights, ref_lp, tb)
             if measure:
                 metrics.update(mismatch_metrics(lp, b.engine_lp[rows], mask[rows], b.stale(self.version)[rows]))
             gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)) \

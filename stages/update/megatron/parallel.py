@@ -26,14 +26,6 @@ def free_address() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
-def pick_device(mcfg: MegatronConfig) -> torch.device:
-    if mcfg.device == "cpu" or (mcfg.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("megatron.device=cuda but this rank sees no GPU")
-    return torch.device("cuda", torch.cuda.current_device())   # Ray gives each rank its own GPU
-
-
 def init(rank: int, addr: str, port: int, mcfg: MegatronConfig, device: torch.device, seed: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel

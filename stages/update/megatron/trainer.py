@@ -18,6 +18,7 @@ import pyarrow as pa
 import ray
 import torch
 
+from stages.tokenizer import save_tokenizer
 from stages.update.config import AlgorithmConfig, TrainerConfig
 from stages.update.losses import policy_loss
 from stages.update.step import Batch, Trainer, corrected
@@ -46,8 +47,12 @@ class MegatronTrainer(Trainer):
         return parallel.free_address()
 
     def setup(self, rank: int, addr: str, port: int) -> None:
-        self.device = parallel.pick_device(self.mcfg)
-        self.on_cpu = self.device.type == "cpu"
+        m = self.mcfg
+        self.on_cpu = m.device == "cpu" or (m.device == "auto" and not torch.cuda.is_available())
+        if not self.on_cpu and not torch.cuda.is_available():
+            raise RuntimeError("megatron.device=cuda but this rank sees no GPU")
+        # Ray gives each rank its own GPU
+        self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         parallel.init(rank, addr, port, self.mcfg, self.device, self.cfg.seed)
         with self._ctx():
             self._build()
@@ -141,8 +146,6 @@ class MegatronTrainer(Trainer):
                                if not (self.arch.tied and n == "lm_head.weight")}, path)
         self.hf.save_pretrained(path)
         if tokenizer_dir:      # copied from tokenizer_staged where this host has it (stages/tokenizer.py)
-            from stages.tokenizer import save_tokenizer
-
             save_tokenizer(path, tokenizer_dir, tokenizer_staged)
         if with_state:
             self._everywhere("rank_save_state", path)
