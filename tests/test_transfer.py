@@ -303,7 +303,7 @@ def test_config_rejects_unknown_transport_and_unaligned_buckets():
 
 
 def _party(name, node="n1", pid=1, device="cpu", uuid=""):
-    return Party(name=name, role="receiver", node_id=node, ip="10.0.0.1", hostname="h",
+    return Party(name=name, role="receiver", node_id=node, ip="10.0.0.1",
                  pid=pid, device=device, device_uuid=uuid, transports=transfer.TRANSPORTS)
 
 

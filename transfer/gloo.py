@@ -2,8 +2,7 @@
 
 Each link is its own standalone ProcessGroupGloo (sender rank 0, its receivers 1..n) over its
 own TCPStore, so the mesh never touches the default process group a trainer may use for its
-own collectives. Per bucket: a 3-word header (version, index, checksum), then the bytes,
-broadcast from the packed host copy while the next bucket packs."""
+own collectives. Per bucket: a 3-word header (version, index, checksum), then the bytes."""
 from __future__ import annotations
 
 import itertools

@@ -3,12 +3,9 @@
 The communicator is CuPy's NCCL binding, sender rank 0 and its receivers 1..n: not a
 torch.distributed group, so neither the trainer's groups nor an engine's own (vLLM, SGLang) are
 disturbed. The handshake is NCCL's unique id, made by the sender link in `prepare()` and carried to
-the receivers in the link's address by the driver.
-
-Per bucket the sender broadcasts a 3-word header (version, index, checksum), then the bytes, from
-one of two device buffers while it packs the next into the other; the Receiver verifies every bucket
-on the device. Joining and every broadcast are bounded by cfg.timeout_s; one that does not finish
-aborts the communicator (a rebuilt link makes a new unique id).
+the receivers in the link's address by the driver. Per bucket: a 3-word header (version, index,
+checksum), then the bytes. A join or broadcast past cfg.timeout_s aborts the communicator (a
+rebuilt link makes a new unique id).
 
 CuPy is imported on first use (`pip install 'loongsage[cupy]'`); a process without CUDA or CuPy
 does not offer this transport (topology.py)."""
@@ -89,7 +86,7 @@ class _Wire:
 
     def __init__(self, nccl, world: int, uid: tuple, rank: int, device: torch.device, timeout_s: float):
         self.comm = join(nccl, world, uid, rank, device, timeout_s)
-        self.nccl, self.device, self.timeout_s = nccl, device, timeout_s
+        self.device, self.timeout_s = device, timeout_s
         self.stream = torch.cuda.Stream(device)
         self.types = {torch.uint8: nccl.NCCL_UINT8, torch.int64: nccl.NCCL_INT64}
 
@@ -131,10 +128,8 @@ class NcclSend(_Link):
     staged, reads_after_send = False, False
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
-        self.nccl = cupy_nccl()
-        self.receivers, self.timeout_s = list(receivers), cfg.timeout_s
-        self.device = torch.device(party.device)
-        self.ranks = {name: rank for rank, name in enumerate(self.receivers, start=1)}
+        self.nccl, self.timeout_s, self.device = cupy_nccl(), cfg.timeout_s, torch.device(party.device)
+        self.ranks = {name: rank for rank, name in enumerate(receivers, start=1)}
         self.unique_id = tuple(self.nccl.get_unique_id())    # a new link, a new communicator
 
     def prepare(self, snapshot) -> dict:

@@ -5,7 +5,6 @@ collects these records into a plain table that route planning reads and people p
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -20,7 +19,6 @@ class Party:
     role: str                 # "sender" or "receiver"
     node_id: str              # Ray node id: the unit of "same host" for planning
     ip: str                   # where this party's sockets listen
-    hostname: str
     pid: int
     device: str               # "cpu" or "cuda:<index>"
     device_uuid: str          # GPU UUID ("" on CPU): equal UUIDs mean the same physical GPU
@@ -63,11 +61,9 @@ def _available_transports(device: str) -> tuple[str, ...]:
 def describe_process(role: str, device: str) -> Party:
     """Describe the calling process. Runs inside the actor that holds the weights."""
     import ray
-    ctx = ray.get_runtime_context()
     uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid) if device.startswith("cuda") else ""
-    return Party(name="", role=role, node_id=ctx.get_node_id(),
-                 ip=ray.util.get_node_ip_address(), hostname=socket.gethostname(),
-                 pid=os.getpid(), device=device, device_uuid=uuid,
+    return Party(name="", role=role, node_id=ray.get_runtime_context().get_node_id(),
+                 ip=ray.util.get_node_ip_address(), pid=os.getpid(), device=device, device_uuid=uuid,
                  transports=_available_transports(device))
 
 
