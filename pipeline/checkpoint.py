@@ -202,9 +202,7 @@ def resume_state(path: Path, model_path: str, lora: bool) -> tuple[dict, str]:
                     is_adapter_dir(path) else "; it holds full weights, not a LoRA adapter (trainer.lora.enabled is "
                     "true)" if lora and (path / "config.json").is_file() else "")
             raise ConfigError(f"run.resume_from={path}: not a resumable checkpoint (no {f}){hint}")
-    if not lora:
-        return json.loads((path / "controller.json").read_text()), str(path)
-    if os.path.realpath(base_of(path)) != os.path.realpath(model_path):
+    if lora and os.path.realpath(base_of(path)) != os.path.realpath(model_path):
         raise ConfigError(f"run.resume_from={path}: its adapter was trained on {base_of(path)}, this run's model is "
                           f"{model_path} (model.path, or the built-in model's settings)")
-    return json.loads((path / "controller.json").read_text()), model_path
+    return json.loads((path / "controller.json").read_text()), model_path if lora else str(path)

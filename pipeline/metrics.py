@@ -12,9 +12,8 @@ from pathlib import Path
 
 class MetricsWriter:
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
         self.t0 = time.time()
-        self._f = self.path.open("a", buffering=1)
+        self._f = (Path(run_dir) / "metrics.jsonl").open("a", buffering=1)
 
     def write(self, step: int, metrics: dict) -> dict:
         # JSON has no NaN: None marks "not a number" without breaking readers
