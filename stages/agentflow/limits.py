@@ -113,10 +113,8 @@ class PromptLimit:
 
     def clamp(self, prompt_tokens: int, requested: int | None, rollout: int,
               left: int | None = None) -> tuple[int, str]:
-        """A proxy call's completion budget and what bound it (one of BOUNDS): the least of the harness's own
-        limit (None: it set none), the rollout's per-call cap, the trajectory's budget `left` (None: none) and
-        the room the context leaves. Never an error: a harness asking more (Claude Code asks 32k-128k) gets
-        what can be served."""
+        """A proxy call's completion budget, the least of its limits (None: not set), and which one bound it (of
+        BOUNDS). Never an error: a harness asking more gets what can be served (docs/harnesses.md)."""
         room = self.context - prompt_tokens if self.context else None
         limits = {"request": requested, "context": room, "budget": left, "rollout": rollout}
         n = min(v for v in limits.values() if v is not None)

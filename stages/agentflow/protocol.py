@@ -118,7 +118,6 @@ class Fields:
         return self.number(key, None, 1, MAX_TOKENS, integer=True)
 
     def request(self, cls: type = Request, top_temperature: float = 2, **kw) -> Request:
-        """A `cls` Request with this body's temperature, top_p and model, and its notes."""
         t, p = self.number("temperature", None, 0, top_temperature), self.number("top_p", None, 1e-6, 1)
         return cls(temperature=None if t is None else float(t), top_p=None if p is None else float(p),
                    model=str(self.body.get("model") or "loongsage"), notes=self.notes, **kw)

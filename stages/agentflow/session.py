@@ -213,9 +213,8 @@ class Session:
             raise APIError(503, "the engine aborted this request (the run is stopping or the window closed)",
                            kind="server_error")
         if req.bound in ("rollout", "budget") and any(c.finish_reason == "length" for c in choices):
-            # our cut, not the model's context nor the harness's own limit: the harness is told the completion
-            # stopped (told "length" it would ask the model to resume); the trajectory keeps the truth (the
-            # status truncated, and this note)
+            # our cut, not the context's nor the harness's: reported as stopped, else the harness asks the model to
+            # resume; the trajectory keeps the truth (status truncated, this note; docs/harnesses.md)
             what = "sampling.max_new_tokens" if req.bound == "rollout" else "agent.max_trajectory_tokens"
             self.note(f"a completion was cut at {req.max_tokens} tokens by {what}: reported to the harness as stopped")
             for c in choices:
@@ -243,10 +242,8 @@ class Session:
             self.said[split_reasoning(content, None)] = content
 
     def restore(self, messages: list[dict]) -> list[dict]:
-        """The history with the proxy's own replies put back as sent where the harness re-serialised them: a
-        tool call's arguments (the same JSON value, other spacing; a custom tool's {"input": X} for the X read
-        from them), an assistant turn's content (the same reasoning and text, reasoning sent apart as
-        `reasoning_content` or the text trimmed)."""
+        """The history with the proxy's own replies put back as sent where the harness re-serialised them to the
+        same meaning (docs/harnesses.md); a custom tool's {"input": X} matches the X read from its call."""
         return [self._restored(m) if m.get("role") == "assistant" else m for m in messages]
 
     def _restored(self, m: dict) -> dict:
