@@ -1,10 +1,9 @@
 """What a proxy call is part of (stages/agentflow/session.py: main | compaction | subagent | side), in one place.
 
 A call may name it with `x-loongsage-request-kind` (always wins) and, for one subagent among several,
-`x-loongsage-agent-id`; else the harness's own signals say (Claude Code's and Codex's headers, opencode's and pi's
-system prompts: the table in docs/harnesses.md, read from requests the real programs sent,
-tests/fixtures/harness_requests/), else it is main. A `side` call (opencode's session title) is not part of the
-agent's work: its own segment, not trained by default.
+`x-loongsage-agent-id`; else the harness's own signals say (the table in docs/harnesses.md, read from requests the
+real programs sent, tests/fixtures/harness_requests/), else it is main. A `side` call (opencode's session title) is
+not the agent's work: its own segment, not trained by default.
 """
 from __future__ import annotations
 
