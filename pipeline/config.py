@@ -50,7 +50,6 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """Which recorded groups `loongsage replay` trains on (empty / None = no filter)."""
     steps: tuple[int, ...] = key((), "recorded step numbers to train on (empty = all)")
     data_sources: tuple[str, ...] = key((), "data_source values to train on (empty = all)")
     reward_min: float | None = key(None, "inclusive lower bound on a group's mean reward (None = no bound)")
@@ -59,7 +58,6 @@ class ReplayConfig:
 
 @section("run")
 class RunConfig:
-    """Run-level settings: where Ray is, how often to checkpoint, the seed."""
     steps: int = key(40, "training steps (weight versions) to run", POSITIVE)
     seed: int = key(0, "every random choice of the run derives from it (pipeline/seeds.py)", NONNEG)
     ray_address: str = key("", '"" = start local Ray; "auto" or "ray://..." joins a cluster')

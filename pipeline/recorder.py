@@ -25,7 +25,6 @@ STEP_KEY = b"loongsage.step"
 N_SAMPLES_KEY = b"loongsage.n_samples"
 PART = "part-0.parquet"
 TMP = f".{PART}.*.tmp"        # write_atomic's temporaries (a glob)
-INDEX_COLUMNS = ("group_id", "sample_idx", "data_source", "reward", "segment")
 
 
 class RecordingError(ValueError):
@@ -37,8 +36,6 @@ class RecordingWarning(UserWarning):
 
 
 class Recorder:
-    """Streams each consumed step to `run_dir/rollouts/step=N/part-0.parquet`."""
-
     def __init__(self, run_dir: str | Path, n_samples: int):
         self.root = Path(run_dir) / "rollouts"
         self.n_samples = n_samples
@@ -160,7 +157,7 @@ def _group_index(f: StepFile, kinds=None) -> tuple[pa.Table, int]:
     """Per group of one file: step, group_id, data_source, mean reward; and the group size in samples
     (a trajectory of several segments is several rows of one sample). A group short of the recorded
     n_samples (or of the file's largest group, without that metadata) is an error."""
-    t = of_kinds(pq.read_table(f.path, columns=list(INDEX_COLUMNS)), kinds)
+    t = of_kinds(pq.read_table(f.path, columns=["group_id", "sample_idx", "data_source", "reward", "segment"]), kinds)
     g = t.group_by(["group_id", "data_source"], use_threads=False).aggregate(
         [("reward", "mean"), ("sample_idx", "count_distinct")])
     samples = g.column("sample_idx_count_distinct").to_pylist()
