@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from stages.token_logprobs import chunked
+
 _PAD_LOGIT = -1e30       # finite, so exp() gives 0 and 0 * logit stays 0 in the entropy
 
 
@@ -74,7 +76,5 @@ def chunked_token_logprobs(hidden: torch.Tensor, head, targets: torch.Tensor, vo
     """token_logprobs of `targets` [N] from hidden states [N, H], the head applied `chunk` positions
     at a time (stages/token_logprobs.chunked). Every TP rank runs the same chunks (same rows), so the
     collectives inside match up, in the forward and in the recomputation."""
-    from stages.token_logprobs import chunked
-
     return chunked(lambda h, t: token_logprobs(head(h), t, vocab, temperature, with_entropy),
                    hidden.shape[0], chunk, hidden, targets)

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 import torch
+from transformers import AutoConfig
 
 from stages.tokenizer import save_tokenizer
 from stages.update.config import AlgorithmConfig, TrainerConfig
@@ -33,8 +34,6 @@ from .model import build_gpt, hf_reader, layer_index, transformer_config
 class MegatronTrainer(Trainer):
     def __init__(self, model_path: str, cfg: TrainerConfig, algo: AlgorithmConfig, temperature: float = 1.0,
                  max_new_tokens: int = 0, dtype: str = "float32", mcfg: MegatronConfig | None = None):
-        from transformers import AutoConfig
-
         super().__init__(cfg, algo, temperature, max_new_tokens)
         self.model_path, self.mcfg, self.dtype = model_path, mcfg or MegatronConfig(), dtype
         self.hf = AutoConfig.from_pretrained(model_path)
