@@ -71,9 +71,8 @@ class PipelineError(ValueError):
 
 
 class Stage:
-    """A map stage: a callable class `cls(*args, **kwargs)` with `__call__(pa.Table) -> pa.Table`.
-    workers: actor pool size; num_cpus / num_gpus: per actor; batch_rows: rows per call (None: one
-    group block); max_concurrency: concurrent calls per actor."""
+    """A map stage: a callable class `cls(*args, **kwargs)` with `__call__(pa.Table) -> pa.Table`, in a
+    pool of `workers` actors; resources are per actor, and batch_rows None is one group block a call."""
 
     def __init__(self, cls: type, *args, workers: int = 1, num_cpus: float = 0.1, batch_rows: int | None = None,
                  inputs: tuple | None = None, outputs: tuple | None = None, max_concurrency: int = 1,

@@ -30,10 +30,6 @@ class Batch:
     wait_s: float          # how long the loop waited for it
     version: int = 0       # the weight version it is trained at (set by the loop)
 
-    @property
-    def groups(self) -> list[int]:
-        return sorted(set(self.table.column("group_id").to_pylist()))
-
 
 class StepLoop:
     """`train(table)` returns an update's metrics or a Ray ref to them; `publish` is Faults.publish (None:
@@ -89,7 +85,7 @@ class StepLoop:
                         metrics |= self.publish(self.version, self._queue_next) | {
                             "time/sync_s": time.time() - t1, "time/next_update_queued": float(bool(self._queued))}
                         self.span("sync", t1, time.time(), actor="trainer", step=step)
-                    self.window.consumed(batch.groups, self.version)
+                    self.window.consumed(sorted(set(batch.table.column("group_id").to_pylist())), self.version)
                     if self._checkpoint_due():
                         self.checkpoint()             # before the next step touches the weights
                 deferred = (self.step, batch, metrics)
