@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import stages  # noqa: F401  (hides a CUDA torchvision beside the CPU torch before a test imports transformers)
+
 pytest.register_assert_rewrite("tests.support")     # the shared checks' asserts report like a test's own
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -160,6 +160,23 @@ def transformers_checks(model_dir: str, tmp_path: Path) -> None:
     assert AutoTokenizer.from_pretrained(str(tmp_path))("12+34=46").input_ids == ids
 
 
+def test_a_module_marked_absent_is_not_available_to_transformers(monkeypatch):
+    """hide_cuda_media relies on it: None in sys.modules makes find_spec return None, and transformers
+    decides a package is there by find_spec."""
+    import sys
+
+    from transformers.utils import import_utils
+
+    from transfer.compat.vllm_api import hide_cuda_media
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    hide_cuda_media()
+    assert sys.modules["torchvision"] is None and importlib.util.find_spec("torchvision") is None
+    assert import_utils._is_package_available("torchvision")[0] is False
+    with pytest.raises(ImportError):
+        import torchvision  # noqa: F401
+
+
 def test_transformers_cache_forward_attention_and_tokenizer(raw_model_dir, tmp_path):
     transformers_checks(raw_model_dir, tmp_path)
 

