@@ -1,7 +1,5 @@
 """Prompt source: Parquet / JSONL / in-memory / built-in task -> a Ray Data stream of samples.
 
-Output columns: prompt_id, group_id, sample_idx, data_source, prompt, answer
-
 Why it exists: it fixes the data order. Group `seq` g (= group_id) is the g-th prompt of
 an endless sequence of epochs, each a seeded permutation, so any position in the stream
 is reproducible from (seed, g) alone: resuming at group g loses and repeats nothing.

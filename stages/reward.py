@@ -1,9 +1,5 @@
 """Reward stage: trajectories -> scalar rewards, built-in rules or a user function.
 
-Input columns:  prompt, answer, response_ids, status
-                (optional, from AgentFlow: agent_reward, agent_info, transcript)
-Output columns: reward, reward_info, status, error
-
 User reward functions plug in by dotted path (`reward.fn: mypkg.rewards:score`):
 
     def score(prompt: str, response: str, answer: str, row: dict) -> float | dict
@@ -76,8 +72,7 @@ def agent_reported(prompt: str, response: str, answer: str, row: dict) -> dict:
     return {"reward": report["reward"], "source": "agent"}
 
 
-BUILTIN = {"exact_match": exact_match, "numeric": numeric, "agent_answers": agent_answers,
-           "agent_reported": agent_reported}
+BUILTIN = {f.__name__: f for f in (exact_match, numeric, agent_answers, agent_reported)}
 
 
 def load_reward_fn(name: str):
@@ -132,17 +127,14 @@ class Reward:
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         todo = [i for i, r in enumerate(rows) if r["status"] not in ("failed", "aborted") and not _has_agent_reward(r)]
-        scored = dict(zip(todo, self._score([self._args(rows[i]) for i in todo])))
+        calls = [self._args(rows[i]) for i in todo]
+        scored = dict(zip(todo, self.pool.map(calls) if self.pool is not None else
+                          [score(self.fn, self.cfg.fn, args) for args in calls]))
         out = []        # per row: reward, reward_info, status, error
         for i, r in enumerate(rows):
             ok, value = _agent_reward(r) if _has_agent_reward(r) else scored.get(i, (True, (0.0, "{}")))
             out.append((*value, r["status"], r.get("error") or "") if ok else (0.0, "{}", "failed", value))
         return with_columns(batch, {k: [o[j] for o in out] for j, k in enumerate(self.outputs)})
-
-    def _score(self, calls: list[tuple]) -> list[tuple[bool, object]]:
-        if self.pool is not None:
-            return self.pool.map(calls)
-        return [score(self.fn, self.cfg.fn, args) for args in calls]
 
     def _args(self, row: dict) -> tuple:
         """The reward fn's arguments for a row: (prompt, response text, answer, row)."""

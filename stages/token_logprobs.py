@@ -1,16 +1,13 @@
 """Log-probs, entropy and top-k of chosen positions only: the LM head applied chunk by chunk.
 
 A causal LM's [B, L, V] logits of one 19k-token prompt on a 151k vocabulary are 11 GB in float32,
-yet training and scoring need the distribution only where a response token is predicted. So:
-
-    hidden = the base model's last hidden states        [B, L, H]   (H is small next to V)
-    h      = hidden at the positions that predict a token [N, H]
-    per chunk of `chunk` positions: z = head(h) / temperature -> log_softmax -> gather / entropy / top-k
-
-With gradients each chunk's [chunk, V] logits are recomputed in the backward (activation
-checkpointing), not kept. The arithmetic is the full path's, so the numbers equal it to float32
-round-off. Models whose logits are not `head(last hidden state)` (soft-capping, custom heads) are
-detected once, on a two-token input, and take the full forward: correct, only not memory-bounded.
+yet training and scoring need the distribution only where a response token is predicted. So the
+head is applied to the last hidden states ([B, L, H], H small next to V) at those positions only,
+`chunk` at a time; with gradients each chunk's [chunk, V] logits are recomputed in the backward
+(activation checkpointing), not kept. The arithmetic is the full path's, so the numbers equal it
+to float32 round-off. Models whose logits are not `head(last hidden state)` (soft-capping, custom
+heads) are detected once, on a two-token input, and take the full forward: correct, only not
+memory-bounded.
 """
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ import threading
 
 from .errors import TransferError
 
-_SLOTS: dict[str, "_Slot"] = {}      # mesh id -> the latest version handed over in this process
-_SLOTS_LOCK = threading.Lock()
+_SLOTS: dict[str, "_Slot"] = {}      # mesh id -> the latest version handed over in this process (dict calls are atomic)
 
 
 class _Slot:
@@ -19,17 +18,12 @@ class _Slot:
         self.version, self.state = -1, {}
 
 
-def _slot(mesh_id: str) -> _Slot:
-    with _SLOTS_LOCK:
-        return _SLOTS.setdefault(mesh_id, _Slot())
-
-
 class InprocSend:
     staged = False
     reads_after_send = True     # the receiver copies the sender's own tensors
 
     def __init__(self, mesh_id, receivers, cfg, party, staging):
-        self.mesh_id, self.slot = mesh_id, _slot(mesh_id)
+        self.mesh_id, self.slot = mesh_id, _SLOTS.setdefault(mesh_id, _Slot())
 
     def prepare(self, snapshot) -> dict:
         return {"pid": os.getpid()}
@@ -40,8 +34,7 @@ class InprocSend:
             self.slot.cond.notify_all()
 
     def close(self) -> None:
-        with _SLOTS_LOCK:
-            _SLOTS.pop(self.mesh_id, None)
+        _SLOTS.pop(self.mesh_id, None)
 
 
 class InprocRecv:
@@ -49,7 +42,7 @@ class InprocRecv:
         if address["pid"] != os.getpid():
             raise TransferError(f"inproc route, but the sender is pid {address['pid']} and this receiver "
                                 f"pid {os.getpid()}", receiver=name, transport="inproc", version=None)
-        self.slot, self.timeout = _slot(mesh_id), cfg.timeout_s
+        self.slot, self.timeout = _SLOTS.setdefault(mesh_id, _Slot()), cfg.timeout_s
 
     def receive(self, version, layout):
         with self.slot.cond:
