@@ -45,10 +45,10 @@ class SpanSink:
         self.parts = self.count = 0
         self.busy_s, self.last_flush = 0.0, time.time()
 
-    def add(self, spans: list[dict]) -> None:
+    def add(self, spans: list[dict], force: bool = False) -> None:
         t0 = time.perf_counter()
         self.buf.extend(spans)
-        if len(self.buf) >= self.flush_spans or time.time() - self.last_flush >= self.flush_s:
+        if force or len(self.buf) >= self.flush_spans or time.time() - self.last_flush >= self.flush_s:
             self.flush()
         self.busy_s += time.perf_counter() - t0
 
@@ -62,9 +62,7 @@ class SpanSink:
             self.buf = []
 
     def close(self) -> dict:
-        t0 = time.perf_counter()
-        self.flush()
-        self.busy_s += time.perf_counter() - t0
+        self.add([], force=True)
         summary = {"session": self.session, "spans": self.count, "parts": self.parts, "sink_busy_s": self.busy_s}
         (self.dir / f"_complete-{self.session}.json").write_text(json.dumps(summary))
         return summary

@@ -109,11 +109,8 @@ class Server:
         self._thread.start()
         self._call(self.proxy.start())
         self.ep = self._call(self._open())
+        self.base_url = self.ep.base_url        # every trajectory's: _open keeps the route
         return self
-
-    @property
-    def base_url(self) -> str:
-        return self.ep.base_url
 
     def rotate(self, record: bool = True) -> Path | None:
         """Record the trajectory served so far (the step file, or None if it made no call; `record=False`:
