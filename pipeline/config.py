@@ -120,10 +120,9 @@ def _cut(text: str, limit: int = 200) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, bounded while it composes (before any Python value is built): the
-    nesting depth, and the size of the document with every alias expanded. An alias bomb (ten
-    aliases of ten aliases of ...) is a few hundred bytes whose value, walked or formatted, does
-    not end; a value holding an alias of its own anchor (a cycle) is refused too."""
+    """PyYAML's safe loader, bounded while it composes, before any value is built: the nesting depth and the
+    size with aliases expanded (an alias bomb is a few hundred bytes whose value, walked or formatted, does not
+    end); an alias inside its own anchor's value (a cycle) is refused too."""
 
     def __init__(self, text: str):
         super().__init__(text)

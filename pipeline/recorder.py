@@ -154,9 +154,8 @@ def of_kinds(t: pa.Table, kinds: tuple[str, ...] | None) -> pa.Table:
 
 
 def _group_index(f: StepFile, kinds=None) -> tuple[pa.Table, int]:
-    """Per group of one file: step, group_id, data_source, mean reward; and the group size in samples
-    (a trajectory of several segments is several rows of one sample). A group short of the recorded
-    n_samples (or of the file's largest group, without that metadata) is an error."""
+    """One file's group index and its group size in samples (a trajectory of several segment rows is one
+    sample); a group short of the recorded n_samples (or of the file's largest group, without it) is an error."""
     t = of_kinds(pq.read_table(f.path, columns=["group_id", "sample_idx", "data_source", "reward", "segment"]), kinds)
     g = t.group_by(["group_id", "data_source"], use_threads=False).aggregate(
         [("reward", "mean"), ("sample_idx", "count_distinct")])

@@ -47,10 +47,8 @@ def select_groups(rec: Recording, f: ReplayConfig | None = None) -> pa.Table:
         if unknown:
             raise ReplayError(f"replay.data_sources: {unknown} not in the recording (it has {sorted(have)})")
         g = g.filter(pc.is_in(g.column("data_source"), pa.array(f.data_sources, pa.string())))
-    if f.reward_min is not None:
-        g = g.filter(pc.greater_equal(g.column("reward"), f.reward_min))
-    if f.reward_max is not None:
-        g = g.filter(pc.less_equal(g.column("reward"), f.reward_max))
+    for bound, keep in ((f.reward_min, pc.greater_equal), (f.reward_max, pc.less_equal)):
+        g = g if bound is None else g.filter(keep(g.column("reward"), bound))
     return g
 
 
