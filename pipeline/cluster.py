@@ -1,6 +1,5 @@
-"""Ray for a run: start local Ray or join a cluster, once per process, with Ray Data's settings for a
-run (no progress bars, no stats logs, no memory-issue detector); `ray_output_to(path)`, which keeps
-what Ray itself prints off the terminal; `on_driver_node()`, actor options for driver-side helpers."""
+"""Ray for a run: local Ray or a cluster, started once per process with Ray Data's settings for a run
+(no progress bars, no stats logs, no memory-issue detector), and what Ray prints kept off the terminal."""
 from __future__ import annotations
 
 import contextlib

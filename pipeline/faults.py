@@ -1,13 +1,10 @@
 """What can go wrong while a run trains, and what the run does about it: one object, `Faults`.
 
-* An engine whose process died is restarted by Ray. A weight publish leaves it out; a watch
-  thread sees the new process (a new incarnation id, or, restarted while the run started, an
-  engine awaiting weights) and re-sends it the current weights before it serves again.
-* A lost Ray node (Ray declares it dead after ~15 s, 65 s for a host cut off: docs/scale-out.md;
-  until then calls to its actors hang): a second thread reads the node table once a second, says
-  which node and what ran there, and waits `run.node_wait_s` for its engines to be restarted
-  elsewhere; if they are not back, or the trainer was there, the run stops (`on_lost`).
-* SIGINT / SIGTERM (`interrupts`) end the run after the step in hand; a second one exits at once.
+An engine whose process died is restarted by Ray: a weight publish leaves it out, and a watch thread
+re-sends it the current weights before it serves again. A lost Ray node (declared dead after ~15 s,
+65 s for a host cut off: docs/scale-out.md; until then calls to its actors hang) is seen by a second
+thread reading the node table once a second: its engines get `run.node_wait_s` to come back elsewhere,
+else, or when the trainer was there, the run stops (`on_lost`). Signals: `interrupts`.
 """
 from __future__ import annotations
 
