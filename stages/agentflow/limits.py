@@ -52,8 +52,7 @@ def model_limits(model_path: str) -> tuple[int, int]:
         cfg = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
         return 0, 0
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return tuple(int(getattr(text, k, 0) or 0) for k in keys)
+    return tuple(int(getattr(cfg.get_text_config(), k, 0) or 0) for k in keys)
 
 
 def longest_token_chars(tok) -> int:
