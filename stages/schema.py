@@ -102,14 +102,12 @@ OPTIONAL = ("teacher_id", "teacher_logprobs", "agent_reward", "agent_info", "tra
 
 def conform(table: pa.Table) -> pa.Table:
     """Order and type a complete trajectory table as TRAJECTORY_SCHEMA (extra columns kept at the end)."""
-    for c in OPTIONAL:
-        if c not in table.column_names:
-            table = table.append_column(_BY_NAME[c], pa.nulls(table.num_rows, _BY_NAME[c].type))
-    missing = [c for c in COLUMNS if c not in table.column_names]
+    missing = [c for c in COLUMNS if c not in table.column_names and c not in OPTIONAL]
     if missing:
         raise ValueError(f"trajectory table lacks columns {missing}; has {table.column_names}")
     extra = [c for c in table.column_names if c not in _BY_NAME]
-    cols = [table.column(c).cast(_BY_NAME[c].type) for c in COLUMNS] + [table.column(c) for c in extra]
+    cols = [table.column(c).cast(_BY_NAME[c].type) if c in table.column_names
+            else pa.nulls(table.num_rows, _BY_NAME[c].type) for c in COLUMNS] + [table.column(c) for c in extra]
     schema = pa.schema(FIELDS + [table.schema.field(c) for c in extra], metadata=TRAJECTORY_SCHEMA.metadata)
     return pa.Table.from_arrays(cols, schema=schema)
 

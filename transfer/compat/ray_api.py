@@ -7,11 +7,9 @@ RAY_DATA_TESTED = ("2.60",)      # the releases the executor internals below wer
 
 
 def executor_wait_internals() -> list[str]:
-    """What `executor_ray`/`set_executor_wait` rely on that this Ray lacks (empty: all there): Ray Data's
-    `ray.data._internal.execution.streaming_executor_state` module, its module-level `ray` and
-    `WAIT_FOR_TASK_COMPLETION_TIMEOUT_S`, and `process_completed_tasks` waiting on its tasks with
-    `ray.wait(..., timeout=WAIT_FOR_TASK_COMPLETION_TIMEOUT_S)`. Ray Data has no public setting for how
-    its streaming executor waits for running tasks."""
+    """What `executor_ray`/`set_executor_wait` rely on in Ray Data's `streaming_executor_state` that this
+    Ray lacks (empty: all there). Ray Data has no public setting for how its streaming executor waits
+    for running tasks."""
     import inspect
 
     import ray

@@ -7,10 +7,8 @@ BUILD_COPIES = ("_vocab", "_merges")
 
 
 def drop_build_copies(tok) -> None:
-    """Set a fast tokenizer's `_vocab` and `_merges` (the Python vocabulary and merges transformers 5's
-    BPE tokenizers keep after building the Rust tokenizer, `_tokenizer`, from them) to None: nothing
-    reads them once it is built, and for a 151k-token vocabulary they hold ~105 MB. A tokenizer
-    without a Rust one keeps them."""
+    """Set a fast tokenizer's BUILD_COPIES to None (transformers 5's BPE tokenizers keep them): for a
+    151k-token vocabulary they hold ~105 MB. A tokenizer without a Rust one keeps them."""
     if getattr(tok, "_tokenizer", None) is not None:
         for name in BUILD_COPIES:
             if isinstance(getattr(tok, name, None), (dict, list)):

@@ -6,11 +6,9 @@ import sys
 
 
 def in_process_env(threads: int) -> None:
-    """The environment vLLM reads when an engine starts, for an `LLMEngine` in this process on a shared
-    CPU machine: VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core runs in this process, not a process
-    of its own), VLLM_CPU_OMP_THREADS_BIND=nobind (no core pinning) and VLLM_CPU_NUM_OF_RESERVED_CPU=0
-    unless set already, and OMP_NUM_THREADS=threads (vLLM's CPU worker sizes torch's threads from it,
-    else 1). These variables are vLLM's (vllm/envs.py), not a documented API."""
+    """The environment vLLM reads when an engine starts (vllm/envs.py, not a documented API), for an
+    `LLMEngine` in this process (not a process of its own) on a shared CPU machine: no core pinning,
+    and `threads` for torch (vLLM's CPU worker sizes its threads from OMP_NUM_THREADS, else 1)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
