@@ -224,8 +224,8 @@ class Window:
         done = []
         for lo, hi in zip(starts, np.r_[starts[1:], len(gids)]):
             g, rows = int(gids[lo]), part.slice(lo, hi - lo)
-            parts, seen = self._partial.setdefault(g, ([], set()))
-            parts.append(rows)
+            pieces, seen = self._partial.setdefault(g, ([], set()))
+            pieces.append(rows)
             seen.update(rows.column("sample_idx").to_pylist())
             if len(seen) >= self.n:
                 table = pa.concat_tables(self._partial.pop(g)[0])
