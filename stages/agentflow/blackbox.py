@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from stages.agentflow.config import AgentConfig
 from stages.agentflow.protocol import loads
 from stages.agentflow.sandbox import jail
 from stages.agentflow.sandbox.agent_jail import Jail, Zygote, end, make_jail
@@ -128,8 +129,6 @@ class SubprocessAgent:
 
     def configure(self, agent=None, *_) -> None:
         """The agent section (None: its defaults): the jail each agent process runs in, its environment."""
-        from stages.agentflow.config import AgentConfig
-
         cfg = agent or AgentConfig()
         if self.jail is not None:
             self.jail.close()
