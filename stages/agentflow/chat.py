@@ -1,11 +1,10 @@
 """Chat text <-> token ids, shared by white-box contexts and the black-box proxy.
 
 Rendering uses the tokenizer's own chat template. One without (the built-in character tokenizer) gets
-FALLBACK_TEMPLATE, plain enough for any vocabulary to spell: each message's content with no role markers,
-an assistant turn ends with eos, a tool call is written `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
-no generation prompt. So [{"role": "user", "content": "37+48="}] renders to exactly "37+48=", the format the
-built-in tiny model was warmed on. Generated tool calls are read in that same Hermes/Qwen form, so a
-tool-calling turn round-trips.
+FALLBACK_TEMPLATE, plain enough for any vocabulary to spell: [{"role": "user", "content": "37+48="}] renders to
+exactly "37+48=", the format the built-in tiny model was warmed on. Generated tool calls are read in the
+Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` form it writes, so a tool-calling turn
+round-trips.
 """
 from __future__ import annotations
 
