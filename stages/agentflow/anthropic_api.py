@@ -35,9 +35,8 @@ COUNT_PARAMS = {"model", "messages", "system", "tools", "tool_choice", "thinking
 OBJECTS = ("metadata", "thinking", "output_config", "context_management")   # must be objects when given
 NOT_APPLIED = {"output_config": "output_config", "context_management": "context_management edits",
                "container": "container", "mcp_servers": "mcp_servers"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               529: "overloaded_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "request_too_large", 529: "overloaded_error"}    # the statuses the proxy answers; else api_error
 
 
 def error_response(e: APIError) -> tuple[int, dict]:
