@@ -37,18 +37,15 @@ def load_tokenizer(path: str, cls: str = ""):
         raise ValueError(f"model directory {p} has no tokenizer (expected tokenizer.json or tokenizer_config.json)")
     try:
         klass = import_object(cls or "transformers:AutoTokenizer")    # outside the lock: imports hold no tokenizer
-    except Exception as e:  # noqa: BLE001 - a bad class name; the message names the directory
-        raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
-    with one_load_at_a_time(p):
-        try:
+        with one_load_at_a_time(p):
             tok = klass.from_pretrained(str(p))
-        except Exception as e:  # noqa: BLE001 - HF raises many types; the message names the directory
-            raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
-        if tok.eos_token_id is None:
-            raise ValueError(f"model directory {p}: tokenizer has no eos token")
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        release_build_copies(tok)       # the parse's freed heap goes back before the next process parses
+            if tok.pad_token_id is None and tok.eos_token_id is not None:
+                tok.pad_token = tok.eos_token
+            release_build_copies(tok)       # the parse's freed heap goes back before the next process parses
+    except Exception as e:  # noqa: BLE001 - a bad class name, or HF raising any type; the message names the directory
+        raise ValueError(f"model directory {p}: cannot load its tokenizer: {e}") from e
+    if tok.eos_token_id is None:
+        raise ValueError(f"model directory {p}: tokenizer has no eos token")
     return tok
 
 

@@ -19,15 +19,6 @@ class Route:
     reason: str
 
 
-def _same_gpu(s: Party, r: Party) -> str | None:
-    return f"same GPU ({s.device_uuid[:18]})" if s.on_gpu and s.device_uuid and s.device_uuid == r.device_uuid else None
-
-
-def _gpus(s: Party, r: Party) -> str | None:
-    return f"GPU to another GPU, {'same node' if s.node_id == r.node_id else 'across nodes'}" if s.on_gpu and r.on_gpu \
-        else None
-
-
 def _network(s: Party, r: Party) -> str:
     if s.node_id == r.node_id:
         return "same node, over loopback"
@@ -36,8 +27,10 @@ def _network(s: Party, r: Party) -> str:
 
 REACH: dict[str, Callable[[Party, Party], str | None]] = {
     "inproc": lambda s, r: f"same process (pid {s.pid})" if (s.node_id, s.pid) == (r.node_id, r.pid) else None,
-    "cuda_ipc": _same_gpu,
-    "nccl": _gpus,
+    "cuda_ipc": lambda s, r: (f"same GPU ({s.device_uuid[:18]})"
+                              if s.on_gpu and s.device_uuid and s.device_uuid == r.device_uuid else None),
+    "nccl": lambda s, r: (f"GPU to another GPU, {'same node' if s.node_id == r.node_id else 'across nodes'}"
+                          if s.on_gpu and r.on_gpu else None),
     "shm": lambda s, r: f"same node ({s.node_id[:12]}), through host memory" if s.node_id == r.node_id else None,
     "gloo": _network,
     "zmq": _network,
