@@ -38,8 +38,6 @@ from stages.lora import LoraConfig
 from transfer.compat.torch_api import set_native_threads
 from transfer.compat.vllm_api import in_process_env, reload_weights, salted_prompt
 
-IDLE_WAIT_S = 0.5           # the step thread sleeps this long at most when there is nothing to do
-
 
 @dataclass(eq=False)
 class _Row:
@@ -105,8 +103,7 @@ class VLLMEngine(EngineBase):
 
     # ---- weights ------------------------------------------------------------------
     def load_weights(self, named_tensors: dict, version: int) -> None:
-        """Apply one complete version between two steps, after the hold rows in flight (the tensors are
-        the Receiver's verified views: reload_weights copies them into vLLM's own, fused, parameters)."""
+        """Apply one complete version between two steps, after the hold rows in flight."""
         if self.lora is not None:
             return self._load_adapter(named_tensors, version)
         with self._gate.updating(), self._lock:
@@ -176,7 +173,7 @@ class VLLMEngine(EngineBase):
         set_native_threads(self.threads)
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._pending or self._rows, timeout=IDLE_WAIT_S)
+                self._wake.wait_for(lambda: self._pending or self._rows)
                 new, self._pending = self._pending, []
                 aborted = [r for r in list(self._rows.values()) + new if r.t_dispatch < self._abort_before]
                 self._rows.update({r.rid: r for r in new})
@@ -193,7 +190,6 @@ class VLLMEngine(EngineBase):
         with self._lock:
             for row in new:
                 lora = self._lora_request(row.lora) if row.lora is not None else None
-                # the version salts the prefix cache: a block computed under other weights is never reused
                 salt = f"v{row.lora if row.lora is not None else self.version}"
                 self.engine.add_request(row.rid, salted_prompt(row.prompt, salt), row.params, lora_request=lora)
             if aborted:
@@ -239,8 +235,7 @@ class VLLMEngine(EngineBase):
 
     def _fail_all(self, error: Exception) -> None:
         with self._wake:
-            rows, self._rows = list(self._rows.values()) + self._pending, {}
-            self._pending = []
+            rows, self._rows, self._pending = [*self._rows.values(), *self._pending], {}, []
         for row in rows:
             with contextlib.suppress(Exception):    # a failed engine may not remove the row's adapter
                 self._retire(row, "failed", RuntimeError(f"{self.engine_id}: vLLM failed: {error!r}"))
