@@ -23,6 +23,7 @@ from ray.cluster_utils import Cluster
 import transfer
 from stages.transfer_config import TransferConfig
 from transfer import nccl
+from transfer.staging import Board
 from transfer.topology import Party
 
 OWN_RAY = True      # a two-node Ray cluster of its own: it starts without the shared Ray
@@ -213,7 +214,7 @@ def receive_with_a_flipped_byte(trainer, engine, name, mesh, version, offset, bi
     ray.get(trainer.mesh.remote("send", mesh.mesh_id, version))
     start, _ = layout.span(2)
     with open(addresses["shm"]["path"], "r+b") as f:
-        f.seek(addresses["shm"]["board_bytes"] + start + offset)
+        f.seek(Board.nbytes(layout.num_buckets) + start + offset)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ bit]))

@@ -145,13 +145,11 @@ class TransferMesh:
         failures = {n: self._failure(n, answers[n], sent, version) for n in due if isinstance(answers[n], Exception)}
         if isinstance(sent, Exception) and not failures:   # the sender failed on its own
             failures["sender"] = self._failure("sender", sent, sent, version)
-        for n in due:
-            if n not in failures:
-                self.versions[n] = version
-                self.served[n] = int(answers[n].get("serves", version))
-        metrics = _metrics(version, p.layout, time.perf_counter() - p.t0,
-                           {n: a for n, a in answers.items() if n not in failures},
-                           self.routes, sent if isinstance(sent, dict) else {})
+        ok = {n: a for n, a in answers.items() if n not in failures}
+        for n, a in ok.items():
+            self.versions[n], self.served[n] = version, int(a["serves"])
+        metrics = _metrics(version, p.layout, time.perf_counter() - p.t0, ok, self.routes,
+                           sent if isinstance(sent, dict) else {})
         if failures:
             first = failures[min(failures)]
             reason = first.reason if len(failures) == 1 else \

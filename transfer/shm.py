@@ -1,10 +1,8 @@
-"""shm: same node, CPU. The sender's packed segment *is* the message.
+"""shm: same node, CPU. The sender's packed segment (staging.py) *is* the message.
 
-The sender packs each version once into its shared segment (staging.py) and announces every
-bucket on the segment's board; each local receiver maps the segment and, as each bucket is
-announced (while later ones are still packing), checksums it and copies it into its model, or
-hands the target views into the shared pages. One copy on the sender however many receivers
-there are, none when the trainer keeps its weights in the segment (the Sender's adopt_fn)."""
+Each local receiver maps the segment and takes each bucket as it is announced, while later ones
+still pack. One copy on the sender however many receivers there are, none when the trainer keeps
+its weights in the segment (the Sender's adopt_fn)."""
 from __future__ import annotations
 
 from .staging import Board, Segment
@@ -23,7 +21,7 @@ class ShmSend:
         return self.staging.zero_copy
 
     def prepare(self, snapshot) -> dict:
-        return self.staging.address
+        return {"path": self.staging.segment.path, "size": self.staging.segment.size}
 
     def send(self, snapshot) -> None:
         for _ in self.staging.buckets(self.timeout):    # packing is the send: a stalled pack surfaces here
@@ -36,10 +34,10 @@ class ShmSend:
 class ShmRecv:
     def __init__(self, mesh_id, name, address, cfg, party):
         self.segment = Segment(address["path"], address["size"], create=False)
-        self.board_bytes, self.timeout = address["board_bytes"], cfg.timeout_s
+        self.timeout = cfg.timeout_s
 
     def receive(self, version, layout):
-        data = self.segment.tensor(self.board_bytes, layout.total_bytes)
+        data = self.segment.tensor(Board.nbytes(layout.num_buckets), layout.total_bytes)
         return layout.unpack(data), Board(self.segment, layout.num_buckets).landed(version, layout, data, self.timeout)
 
     def close(self) -> None:

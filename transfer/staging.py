@@ -149,12 +149,6 @@ class HostStaging:
             pack_bucket(views, self.layout, i, self.view(i))
         return self.layout.unpack(self.data)
 
-    @property
-    def address(self) -> dict:
-        """What a local receiver needs to map the segment."""
-        return {"path": self.segment.path, "size": self.segment.size,
-                "board_bytes": Board.nbytes(self.layout.num_buckets)}
-
     def view(self, i: int) -> torch.Tensor:
         start, end = self.layout.span(i)
         return self.data[start:end]
