@@ -8,7 +8,6 @@ from __future__ import annotations
 import bisect
 import zlib
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -81,15 +80,11 @@ class Layout:
                 out.append(f"{name}: expects {tuple(shape)} {dtype}, sent {have[name][0]} {have[name][1]}")
         return out
 
-    @cached_property
-    def _ends(self) -> list[int]:
-        return [s.offset + s.nbytes for s in self.slots]
-
     def pieces(self, i: int) -> Iterator[tuple[Slot, int, int, int]]:
         """The parts of tensors inside bucket i: (slot, lo, hi, at): bytes [lo, hi) of the tensor are
         bytes [at, at + hi - lo) of the bucket."""
         start, end = self.span(i)
-        k = bisect.bisect_right(self._ends, start)
+        k = bisect.bisect_right(self.slots, start, key=lambda s: s.offset + s.nbytes)
         while k < len(self.slots) and self.slots[k].offset < end:
             s = self.slots[k]
             lo, hi = max(start, s.offset) - s.offset, min(end, s.offset + s.nbytes) - s.offset

@@ -43,10 +43,9 @@ def hide_cuda_media() -> None:
 def _reload(worker, named: dict) -> None:
     """In the worker: load a complete HF state dict into the running model."""
     worker.reload_weights(weights_iterator=iter(named.items()))
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
     method = getattr(head, "quant_method", None)
-    if head is not None and method is not None and hasattr(method, "process_weights_after_loading"):
+    if hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)   # the tied head's packed weight, from the new embedding
 
 
