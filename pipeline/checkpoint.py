@@ -100,14 +100,13 @@ def verify(path: Path, verify_weights: bool = True) -> str | None:
     path = Path(path)
     if not path.is_dir():
         return "no such checkpoint directory"
-    mf = path / MANIFEST
-    problem = _check_manifest(path, mf) if mf.is_file() else _check_legacy(path)
+    problem = _check_manifest(path) if (path / MANIFEST).is_file() else _check_legacy(path)
     return problem or (nonfinite_weights(path) if verify_weights else None)
 
 
-def _check_manifest(path: Path, mf: Path) -> str | None:
+def _check_manifest(path: Path) -> str | None:
     try:
-        manifest = json.loads(mf.read_text())
+        manifest = json.loads((path / MANIFEST).read_text())
         algorithm, files = manifest["algorithm"], manifest["files"]
     except (ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
