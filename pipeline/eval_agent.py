@@ -17,20 +17,19 @@ import ray
 
 def evaluate_agent(cfg, model_path: str, num_prompts: int, n_samples: int = 1) -> dict:
     """pipeline.evaluate's agent evaluation on an engine of its own, loaded from `model_path`."""
-    from pipeline.evaluate import eval_rollout, load_test
-    from pipeline.evaluate import evaluate_agent as run_eval
+    from pipeline import evaluate
     from pipeline.seeds import derive
     from stages.agentflow.engine import HFEngine
     from stages.reward import Reward
 
-    prompts = load_test(cfg, num_prompts)
+    prompts = evaluate.load_test(cfg, num_prompts)
     if prompts is None:
         raise ValueError("eval_agent needs held-out prompts: set data.test_path (or use a builtin: data.path)")
     engine = ray.remote(HFEngine).options(num_cpus=0, max_concurrency=64).remote(
         model_path, cfg.model.dtype, derive(cfg.run.seed, "engine", 0), kv_cache_mb=cfg.engine.kv_cache_mb)
-    stage = eval_rollout(cfg, [engine], model_path)
+    stage = evaluate.eval_rollout(cfg, [engine], model_path)
     try:
-        m = run_eval(stage, Reward(cfg.reward, model_path), prompts, n_samples)
+        m = evaluate.evaluate_agent(stage, Reward(cfg.reward, model_path), prompts, n_samples)
     finally:
         stage.close()
         ray.kill(engine)
