@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"TRANSPORTS": "config", "Receiver": "endpoints", "Sender": "endpoints",
-          "WeightTarget": "endpoints", "TransferError": "errors", "Layout": "layout", "checksum": "layout",
+          "TransferError": "errors", "Layout": "layout", "checksum": "layout",
           "TransferMesh": "mesh", "Route": "routes", "plan_route": "routes", "Party": "topology",
           "format_table": "topology"}
 

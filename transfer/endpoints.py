@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
 import torch
 
@@ -44,24 +44,6 @@ def link_class(transport: str, side: str) -> type:
     CPU-only process never touches CUDA code."""
     module = importlib.import_module(f"{__package__}.{'zmq_stream' if transport == 'zmq' else transport}")
     return getattr(module, "".join(w.capitalize() for w in transport.split("_")) + side)
-
-
-class WeightTarget(Protocol):
-    """What a Receiver's target (an engine, a teacher) implements."""
-
-    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
-
-    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Apply one complete, verified version atomically, under the target's own lock. The
-        tensors are views of transport buffers (or the sender's own tensors): copy them."""
-
-    def weight_version(self) -> int: ...
-
-    # Optional, used when present and transfer.apply_in_place: weights_in_place(version), a context
-    # manager yielding {name: live tensor}, held (the target's lock taken) while a version lands; each
-    # verified bucket is copied straight into the live tensors. On a clean exit the target serves
-    # `version`; if the block raises, it holds half a version and must serve nothing until a complete
-    # one has landed (the mesh re-sends on the next publish).
 
 
 SENDER_KEY = "_sender"     # prepare's answer: facts about the sender, beside the link addresses
@@ -184,9 +166,17 @@ def _timed(fn, *args) -> float:
 
 class Receiver:
     """An engine's endpoint: lands each version, verifies every bucket's checksum as it arrives,
-    and only then hands the complete version to the target (or, in place, lets it serve it)."""
+    and only then hands the complete version to the target (or, in place, lets it serve it).
 
-    def __init__(self, target: WeightTarget, device: str | torch.device | None = None):
+    The target (an engine) has weight_specs() -> {name: (shape, dtype)}, weight_version(), and
+    load_weights(named_tensors, version): one complete, verified version applied atomically under its
+    own lock, the tensors (views of transport buffers, or the sender's own) copied. Optional, used with
+    transfer.apply_in_place: weights_in_place(version), a context manager yielding {name: live tensor},
+    held (its lock taken) while each verified bucket is copied straight into them; on a clean exit the
+    target serves `version`, and if the block raises it serves nothing until a complete one has landed
+    (the mesh re-sends on the next publish)."""
+
+    def __init__(self, target, device: str | torch.device | None = None):
         self.target = target
         self.device = local_device(device)
         self._links: dict[tuple[str, str], tuple[dict, object]] = {}
