@@ -206,8 +206,7 @@ AGENTS_AT_ONCE = 16     # cmd: agents alive at once per worker when agent.max_ag
 
 
 class OpenAIFunctionAgent:
-    """An in-process black-box agent: a function given a base URL, a key and the sample. As a decorator
-    (`openai_agent`), `@openai_agent def solve(base_url, api_key, sample): ...` is an Agent."""
+    """An in-process black-box agent, `@openai_agent def solve(base_url, api_key, sample)` (the module's docstring)."""
 
     def __init__(self, fn):
         self.fn = fn
