@@ -19,10 +19,6 @@ PREFIX = "base_model.model."         # peft's saved-adapter keys start with this
 ADAPTER_DTYPE = torch.float32        # peft keeps adapters in float32 even on a bf16 / fp16 base
 
 
-class LoraTargetError(ValueError):
-    """The targets name no linear layer of the model, or one LoRA cannot adapt here."""
-
-
 def peft_config(cfg: LoraConfig, base_path: str = ""):
     from peft import LoraConfig as PeftLoraConfig
 
@@ -34,7 +30,7 @@ def peft_config(cfg: LoraConfig, base_path: str = ""):
 
 def find_targets(model, cfg: LoraConfig) -> list[str]:
     """Paths of the linear modules `cfg` targets in a plain HF model, matched as peft matches
-    them. Raises LoraTargetError naming the key when they match nothing usable."""
+    them. Raises ValueError naming the key when they match nothing usable."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     pcfg = peft_config(cfg)
@@ -43,18 +39,18 @@ def find_targets(model, cfg: LoraConfig) -> list[str]:
     linear = [n for n in matched if isinstance(modules[n], torch.nn.Linear)]
     others = [n for n in matched if n not in linear]      # peft would refuse them (or we could not merge them)
     if others:
-        raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches modules that are not linear layers "
-                              f"({', '.join(f'{n} ({type(modules[n]).__name__})' for n in others[:3])}); LoRA here "
-                              f"adapts linear layers only; {_linear_names(modules)}")
+        raise ValueError(f"{cfg.targets_key}={cfg.targets_spec!r} matches modules that are not linear layers "
+                         f"({', '.join(f'{n} ({type(modules[n]).__name__})' for n in others[:3])}); LoRA here "
+                         f"adapts linear layers only; {_linear_names(modules)}")
     if not linear:
-        raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches no module of the model; "
-                              f"{_linear_names(modules)}")
+        raise ValueError(f"{cfg.targets_key}={cfg.targets_spec!r} matches no module of the model; "
+                         f"{_linear_names(modules)}")
     out = model.get_output_embeddings()
     tied = [n for n in linear if modules[n] is out and _tied(model)]
     if tied:
-        raise LoraTargetError(f"{cfg.targets_key}={cfg.targets_spec!r} matches {tied[0]}, whose weight is the input "
-                              "embedding's (tie_word_embeddings): merging an adapter into it would change the "
-                              "embedding too; target the other linear layers")
+        raise ValueError(f"{cfg.targets_key}={cfg.targets_spec!r} matches {tied[0]}, whose weight is the input "
+                         "embedding's (tie_word_embeddings): merging an adapter into it would change the "
+                         "embedding too; target the other linear layers")
     return linear
 
 
@@ -68,14 +64,14 @@ def find_saved(model, cfg: LoraConfig) -> list[str]:
         found = [n for n in modules if n and n.endswith(name)]
         if not found:
             example = next(n for n, m in modules.items() if n and not any(True for _ in m.children()))
-            raise LoraTargetError(f"trainer.lora.modules_to_save: {name!r} matches no module of the model "
-                                  f"(module paths look like {example})")
+            raise ValueError(f"trainer.lora.modules_to_save: {name!r} matches no module of the model "
+                             f"(module paths look like {example})")
         out += [n for n in found if n not in out]
     tied = {id(model.get_input_embeddings().weight)} if _tied(model) else set()
     for n in out:
         if any(id(p) in tied for p in modules[n].parameters()):
-            raise LoraTargetError(f"trainer.lora.modules_to_save: {n} holds the embedding tied to the output layer "
-                                  "(tie_word_embeddings); training it in full is not supported here")
+            raise ValueError(f"trainer.lora.modules_to_save: {n} holds the embedding tied to the output layer "
+                             "(tie_word_embeddings); training it in full is not supported here")
     return out
 
 
