@@ -108,17 +108,15 @@ def key(module: str, which: str) -> str:
 
 def saved_params(model, cfg: LoraConfig) -> dict[str, torch.nn.Parameter]:
     """The parameters of the modules trained in full, in a plain HF model, under their saved-adapter names."""
-    modules = dict(model.named_modules(remove_duplicate=False))
     return {f"{PREFIX}{path}.{n}": p for path in find_saved(model, cfg)
-            for n, p in modules[path].named_parameters()}
+            for n, p in model.get_submodule(path).named_parameters()}
 
 
 def adapter_specs(model, cfg: LoraConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Names, shapes and dtypes of what a version carries: the adapter (and the modules trained in full)."""
-    modules = dict(model.named_modules())
     out = {}
     for path in find_targets(model, cfg):
-        lin = modules[path]
+        lin = model.get_submodule(path)
         out[key(path, "A")] = ((cfg.rank, lin.in_features), ADAPTER_DTYPE)
         out[key(path, "B")] = ((lin.out_features, cfg.rank), ADAPTER_DTYPE)
     out |= {n: (tuple(p.shape), p.dtype) for n, p in saved_params(model, cfg).items()}
@@ -181,11 +179,10 @@ class MergedAdapter:
 
     def __init__(self, model, cfg: LoraConfig):
         self.model, self.scaling = model, cfg.scaling
-        modules = dict(model.named_modules())
         self.buffers: dict[str, torch.Tensor] = {}
         self._layers = []
         for path in find_targets(model, cfg):
-            w = modules[path].weight
+            w = model.get_submodule(path).weight
             a = torch.zeros(cfg.rank, w.shape[1], dtype=ADAPTER_DTYPE, device=w.device)
             b = torch.zeros(w.shape[0], cfg.rank, dtype=ADAPTER_DTYPE, device=w.device)
             self.buffers[key(path, "A")], self.buffers[key(path, "B")] = a, b

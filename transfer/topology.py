@@ -45,17 +45,12 @@ def local_device(device: str | torch.device | None = None) -> str:
 
 def _available_transports(device: str) -> tuple[str, ...]:
     import torch.distributed as dist
-    have = {"inproc", "zmq"}
-    if os.path.isdir("/dev/shm"):
-        have.add("shm")
-    if dist.is_available() and dist.is_gloo_available():
-        have.add("gloo")
-    if device.startswith("cuda"):
-        from .nccl import available as nccl_available
-        have.add("cuda_ipc")
-        if nccl_available():        # CuPy's NCCL communicator (nccl.py); looked for, not imported
-            have.add("nccl")
-    return tuple(t for t in TRANSPORTS if t in have)
+
+    from .nccl import available as nccl_available  # CuPy's NCCL communicator: looked for, not imported
+    gpu = device.startswith("cuda")
+    have = {"inproc": True, "zmq": True, "shm": os.path.isdir("/dev/shm"), "cuda_ipc": gpu,
+            "gloo": dist.is_available() and dist.is_gloo_available(), "nccl": gpu and nccl_available()}
+    return tuple(t for t in TRANSPORTS if have[t])
 
 
 def describe_process(role: str, device: str) -> Party:
