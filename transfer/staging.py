@@ -120,8 +120,7 @@ class HostStaging:
         """Make room for `version` and invalidate every bucket of the previous one."""
         if self.layout is None or (layout.total_bytes, layout.num_buckets) != (
                 self.layout.total_bytes, self.layout.num_buckets):
-            if self.segment is not None:
-                self.segment.unlink()
+            self.close()
             board = Board.nbytes(layout.num_buckets)
             self.segment = new_segment(self.shm_dir, self.mesh_id, board + layout.total_bytes)
             self.board = Board(self.segment, layout.num_buckets)

@@ -62,9 +62,8 @@ def describe_process(role: str, device: str) -> Party:
                  transports=_available_transports(device))
 
 
-def format_table(parties: Iterable[Party], routes: Mapping[str, object] | None = None) -> str:
+def format_table(parties: Iterable[Party], routes: Mapping[str, object]) -> str:
     """One line per party; receivers also show the route chosen for them."""
-    routes = routes or {}
     header = ("name", "role", "node", "ip", "pid", "device", "gpu uuid", "route")
     rows = [header] + [(p.name, p.role, p.node_id[:12], p.ip, str(p.pid), p.device, p.device_uuid[:18] or "-",
                         f"{route.transport}: {route.reason}" if (route := routes.get(p.name)) else "-")
