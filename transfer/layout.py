@@ -132,13 +132,8 @@ def checksum(buf: torch.Tensor) -> int:
     flipped bit changes its block's sum; blocks out of order or of another version change the crc.
     A crc32 of the bytes themselves would run at a fraction of memory bandwidth."""
     whole = buf.numel() - buf.numel() % BLOCK_BYTES
-    crc = 0
-    if whole:
-        sums = buf[:whole].view(torch.int64).view(-1, BLOCK_BYTES // 8).sum(dim=1)
-        crc = zlib.crc32(sums.cpu().numpy().tobytes())
-    if whole < buf.numel():
-        crc = zlib.crc32(buf[whole:].cpu().numpy().tobytes(), crc)
-    return crc
+    sums = buf[:whole].view(torch.int64).view(-1, BLOCK_BYTES // 8).sum(dim=1)
+    return zlib.crc32(buf[whole:].cpu().numpy().tobytes(), zlib.crc32(sums.cpu().numpy().tobytes()))
 
 
 def landing_buffer(buf: torch.Tensor | None, nbytes: int, device="cpu") -> torch.Tensor:
