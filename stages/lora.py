@@ -158,7 +158,7 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def write_adapter(named: dict[str, torch.Tensor], cfg: LoraConfig, base_path: str, out: str | Path) -> Path:
+def write_adapter(named: dict[str, torch.Tensor], cfg: LoraConfig, base_path: str, out: str | Path) -> None:
     """A peft adapter directory from a published version (what SGLang's load_lora_adapter reads)."""
     from safetensors.torch import save_file
 
@@ -167,7 +167,6 @@ def write_adapter(named: dict[str, torch.Tensor], cfg: LoraConfig, base_path: st
     save_file({n: t.detach().to("cpu", ADAPTER_DTYPE).contiguous() for n, t in named.items()},
               str(out / "adapter_model.safetensors"))
     peft_config(cfg, base_path).save_pretrained(str(out))
-    return out
 
 
 # ---- the engine's side ----------------------------------------------------------------

@@ -10,8 +10,7 @@ import math
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3   # 2: optional agent and teacher top-k columns (a v1 recording reads as v2 with nulls)
-                     # 3: optional segment columns (a trajectory may make several rows; v1/v2 read with nulls)
+SCHEMA_VERSION = 3   # 2 added the agent and teacher top-k columns, 3 the segment ones; older files read them as nulls
 
 _i64 = pa.int64()
 _i32_list = pa.list_(pa.int32())
