@@ -115,7 +115,7 @@ class RewardPool:
     threads; batches then take turns). `close()` kills the workers; so do garbage collection and exit."""
 
     def __init__(self, fn_path: str, workers: int, timeout_s: float):
-        self.fn_path, self.size, self.timeout_s = fn_path, max(1, workers), timeout_s
+        self.fn_path, self.size, self.timeout_s = fn_path, workers, timeout_s
         self.workers: list[_Worker] = []
         self.lock = threading.Lock()
         self.close = weakref.finalize(self, _kill_all, self.workers)   # close(); also runs at interpreter exit

@@ -45,9 +45,7 @@ def chunked(fn, n: int, chunk: int, *tensors) -> list:
     grad = torch.is_grad_enabled() and step < n      # one chunk: nothing to save by recomputing it
     parts = [checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
              for args in ([t[a:a + step] for t in tensors] for a in range(0, max(n, 1), step))]
-    if len(parts) == 1:
-        return list(parts[0])
-    return [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
+    return [x[0] if x[0] is None or len(x) == 1 else torch.cat(x) for x in zip(*parts)]
 
 
 def token_stats(hidden: torch.Tensor, head, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 0,

@@ -213,12 +213,11 @@ def _metrics(version, layout, seconds, ok: dict[str, dict], routes, sent: dict) 
     if "pack" in sent:
         m["transfer/pack_s"], m["transfer/zero_copy"] = sent["pack"], sent.get("zero_copy", 0.0)
     per_receiver = {n: a["receive_s"] + a["load_s"] for n, a in ok.items()}
-    if ok:      # how long the slowest engine spent applying (its lock held)
-        m["transfer/load_s"] = max(a["load_s"] for a in ok.values())
     for n, s in per_receiver.items():
         key = f"transfer/{routes[n].transport}/seconds"
         m[key] = max(m.get(key, 0.0), s)
-    if per_receiver:
+    if ok:      # how long the slowest engine spent applying (its lock held), and the slowest receiver
+        m["transfer/load_s"] = max(a["load_s"] for a in ok.values())
         slowest = max(per_receiver, key=per_receiver.get)
         m["transfer/slowest_receiver"], m["transfer/slowest_receiver_s"] = slowest, per_receiver[slowest]
     return m
