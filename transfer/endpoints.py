@@ -40,8 +40,7 @@ from .topology import Party, describe_process, local_device
 
 
 def link_class(transport: str, side: str) -> type:
-    """The transport's class for `side` ("Send" or "Recv"), its module imported on first use, so a
-    CPU-only process never touches CUDA code."""
+    """The transport's class for `side` ("Send", "Recv"), imported on first use: a CPU process never touches CUDA."""
     module = importlib.import_module(f"{__package__}.{'zmq_stream' if transport == 'zmq' else transport}")
     return getattr(module, "".join(w.capitalize() for w in transport.split("_")) + side)
 
