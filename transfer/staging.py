@@ -109,11 +109,8 @@ class HostStaging:
     def __init__(self, mesh_id: str, shm_dir: str):
         self.mesh_id, self.shm_dir = mesh_id, shm_dir
         self.segment: Segment | None = None
-        self.layout: Layout | None = None
-        self.version = -1
+        self.layout: Layout | None = None       # and the version, its board and checksums: set by prepare
         self._cond = threading.Condition()
-        self._ready = -1          # highest bucket packed and announced
-        self._error: BaseException | None = None
         self.zero_copy = False    # the owner's tensors live in the segment: nothing to pack
 
     def prepare(self, version: int, layout: Layout) -> None:
@@ -129,7 +126,7 @@ class HostStaging:
         self.board.clear()
         self.checksums = [0] * layout.num_buckets
         with self._cond:
-            self._ready, self._error = -1, None
+            self._ready, self._error = -1, None     # the highest bucket packed and announced; a failed pack
 
     def holds(self, state: Mapping[str, torch.Tensor]) -> bool:
         """True when every tensor of `state` already sits in the segment where the layout puts
