@@ -202,8 +202,7 @@ class PeftAdapter:
     a version lands straight in their adapter parameters and nothing is merged."""
 
     def __init__(self, model, cfg: LoraConfig):
-        self.model = wrap(model, cfg)
-        self.model.eval()
+        self.model = wrap(model, cfg).eval()
         self.buffers = {n: p.data for n, p in adapter_params(self.model).items()}
 
     def apply(self) -> None:

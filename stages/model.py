@@ -16,9 +16,7 @@ def load_model(path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     validate_model_dir(path, check_tokenizer=False, key="model directory")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
-    model.eval()
-    return model
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).eval()
 
 
 def resolve_model_path(cfg: ModelConfig, log=print, check_tokenizer: bool = True) -> str:
