@@ -201,6 +201,13 @@ def test_content_null_is_a_400_naming_the_message(ep):
     assert r.choices
 
 
+def test_a_tool_choice_whose_function_is_not_an_object_is_a_400_naming_it(ep):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai(ep).chat.completions.create(model="m", messages=USER, tool_choice={"type": "function", "function": "x"},
+                                        tools=[{"type": "function", "function": {"name": "x", "parameters": {}}}])
+    assert err.value.param == "tool_choice"
+
+
 def test_out_of_vocabulary_token_ids_are_a_400_naming_the_prompt(ep):
     client = oai(ep)
     for ids, fragment in [([6, 10, 10 ** 6], "prompt[2] = 1000000 is not a token id"), ([6, True], "'prompt'")]:

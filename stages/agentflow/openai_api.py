@@ -53,7 +53,8 @@ def parse_chat(body, session=None) -> Request:
         raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools")
     req.tools = None if choice == "none" else tools or None
     names = [t["function"]["name"] for t in tools or []]
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if choice == "required" and names:
         req.forced = ""
     elif name in names:
