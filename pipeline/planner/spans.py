@@ -1,9 +1,6 @@
 """A run's profile read back: its spans as pandas, per-stage tables, plots, `loongsage profile RUN`.
 
-`load_spans` reads RUN/profile/ (written by pipeline/profile.py); `stage_table`, `utilization`,
-`bubbles`, `queue_depths`, `throughput` and `staleness` compute what the report prints and the
-plots draw; `profile_report` is the command. It needs the `profile` extra (pandas, matplotlib);
-the planner's calibration reads runs through the same functions.
+It needs the `profile` extra (pandas, matplotlib); the planner's calibration reads runs through the same functions.
 """
 from __future__ import annotations
 
@@ -108,19 +105,6 @@ def _merge(intervals) -> list[tuple[float, float]]:
 def _union(intervals) -> float:
     """Total length of the union of (start, end) intervals."""
     return sum(e - s for s, e in _merge(intervals))
-
-
-def utilization(spans):
-    """Per actor: busy seconds (union of its spans), idle seconds and busy fraction over the profiled wall time."""
-    import pandas as pd
-
-    wall = spans["end"].max() - spans["start"].min()
-    rows = [{"actor": a, "stage": g["stage"].iloc[0], "busy_s": _union(zip(g["start"], g["end"]))}
-            for a, g in spans.groupby("actor", sort=False)]
-    u = pd.DataFrame(rows).set_index("actor")
-    u["idle_s"] = wall - u["busy_s"]
-    u["busy_frac"] = u["busy_s"] / max(wall, 1e-9)
-    return u
 
 
 def bubbles(spans, rollouts=None):
