@@ -212,11 +212,11 @@ def test_an_agents_time_outside_generation_is_spent_once_across_its_gaps():
 
 def test_cluster_preset_builds_costs_from_its_figures():
     costs = build_costs(load_cluster(H100, {"layout.engines": 16}))
-    assert costs.layout.trainer_gpus == 48 and costs.layout.engines == 16
+    assert "trainer on 48 GPUs" in costs.layout.description and costs.layout.engines == 16
     assert costs.trainer.per_token_s == pytest.approx(8 * 7.62e9 / (48 * 989e12 * 0.35))
     assert costs.sync.seconds == pytest.approx(1.0 + 7.62e9 * 2 / 50e9)
     big = build_costs(load_cluster(H100, {"layout.model": "qwen2.5-32b", "layout.engines": 8}))
-    assert big.layout.engine_gpus == 32          # the preset's TP4
+    assert "8 engines x TP4 + trainer on 32 GPUs" in big.layout.description      # the preset's TP4
 
 
 def _write(tmp_path, edit) -> Path:

@@ -19,7 +19,6 @@ moves params * bytes_per_param over the slowest route from the trainer to an eng
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 from pipeline.config import ConfigError, read_yaml
@@ -86,7 +85,6 @@ def load_cluster(path: str | Path, overrides: dict | None = None) -> dict:
         data = read_yaml(path) or {}        # bounded as a recipe is: size, encoding, depth, aliases
     except ConfigError as e:
         raise PlanError(str(e)) from e
-    data = copy.deepcopy(data)
     for key, value in (overrides or {}).items():
         *parents, leaf = key.split(".")
         node = data
@@ -157,7 +155,7 @@ def build_costs(data: dict) -> Costs:
     p = data.get("pipeline", {})
     stages = StageCosts(p.get("reward_fixed_s", 0.0), p.get("reward_per_row_s", 0.0), p.get("handoff_s", 0.0),
                         p.get("dispatch_s", 0.0), p.get("reward_workers", 1))
-    layout = Layout(engines, colocate, trainer_gpus, engine_gpus,
+    layout = Layout(engines, colocate,
                     f"{cl.get('name', Path(f).stem)}: {total} x {cl['gpu']}, {engines} engines x TP{tp}"
                     f"{' colocated with' if colocate else ' +'} trainer on {trainer_gpus} GPUs, model {lay['model']}")
     return Costs(engine, trainer, sync, stages, layout,

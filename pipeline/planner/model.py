@@ -1,8 +1,6 @@
 """Cost models the planner's simulation runs on: engines, trainer, weight sync, pipeline stages.
 
-Each is a small frozen dataclass with one method that turns work into seconds. Where the
-numbers come from (a run's profile, a cluster file's preset) is decided in calibrate.py and
-cluster.py; the simulation (sim.py) only calls these methods.
+Their numbers come from a run's profile (calibrate.py) or a cluster file's preset (cluster.py).
 """
 from __future__ import annotations
 
@@ -62,7 +60,7 @@ class SyncModel:
 
     @property
     def seconds(self) -> float:
-        return self.fixed_s + (self.bytes / self.bandwidth_B_s if self.bytes else 0.0)
+        return self.fixed_s + self.bytes / self.bandwidth_B_s
 
 
 @dataclass(frozen=True)
@@ -82,8 +80,6 @@ class Layout:
     generation stops while the trainer updates and syncs)."""
     engines: int = 1
     colocate: bool = False
-    trainer_gpus: int = 0
-    engine_gpus: int = 0
     description: str = ""
 
 
