@@ -19,11 +19,11 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.config import parse_yaml
+from pipeline.config import ConfigError, load_config, parse_yaml
 from pipeline.planner.calibrate import Calibration, calibrate
 from pipeline.planner.cluster import SCHEMA, build_costs, load_cluster
 from pipeline.planner.model import Costs, Layout, PlanError
-from pipeline.planner.report import line, plot, report_text, simulated_summary
+from pipeline.planner.report import line, measured_summary, plot, report_text, simulated_summary
 from pipeline.planner.sim import Recipe, Simulation
 from pipeline.planner.workload import ParametricLengths, RecordedLengths
 
@@ -76,8 +76,6 @@ def _lengths(src: str | None, cal: Calibration | None):
 
 def setup(inp: PlanInput, cal: Calibration | None = None):
     """(Recipe, Costs, workload, Calibration or None) for one plan; `cal` reuses a calibration already made."""
-    from pipeline.config import ConfigError, load_config
-
     if inp.cluster is None and inp.calibrate is None:
         raise PlanError("give --calibrate RUN (costs measured on a run) or --cluster FILE (a cluster's presets)")
     try:
@@ -192,8 +190,6 @@ def cli_plan(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"gantt          {plot(res, out / 'gantt.png')}")
     if args.calibrate:
-        from pipeline.planner.report import measured_summary
-
         m = measured_summary(args.calibrate)
         print(f"measured       {line(m)}")
         print(f"predicted      {line(s)}")
@@ -209,15 +205,15 @@ def _cli_sweep(inp: PlanInput, args) -> int:
     recipe, costs, workload, _ = setup(inp)
     print(describe(recipe, costs, workload))
     print()
-    table, best = sweep(inp, parse_sweep(args.sweep), args.max_staleness)
+    axes = parse_sweep(args.sweep)
+    table, best = sweep(inp, axes, args.max_staleness)
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if best is None:
         print(f"no setting keeps trained tokens within {args.max_staleness:g} versions")
         return 1
-    keys = [k for k, _ in parse_sweep(args.sweep)]
     print(f"recommended (fastest with staleness <= {args.max_staleness:g}): "
-          f"{' '.join(f'{k}={best[k]}' for k in keys)}: {best['samples/s']:.3f} samples/s, "
+          f"{' '.join(f'{k}={best[k]}' for k, _ in axes)}: {best['samples/s']:.3f} samples/s, "
           f"trainer busy {best['trainer_busy']:.2f}, engines busy {best['engine_busy']:.2f}")
     return 0
 

@@ -13,9 +13,13 @@ model loads) is left out of both by default.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
-from pipeline.planner.spans import STEP_PHASES, _union, bubbles
+from pipeline.planner.spans import STEP_PHASES, _union, bubbles, load_spans, plot_gantt
+from pipeline.recorder import Recording
 
 
 def summarize(spans, rollouts=None, skip: int = 1) -> dict:
@@ -68,12 +72,6 @@ def simulated_summary(res, skip: int = 1) -> dict:
 def measured_summary(run_dir, skip: int = 1) -> dict:
     """summarize() of a real run directory (profile spans + its recording), plus the engines' own
     busy fraction from metrics.jsonl (rollout/busy_frac, weighted by step wall time)."""
-    import json
-    from pathlib import Path
-
-    from pipeline.planner.spans import load_spans
-    from pipeline.recorder import Recording
-
     spans = load_spans(run_dir)
     rollouts = Recording.open(Path(run_dir) / "rollouts").read(
         columns=["t_dispatch", "t_done", "token_versions", "loss_mask"]).to_pandas()
@@ -112,8 +110,6 @@ def report_text(s: dict) -> str:
 
 def plot(res, path) -> str:
     """The simulated run's Gantt chart (spans.plot_gantt), as a PNG."""
-    from pipeline.planner.spans import plot_gantt
-
     shown, gen = res.spans, res.rollouts()
     engines = sorted((a for a in shown["actor"].unique() if str(a).startswith("engine")), key=lambda a: int(a[6:]))
     if len(engines) > 16:       # a row per engine stops being readable: keep the first 16

@@ -50,9 +50,9 @@ class Recipe:
     stale_policy: str = "drop"
 
     @classmethod
-    def of(cls, cfg, steps: int | None = None) -> "Recipe":
+    def of(cls, cfg, steps: int) -> "Recipe":
         r = cfg.rollout
-        return cls(cfg.batcher.groups_per_step, r.n_samples, steps or cfg.run.steps, r.stale_steps, r.window,
+        return cls(cfg.batcher.groups_per_step, r.n_samples, steps, r.stale_steps, r.window,
                    r.groups_per_batch, r.num_workers, r.partial, cfg.batcher.stale_policy)
 
 
@@ -99,9 +99,8 @@ class EngineSim:
         self._poke()
         return ev
 
-    def resume(self, version: int | None = None) -> None:
-        if version is not None:
-            self.version = version
+    def resume(self, version: int) -> None:
+        self.version = version
         self.paused = self.holding = False
         self._poke()
 
@@ -204,16 +203,8 @@ class Simulation:
         self.trained: list[list[int]] = []     # each step's groups
         self.finished = self.env.event()
 
-    # ---- helpers -------------------------------------------------------------------
-    def _gate(self, coro):
-        return self._loop.run_until_complete(coro)
-
     def _moved(self) -> None:
         ev, self.moved = self.moved, self.env.event()
-        ev.succeed()
-
-    def _collected(self) -> None:
-        ev, self.collected_ev = self.collected_ev, self.env.event()
         ev.succeed()
 
     def _span(self, stage: str, actor: str, start: float, end: float, step: int = -1, rows: int = 0,
@@ -222,7 +213,6 @@ class Simulation:
                            "rows_out": rows, "tokens": tokens, "start": start, "end": end, "wait_s": 0.0,
                            "overhead_s": 0.0})
 
-    # ---- processes -----------------------------------------------------------------
     def _dispatcher(self):
         gpb = self.r.groups_per_batch or self.r.groups_per_step
         seq = 0
@@ -233,7 +223,7 @@ class Simulation:
             for q in block:
                 while not self.gate.strategy.can_dispatch(self.gate.s, q):
                     yield self.moved
-                self._gate(self.gate.acquire([q]))     # the real gate: returns at once, can_dispatch held
+                self._loop.run_until_complete(self.gate.acquire([q]))   # the real gate, at once: can_dispatch held
             self.env.process(self._block(block, worker))
 
     def _block(self, block: list[int], worker: int):
@@ -264,7 +254,8 @@ class Simulation:
             yield env.timeout(st.handoff_s)
         if self.window.feed(self._block_table(block)):
             self._moved()
-            self._collected()
+            ev, self.collected_ev = self.collected_ev, self.env.event()
+            ev.succeed()
 
     def _block_table(self, block: list[int]) -> pa.Table:
         """What the batcher reads of a block's rows: the distinct versions of each sample's tokens stand
@@ -372,14 +363,12 @@ class SimResult:
     def __init__(self, sim: Simulation):
         import pandas as pd
 
-        self.recipe, self.costs = sim.r, sim.c
         self.spans = pd.DataFrame(sim.spans).sort_values(["start", "end"], kind="stable").reset_index(drop=True)
         self.spans["duration_s"] = self.spans["end"] - self.spans["start"]
         self.spans["t"] = self.spans["start"] - self.spans["start"].min()
         self.samples = [r for recs in sim.samples.values() for r in recs]
         self.dropped, self.trained = list(sim.dropped), list(sim.trained)
         self.engine_busy = {e.name: [tuple(b) for b in e.busy] for e in sim.engines}
-        self.end_s = sim.env.now
 
     def rollouts(self):
         """Trained samples as spans.bubbles reads a recording: step, t_dispatch, t_done."""
