@@ -186,8 +186,8 @@ def test_parametric_lengths_hit_the_clipped_mean():
 
 
 def test_turns_from_a_loss_mask():
-    assert turns_of([1, 1, 0, 0, 0, 1, 1, 1, 0, 1], 0.5) == ((2, 3, 0.5), (3, 1, 0.5), (1, 0, 0.0))
-    assert turns_of([1, 1, 1], 0.0) == ((3, 0, 0.0),)
+    assert turns_of([1, 1, 0, 0, 0, 1, 1, 1, 0, 1]) == [[2, 3], [3, 1], [1, 0]]
+    assert turns_of([1, 1, 1]) == [[3, 0]]
 
 
 # ---- the cluster file --------------------------------------------------------------------------

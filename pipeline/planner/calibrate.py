@@ -82,7 +82,7 @@ def calibrate(run_dir: str | Path, skip: int = 1) -> Calibration:
     rows = rows.assign(block=rows["group_id"] // gpb)
     waves, iters, gen_s, blocks = [], [], [], {}
     for blk, g in rows.groupby("block"):
-        turns = [turns_of(list(m), 0.0) for m in g["loss_mask"]]
+        turns = [turns_of(list(m)) for m in g["loss_mask"]]
         depth = max(len(t) for t in turns)
         wave_iters = [max((t[k][0] for t in turns if len(t) > k), default=0) for k in range(depth)]
         t0, t1 = float(g["t_dispatch"].min()), float(g["t_done"].max())

@@ -1,21 +1,11 @@
 """Cluster files (configs/clusters/*.yaml): GPUs, nodes, interconnect, layout, per-model presets.
 
-    cluster:      name, gpu (a key of gpus:), nodes, gpus_per_node
-    gpus:         <name>: peak_tflops (dense BF16), hbm_gb, hbm_tb_s
-    interconnect: same_gpu_gb_s (colocated resharding), intra_node_gb_s, inter_node_gb_s (per GPU, GB/s)
-    layout:       model (a key of models:), engines, engine_tp, colocate
-    pipeline:     reward_fixed_s, reward_per_row_s, reward_workers, handoff_s, dispatch_s
-    models:       <name>: params_b,
-                    engine:  decode_base_s, decode_per_seq_s, decode_per_ctx_token_s, prefill_per_token_s,
-                             call_s, max_running, kv_tokens, prefix_cache, tp
-                    trainer: mfu, flops_per_param_token, fixed_s
-                    sync:    bytes_per_param, fixed_s
-
-An unknown key, a negative number, a missing section or a model that is not a preset is a
-PlanError naming the file and the key. `build_costs` turns a checked file into the
-simulation's cost models: the trainer gets the GPUs the engines leave (all of them when
-colocated), a step costs flops_per_param_token * params * tokens / (GPUs * peak * MFU), a sync
-moves params * bytes_per_param over the slowest route from the trainer to an engine.
+Their keys are SCHEMA's below: peak_tflops is dense BF16, interconnect rates are GB/s per GPU
+(same_gpu_gb_s: colocated resharding). An unknown key, a negative number, a missing section or a
+model that is not a preset is a PlanError naming the file and the key. `build_costs` turns a
+checked file into the simulation's cost models: the trainer gets the GPUs the engines leave (all
+of them when colocated), a step costs flops_per_param_token * params * tokens / (GPUs * peak * MFU),
+a sync moves params * bytes_per_param over the slowest route from the trainer to an engine.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """`loongsage plan`: simulate a run on a cluster before buying it.
 
-    loongsage plan [CONFIG] [key=value ...] [--calibrate RUN] [--cluster FILE] [--lengths SRC]
-                   [--steps N] [--sweep KEY=V1,V2 ...] [--max-staleness S] [--out DIR]
-
 Costs come from a run directory's profile (--calibrate RUN: this machine, these engines) or
-from a cluster file's presets (--cluster configs/clusters/h100_64.yaml); with both, the
-cluster's hardware and the run's workload shape. Response lengths come from a recording
-(--lengths RUN/rollouts, the default with --calibrate) or are parametric
-(--lengths lognormal:mean=12700,max=32768). CONFIG is a recipe (default: the calibrated run's
-config.yaml). key=value: recipe keys (rollout.stale_steps=1), cluster keys (layout.engines=8)
-or the short names in ALIASES. --sweep runs every combination and recommends the fastest
-whose trained tokens stay within --max-staleness versions.
+from a cluster file's presets (--cluster FILE); with both, the cluster's hardware and the run's
+workload shape. Response lengths come from a recording (--lengths RUN/rollouts, the default with
+--calibrate) or are parametric (--lengths lognormal:mean=12700,max=32768). CONFIG defaults to the
+calibrated run's config.yaml; key=value takes recipe keys, cluster keys or the short names in ALIASES.
+--sweep runs every combination and recommends the fastest whose trained tokens stay within
+--max-staleness versions.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The figures of a run, measured or simulated, computed by one function from spans.
 
-`summarize(spans, rollouts)` reads the profiler's span schema: a real run's (load_spans) and a
-simulated one's (SimResult.spans) give the same quantities by the same arithmetic, so a
-prediction is compared with a measurement on equal terms. Step 1 (start-up: actor pools,
-model loads) is left out of both by default.
+`summarize` reads the profiler's span schema, so a real run (load_spans) and a simulated one
+(SimResult.spans) are compared on equal terms. Step 1 (start-up: actor pools, model loads) is
+left out of both by default.
 
     samples_per_s, tokens_per_s   trained rows / response tokens over the window from the end of
                                   step `skip` to the end of the last step
@@ -57,7 +56,7 @@ def simulated_summary(res, skip: int = 1) -> dict:
     trained = [r.response_tokens for r in res.samples if r.step > 0]
     dispatched = [r.response_tokens for r in res.samples]
     s.update({
-        "engine_busy": float(np.mean(list(eb.values()))) if eb else 0.0, "engine_busy_each": eb,
+        "engine_busy": float(np.mean(list(eb.values()))), "engine_busy_each": eb,
         "staleness": {int(k): float(w / total) for k, w in zip(keys, weights)},
         "staleness_mean": float((keys * weights).sum() / total) if len(keys) else 0.0,
         "staleness_max": int(keys.max()) if len(keys) else 0,

@@ -2,15 +2,9 @@
 
 A sample is `SampleSpec(prompt_tokens, turns)`, each turn `(gen_tokens, tool_tokens, tool_s)`:
 the model decodes gen_tokens, then (except after the last turn) a tool answers after tool_s
-seconds with tool_tokens of context. Two sources:
-
-* `RecordedLengths.open(RUN/rollouts)`: whole recorded groups resampled (a hard prompt's long
-  samples stay together). Model turns are the runs of loss_mask=1 in a row's response, tool
-  context the runs of 0 between them; the wait in each gap is the agent's wall time outside
-  generation (agent_stats wall_s - gen_s) divided by its gaps.
-* `ParametricLengths`: response lengths from a log-normal clipped at `max` (a clipped sample is a
-  truncated one), its location solved so that the *clipped* mean is `mean`; a fixed number of
-  turns and tool latency.
+seconds with tool_tokens of context. `RecordedLengths` resamples a recorded run's whole groups (a
+hard prompt's long samples stay together); `ParametricLengths` draws response lengths from a
+log-normal clipped at `max` (a clipped sample is a truncated one) whose clipped mean is `mean`.
 """
 from __future__ import annotations
 
@@ -34,23 +28,22 @@ class SampleSpec:
         return sum(g for g, _, _ in self.turns)
 
 
-def turns_of(mask: list[int], tool_s: float) -> tuple:
-    """A response's loss mask as turns: model runs (1) with the tool runs (0) that follow them."""
-    turns: list[list] = []
-    for v, run in itertools.groupby(1 if m else 0 for m in mask):
+def turns_of(mask: list[int]) -> list[list[int]]:
+    """A response's loss mask as turns [model tokens, tool tokens]: model runs (1) with the tool runs (0) after them."""
+    turns: list[list[int]] = []
+    for model, run in itertools.groupby(map(bool, mask)):
         n = sum(1 for _ in run)
-        if v == 1:
-            turns.append([n, 0, 0.0])
+        if model:
+            turns.append([n, 0])
         elif turns:
-            turns[-1][1:] = [turns[-1][1] + n, tool_s]
-    turns = turns or [[0, 0, 0.0]]
-    turns[-1][1:] = [0, 0.0]          # nothing is answered after the last model turn
-    return tuple(tuple(t) for t in turns)
+            turns[-1][1] += n
+    turns = turns or [[0, 0]]
+    turns[-1][1] = 0          # nothing is answered after the last model turn
+    return turns
 
 
 def outside_generation_s(stats: dict) -> float:
-    """A recorded sample's seconds outside generation (tools, the agent's own work): agent_stats
-    wall_s - gen_s."""
+    """A recorded sample's seconds outside generation (tools, the agent's own work)."""
     return max(0.0, float(stats.get("wall_s") or 0.0) - float(stats.get("gen_s") or 0.0))
 
 
@@ -58,9 +51,9 @@ def agent_turns(mask: list[int], stats: dict) -> tuple:
     """A recorded row's turns, each gap's wait the sample's time outside generation (agent_stats
     wall_s - gen_s) spread evenly over its gaps: a gap is a tool answer or a user turn, so dividing
     by tool calls would count that time again in every gap without one."""
-    turns = turns_of(mask, 0.0)
+    turns = turns_of(mask)
     gap_s = outside_generation_s(stats) / (len(turns) - 1) if len(turns) > 1 else 0.0
-    return tuple((g, t, gap_s if k < len(turns) - 1 else 0.0) for k, (g, t, _) in enumerate(turns))
+    return tuple((g, t, gap_s if k < len(turns) - 1 else 0.0) for k, (g, t) in enumerate(turns))
 
 
 class RecordedLengths:
@@ -147,7 +140,7 @@ class ParametricLengths:
         if kind != "lognormal":
             raise PlanError(f"--lengths {text!r}: expected RUN/rollouts or lognormal:mean=...,max=...")
         kw = {}
-        names = {f for f in cls.__dataclass_fields__}
+        names = set(cls.__dataclass_fields__)
         for part in filter(None, args.split(",")):
             k, eq, v = part.partition("=")
             if not eq or k not in names:
