@@ -23,11 +23,11 @@ from stages.agentflow.blackbox import openai_agent
 from stages.agentflow.chat import encode, render
 from stages.agentflow.config import AgentConfig, SamplingConfig
 from stages.agentflow.engine import HFEngine
-from stages.agentflow.envs import RetryEnv
 from stages.agentflow.rollout import AgentFlowRollout, load_agent
 from stages.agentflow.tools import calculate
 from stages.reward import Reward, RewardConfig, agent_reported
 from stages.schema import table_from_columns
+from stages.tasks.agents import RetryEnv
 
 GREEDY = SamplingConfig(max_new_tokens=4, temperature=0.0)
 

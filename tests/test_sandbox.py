@@ -26,7 +26,7 @@ from stages.agentflow.config import AgentConfig, SamplingConfig
 from stages.agentflow.rollout import AgentFlowRollout
 from stages.agentflow.sandbox.pool import UID_BASE, UID_SLOTS, SandboxConfig, SandboxPool, probe_isolation
 from stages.agentflow.tools import ToolRegistry
-from stages.agentflow.workflows import SandboxAgent
+from stages.tasks.agents import SandboxAgent
 
 ISO = probe_isolation()
 FAST = dict(workers=1, cpu_s=1.0, timeout_s=1.5, memory_mb=256, output_bytes=2048)
@@ -188,7 +188,7 @@ def test_tool_registry_timeout_kills_the_worker_too():
         pool = SandboxPool(SandboxConfig(workers=1, timeout_s=30))
         reg = ToolRegistry([pool.tool()], timeout_s=3.0)
         try:
-            await pool.start()      # a started spare: the registry's timeout lands in the snippet, not the start
+            pool._spares.append(await pool._spawn())  # a started spare: the timeout lands in the snippet
             t0 = time.perf_counter()
             res = await reg.call("python", {"code": "import time\ntime.sleep(30)"})
             dt = time.perf_counter() - t0
@@ -222,7 +222,7 @@ def test_a_session_ends_its_worker_and_the_next_session_gets_another():
             async with pool.session() as a:
                 await a.run("1")
                 first = a.worker.proc.pid
-            gone = first not in pool.pids()
+            gone = first not in [w.proc.pid for w in pool._all.values()]
             async with pool.session() as b:
                 await b.run("1")
                 return gone, first, b.worker.proc.pid

@@ -36,26 +36,24 @@ from stages.agentflow.client import Affinity
 from stages.agentflow.config import AgentConfig, ProxyConfig, RolloutConfig, SamplingConfig
 from stages.agentflow.engine_config import EngineConfig
 from stages.agentflow.limits import PromptLimit
-from stages.agentflow.workflows import CalculatorAgent, RetryAgent, SandboxAgent
 from stages.keys import import_object
 from stages.priority import lower_priority
 from stages.schema import with_columns
 
-BUILTIN_AGENTS = {"single_turn": SingleTurnAgent, "retry": RetryAgent, "calculator": CalculatorAgent,
-                  "sandbox": SandboxAgent}
-
 
 def load_agent(name: str, preload: tuple = ()):
     """An Agent from `agent.name`; every way it can be wrong is a ValueError naming it."""
-    if name in BUILTIN_AGENTS:
-        return BUILTIN_AGENTS[name]()
+    from stages.tasks.agents import BUILTIN_AGENTS
+
+    if name in (builtin := {"single_turn": SingleTurnAgent, **BUILTIN_AGENTS}):
+        return builtin[name]()
     if name.startswith("cmd:"):
         return SubprocessAgent(name[4:].strip(), preload)
     try:
         obj = import_object(name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"agent.name {name!r} does not import: {e} (built-in agents: "
-                         f"{', '.join(BUILTIN_AGENTS)}; or a dotted path, or cmd:<command>)") from e
+                         f"{', '.join(builtin)}; or a dotted path, or cmd:<command>)") from e
     agent = obj() if isinstance(obj, type) else obj
     if not asyncio.iscoroutinefunction(getattr(agent, "run", None)):
         raise ValueError(f"agent.name {name!r} is not an Agent: it needs `async def run(self, ctx, sample)`")

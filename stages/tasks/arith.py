@@ -81,7 +81,7 @@ class Addition3Task(_PoolTask):
     """Three-term addition, "12+34+56=" -> "102", for the calculator agent (agent.name: calculator).
 
     Its warm-up demonstrations (`demonstration`) are whole calculator-agent trajectories in
-    the stream format of stages/agentflow/workflows.py: the model copies the first two terms
+    the stream format of stages/tasks/agents.py: the model copies the first two terms
     as a calculator call, the tool returns their sum, the model adds the third term as a
     second call, the tool returns the total and the model answers it:
 

@@ -1,11 +1,11 @@
 """Three-factor products ("37*48*29=" -> "51504"), solved by running code in the sandbox.
 
 The tiny model cannot multiply in its head; it can copy. The built-in `sandbox` agent
-(stages/agentflow/workflows.py: SandboxAgent) reads a model turn ending in ";" as a Python
+(stages/tasks/agents.py: SandboxAgent) reads a model turn ending in ";" as a Python
 snippet, runs it in the sandbox (stages/agentflow/sandbox/pool.py) and appends its output and "="
 (or "?=" when the snippet failed); the model's next turn is its answer. A wrong answer gets
 the question again, up to `max_attempts` attempts, reward 1, 1/2, 1/4, ... for the first right
-one (stages/agentflow/envs.py: RetryEnv), so trajectories run from 1 to max_attempts attempts:
+one (stages/tasks/agents.py: RetryEnv), so trajectories run from 1 to max_attempts attempts:
 
     37*48*29= | 37*48*29; | 51504= | 51504<eos>                              one attempt
     37*48*29= | 37*46*29; | 49358= | 49358<eos> | 37*48*29= | 37*48*29; | 51504= | 51504<eos>

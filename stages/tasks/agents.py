@@ -1,4 +1,5 @@
-"""Built-in multi-turn white-box agents, runnable on the built-in tasks with the tiny model.
+"""The built-in tasks' multi-turn white-box agents (`agent.name`: retry, calculator, sandbox) and their
+environment, runnable on the built-in tasks with the tiny model.
 
 Both speak only the task's own alphabet (digits, + and =), so the character tokenizer of
 the built-in model can spell every turn:
@@ -17,7 +18,29 @@ from __future__ import annotations
 
 import asyncio
 
-from stages.agentflow.envs import RetryEnv
+from stages.agentflow.envs import Step
+
+
+class RetryEnv:
+    """A question with an exact answer; a wrong answer gets the question again.
+
+    Reward `decay ** (attempt - 1)` for the first correct attempt (1, 0.5, 0.25, ...), 0 if
+    every attempt fails, so answering right the first time is always best. Works on any
+    built-in task row (`prompt`, `answer`) and spells nothing outside the task's alphabet.
+    """
+
+    def __init__(self, sample: dict, max_attempts: int = 3, decay: float = 0.5):
+        self.question, self.answer = sample["prompt"], str(sample.get("answer", "")).strip()
+        self.max_attempts, self.decay = max_attempts, decay
+        self.attempts = 0
+
+    def step(self, action: str) -> Step:
+        self.attempts += 1
+        if action.strip() == self.answer:
+            return Step(reward=self.decay ** (self.attempts - 1), done=True, info={"attempts": self.attempts})
+        if self.attempts >= self.max_attempts:
+            return Step(done=True, info={"attempts": self.attempts})
+        return Step(observation=self.question)
 
 
 class RetryAgent:
@@ -143,3 +166,6 @@ class SandboxAgent:
             await self.client.close()
         if self.service is not None:
             await asyncio.to_thread(self.service.stop)
+
+
+BUILTIN_AGENTS = {"retry": RetryAgent, "calculator": CalculatorAgent, "sandbox": SandboxAgent}
