@@ -135,7 +135,6 @@ class _Worker:
     calls: int = 0
     pgid: int = 0
     pid: int = 0              # the worker itself (PID 1 of its namespace, when there is one)
-    start_s: float = 0.0      # wall seconds from spawn to ready
     buf: bytearray = field(default_factory=bytearray)
 
 
@@ -260,9 +259,8 @@ class SandboxPool:
             await self._kill(w)
             raise RuntimeError(f"sandbox worker did not start ({type(e).__name__}: {e}): {tail}") from e
         w.pid = _child_of(proc.pid) if iso.pid else proc.pid
-        w.start_s = time.perf_counter() - t0
         self.stats["sandboxes"] += 1
-        self.stats["start_s"] += w.start_s
+        self.stats["start_s"] += time.perf_counter() - t0
         return w
 
     async def _read_until(self, w: _Worker, tag: bytes, cap: int) -> tuple[bytes, bytes]:
@@ -358,12 +356,6 @@ class SandboxPool:
         if self._slots is not None:
             self._slots.release()
 
-    async def start(self) -> None:
-        """Start the spares now (else they start with the first session)."""
-        if not self._spares and not self._spawning:
-            ws = await asyncio.gather(*(self._spawn() for _ in range(self.cfg.workers)))
-            self._spares.extend(ws)
-
     # ---- calls --------------------------------------------------------------------------
     def session(self) -> SandboxSession:
         if self._closed:
@@ -397,8 +389,10 @@ class SandboxPool:
         except OverflowError:
             res = SandboxResult("output", self._partial(w), f"more than {self.cfg.output_bytes} bytes of output "
                                                             "(killed)")
-        except (EOFError, ConnectionError, BrokenPipeError):
-            code_ = await self._exit_code(w)
+        except (EOFError, ConnectionError):
+            code_ = None
+            with contextlib.suppress(asyncio.TimeoutError):
+                code_ = await asyncio.wait_for(w.proc.wait(), timeout=2)
             kind = "cpu" if code_ in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU,
                                       128 + signal.SIGKILL) else "died"
             res = SandboxResult(kind, self._partial(w), f"worker exited ({_describe_exit(code_)})")
@@ -420,12 +414,6 @@ class SandboxPool:
         w.buf.clear()
         return out
 
-    async def _exit_code(self, w: _Worker) -> int | None:
-        try:
-            return await asyncio.wait_for(w.proc.wait(), timeout=2)
-        except asyncio.TimeoutError:
-            return None
-
     async def close(self) -> None:
         """Kill every worker (and everything they started); remove their directories."""
         self._closed = True
@@ -435,9 +423,6 @@ class SandboxPool:
         await asyncio.gather(*(self._kill(w) for w in list(self._all.values())))
         self._spares.clear()
         shutil.rmtree(self._root, ignore_errors=True)
-
-    def pids(self) -> list[int]:
-        return [w.proc.pid for w in self._all.values()]
 
     def tool(self, name: str = "python") -> Tool:
         """The `python` tool with a fresh sandbox per call; a trajectory uses `session().tool()` instead."""
