@@ -5,30 +5,12 @@ process (stages/agentflow/blackbox.py) run what a policy wrote; neither may see,
 anything for, another trajectory. Debian's `bubblewrap` (bwrap) builds that isolation from
 kernel namespaces in one exec, without a daemon; we use it rather than our own unshare/mount
 calls because it gets the order of mounts, capability drops and no_new_privs right, and it is
-what Flatpak ships. Two jails:
+what Flatpak ships. Two jails: `code_argv` for the code sandbox, `agent_argv` for a black-box agent
+(whose own loopback reaches its trajectory's proxy endpoint through jail_init.py).
 
-    code_argv   the code sandbox: an empty root with read-only binds of /usr (+ /lib, /bin links)
-                and the interpreter's prefix, a fresh /proc of its own PID namespace, a minimal
-                /dev, a size-capped private tmpfs /tmp (its cwd); no network namespace of the
-                host's (so no abstract Unix sockets either), no host Unix socket files (nothing
-                of the host's /tmp, /run or home is there), capabilities dropped but the two the
-                worker needs to drop to its own uid (worker.py setup), the seccomp filter.
-    agent_argv  a black-box agent: the host's file system read-only (an agent needs its install
-                dir, node, its config), with /tmp, /run, /var/tmp, /dev/shm and the user's home
-                hidden behind private tmpfs (so no host Unix socket files, no user credentials),
-                the paths the command needs bound back read-only, a fresh writable HOME, its own
-                PID namespace with its own /proc (another trajectory's processes, their environ
-                and their keys are not there), IPC and UTS namespaces, no capabilities, the
-                seccomp filter. The network namespace is the host's: the agent reaches its
-                trajectory's proxy endpoint on loopback, and the proxy honours its key only on
-                that endpoint (a netns would need a forwarder for every harness's HTTP client).
-
-bwrap always sets no_new_privs. The seccomp filter (`seccomp_bpf`, compiled once with
-libseccomp's Python binding: Debian's python3-seccomp or PyPI's pyseccomp) lets everything
-through except what a sandboxed program has no business doing: debugging or reading other
-processes (ptrace, process_vm_*), new namespaces (unshare, setns, clone with CLONE_NEW*),
-mounts, kernel keyrings, bpf, perf, module loading, reboot/swap/clock changes, io_uring
-(ENOSYS: libuv falls back), and sockets other than Unix, IPv4 and IPv6 (netlink, packet, ...).
+bwrap always sets no_new_privs. The seccomp filter (`seccomp_bpf`, compiled once with libseccomp's
+Python binding: Debian's python3-seccomp or PyPI's pyseccomp) lets everything through except what a
+sandboxed program has no business doing (DENIED, ABSENT, new namespaces, sockets other than Unix/IP).
 """
 from __future__ import annotations
 
@@ -284,14 +266,12 @@ class Cgroup:
     the v1 `pids` and `memory` hierarchies or in cgroup v2, where this user may write there (root; or a v2
     cgroup delegated with both controllers enabled for its children); else `available()` says why not."""
 
-    _roots: dict[str, str] | None = None
-    _why = ""
     _count = 0
 
     def __init__(self, procs: int, memory_bytes: int):
         Cgroup._count += 1
         name = f"loongsage-{os.getpid()}-{Cgroup._count}"
-        self.dirs = [os.path.join(root, name) for root in self.roots().values()]
+        self.dirs = [os.path.join(root, name) for root in _cgroup_roots()[0].values()]
         limits = {"pids.max": procs, "memory.max": memory_bytes, "memory.limit_in_bytes": memory_bytes,
                   "memory.memsw.limit_in_bytes": memory_bytes}
         for d in self.dirs:
@@ -300,17 +280,10 @@ class Cgroup:
                 if os.path.exists(os.path.join(d, f)):
                     _write(os.path.join(d, f), v)
 
-    @classmethod
-    def roots(cls) -> dict[str, str]:
-        if cls._roots is None:
-            cls._roots, cls._why = _cgroup_roots()
-        return cls._roots
-
-    @classmethod
-    def available(cls) -> str:
+    @staticmethod
+    def available() -> str:
         """"" where jails get cgroups, else why not."""
-        cls.roots()
-        return cls._why
+        return _cgroup_roots()[1]
 
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
@@ -358,6 +331,7 @@ def _write(path: str, value) -> None:
         f.write(str(value))
 
 
+@lru_cache(maxsize=1)
 def _cgroup_roots() -> tuple[dict[str, str], str]:
     """{controller: this process's cgroup directory} for pids and memory (v1: one hierarchy each; v2: one for
     both), checked by making and removing a child; ({}, why) where that fails."""
