@@ -1,10 +1,6 @@
-"""The rollout worker's side of an agent jail (jail.py): spawn an agent in one, or fork it from the zygote.
-
-    Jail.spawn(argv, env, port, connect, home)    bwrap + jail_init.py + the agent, in a cgroup of its own
-    Zygote.spawn(argv, env, port, connect)        the zygote (zygote.py) forks it: the same namespaces
-
-`Link` is the worker's end of a jail's control socket; `end(proc)` kills all that a trajectory's agent started.
-"""
+"""The rollout worker's side of an agent jail (jail.py): `Jail.spawn` starts an agent in one (bwrap + jail_init.py,
+in a cgroup of its own), `Zygote.spawn` forks it from the zygote (zygote.py) in the same namespaces; `end(proc)`
+kills all that a trajectory's agent started."""
 from __future__ import annotations
 
 import asyncio
@@ -265,12 +261,8 @@ def end(proc) -> None:
     if cg is not None:
         cg.close()
         proc.cgroup = None
-    if isinstance(proc, ForkedProcess):
-        if proc.pid > 0:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-    elif proc.pid > 0:       # killpg(0) would be our own group
+    if proc.pid > 0:       # killpg(0) would be our own group
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            (os.kill if isinstance(proc, ForkedProcess) else os.killpg)(proc.pid, signal.SIGKILL)
     if link is not None:
         link.close()
