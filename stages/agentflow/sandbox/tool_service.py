@@ -18,21 +18,17 @@ of its own. /run and /close run code, so they take only requests that carry the 
 (`Authorization: Bearer KEY`; 401 otherwise): the service reads it from the environment
 variable LOONGSAGE_TOOL_SERVICE_KEY (never from its command line, which any local process can
 read) and will not serve /run without one; `ToolService` makes a fresh key per service process.
-The built-in corpus is number facts for the keys "0".."9999" (square, cube, digit sum, prime?),
-so answers are exact and checkable. Every request sleeps (asyncio.sleep: wall time, no CPU) for a
-service time drawn from a lognormal with the configured median (p50_s) and 99th percentile (p99_s):
-mu = ln p50, sigma = ln(p99 / p50) / 2.3263 (the standard normal's 99th percentile), from a
-random.Random(seed) in arrival order. `--error-rate` answers that fraction of requests 500
-(seeded too): a flaky service.
+The built-in corpus is number facts for the keys "0".."9999", so answers are exact and checkable.
+Every request sleeps (wall time, no CPU) for a service time drawn, seeded, in arrival order, from a
+lognormal with the configured median (p50_s) and 99th percentile (p99_s). `--error-rate` answers that
+fraction of requests 500 (seeded too): a flaky service.
 
 Default distribution: p50 0.2 s, p99 1.5 s (sigma 0.866), illustrative: the example search tool of "Tool
 Latency Tail: Why p99 Reshapes Agent Architecture" (tianpan.co, 2026), in line with a 2 s p95 budget for
 retrieval/read tools in "Latency Budgets for Agent Tool Calls" (exaclaw). Set your own tool's from its logs.
 
-Client: `ToolServiceClient(cfg)`, one aiohttp session per event loop; every call has a timeout.
-A service that is down, answers 5xx, or is too slow is a ToolServiceError; `tool()` turns it
-into an "error: ..." observation (on_error=observe) or lets it fail the trajectory
-(on_error=fail: stages/agentflow/tools.py's ToolFatalError), and the run goes on either way.
+Client: `ToolServiceClient`; a service that is down, answers 5xx, or is too slow is a ToolServiceError,
+which its tools turn into an "error: ..." observation or a ToolFatalError as tool_service.on_error says.
 `ToolService(cfg)` starts and stops a local server process (what a recipe with url "" uses).
 """
 from __future__ import annotations

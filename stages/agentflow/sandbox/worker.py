@@ -5,13 +5,9 @@ inside a bubblewrap jail (stages/agentflow/sandbox/jail.py: it is then PID 1 of 
 /tmp already private), or with sandbox.isolation: none in a directory the pool made. This file
 imports only the standard library: it must start fast and owe nothing to the project.
 
-Setup, once, in this order (each step only where the pool's probe found it works):
-  0. import the modules in `preload` (sandbox.preload);
-  1. cwd = its private /tmp (in the jail) or the private directory the pool made;
-  2. drop to the worker's own uid/gid (root only): RLIMIT_NPROC then counts this worker alone;
-  3. rlimits: address space, processes, file size, open files, no core files.
-Per snippet: RLIMIT_CPU's soft limit is set to the CPU used so far + cpu_s (SIGXCPU -> an
-exception here, or the hard limit's SIGKILL if C code never returns to Python).
+`setup` runs once: preload, then its own uid (root only: RLIMIT_NPROC then counts this worker alone), then
+rlimits. Per snippet, RLIMIT_CPU's soft limit is the CPU used so far + cpu_s (SIGXCPU -> an exception here,
+or the hard limit's SIGKILL if C code never returns to Python).
 
 Protocol: a request is one JSON line on stdin {"code", "cpu_s", "nonce"}. The snippet's stdout
 and stderr are this process's fd 1/2, a pipe the pool reads with a size cap; after the snippet
@@ -20,6 +16,7 @@ ok | error (an exception in the snippet) | memory | cpu | fork | filesystem. The
 of a snippet, if it is an expression, is printed (as a REPL shows it).
 """
 import ast
+import contextlib
 import errno
 import json
 import math
@@ -41,10 +38,8 @@ def setup(cfg: dict) -> None:
     # imported while still able to read the interpreter's files: after the uid drop an interpreter
     # under a private home (here /root/.pyenv, mode 0700) can import nothing it has not loaded yet
     for name in cfg["preload"]:
-        try:
+        with contextlib.suppress(ImportError):
             __import__(name)
-        except ImportError:
-            pass
     os.chdir(cfg["workdir"])
     if cfg["uid"] is not None:
         os.setgroups([])
@@ -102,13 +97,11 @@ def classify(e: BaseException) -> str:
 def clean_cwd() -> None:
     """Nothing a snippet left in the private dir reaches the next one."""
     for name in os.listdir("."):
-        try:
+        with contextlib.suppress(OSError):
             if os.path.isdir(name) and not os.path.islink(name):
                 shutil.rmtree(name, ignore_errors=True)
             else:
                 os.unlink(name)
-        except OSError:
-            pass
 
 
 def main() -> None:
@@ -135,11 +128,9 @@ def main() -> None:
             error = "".join(tb).strip()[-500:]
         if os.getpid() != me:
             os._exit(0)
-        try:
+        with contextlib.suppress(BaseException):  # a broken stdout is the pool's to see
             sys.stdout.flush()
             sys.stderr.flush()
-        except BaseException:  # noqa: BLE001 - a broken stdout is the pool's to see
-            pass
         if forked and kind == "ok":
             kind, error = "fork", "the snippet started a process"
         clean_cwd()

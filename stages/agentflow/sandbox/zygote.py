@@ -1,11 +1,9 @@
 """Agent zygote: one Python process that has imported an agent's SDK, forking each trajectory's agent from it.
 
 A black-box agent runs once per trajectory (stages/agentflow/blackbox.py), and a Python agent
-pays its interpreter start and SDK import each time: `import anthropic` is ~2.5 s of CPU,
-`import openai` ~1.2 s on a 2-core machine, against milliseconds of model time per call on a
-tiny model. With `agent.preload: [anthropic]` the rollout worker starts this file once
-per worker in an agent jail (stages/agentflow/sandbox/jail.py `agent_argv(zygote=True)`), with a control
-socket inherited as a file descriptor (there is no socket file anyone could replace):
+pays its interpreter start and SDK import (seconds of CPU) each time. With `agent.preload: [anthropic]`
+the rollout worker starts this file once per worker in an agent jail (jail.py `zygote_argv`), with a
+control socket inherited as a file descriptor (there is no socket file anyone could replace):
 
     python zygote.py CTL_FD SECCOMP_FD TMP_BYTES MODULE...
 
@@ -38,6 +36,7 @@ Standard library only: it runs as a plain script, outside the project's packages
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import importlib
@@ -223,10 +222,8 @@ def _trajectory(req: dict, fds: list[int], link: socket.socket, bpf: bytes, tmp_
         link.send(json.dumps({"rc": jail_init.exit_code(status)}).encode())
     except BaseException as e:  # noqa: BLE001 - the worker fails the trajectory with this
         traceback.print_exc()       # into the trajectory's stderr tail
-        try:
+        with contextlib.suppress(OSError):
             link.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-        except OSError:
-            pass
     os._exit(0)
 
 
