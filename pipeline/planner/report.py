@@ -39,18 +39,12 @@ def summarize(spans, rollouts=None, skip: int = 1) -> dict:
             "bubble_frac": float(b["trainer_idle_s"].sum()) / w, "t0": t0, "t1": t1}
 
 
-def engine_busy(intervals: dict, t0: float, t1: float) -> dict:
-    """Per engine: busy share of [t0, t1]."""
-    return {name: _union((max(s, t0), min(e, t1)) for s, e in iv if e > t0 and s < t1) / max(t1 - t0, 1e-12)
-            for name, iv in intervals.items()}
-
-
 def simulated_summary(res, skip: int = 1) -> dict:
     """summarize() of a SimResult plus what only a simulation knows in full: per-engine busy
     fractions, staleness distribution, dropped groups, trained-vs-dispatched length bias."""
     rollouts = res.rollouts()
     s = summarize(res.spans, rollouts, skip)
-    eb = engine_busy(res.engine_busy, s["t0"], s["t1"])
+    eb = {name: _union(iv, s["t0"], s["t1"]) / s["window_s"] for name, iv in res.engine_busy.items()}
     keys, weights = res.staleness()
     total = max(weights.sum(), 1e-12)
     trained = [r.response_tokens for r in res.samples if r.step > 0]

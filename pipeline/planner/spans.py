@@ -102,9 +102,9 @@ def _merge(intervals) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
-def _union(intervals) -> float:
-    """Total length of the union of (start, end) intervals."""
-    return sum(e - s for s, e in _merge(intervals))
+def _union(intervals, lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] that some (start, end) interval covers."""
+    return sum(e - s for s, e in _merge((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi))
 
 
 def bubbles(spans, rollouts=None):
@@ -125,7 +125,7 @@ def bubbles(spans, rollouts=None):
     for step, g in d.groupby("step"):
         lo, hi = g["start"].min(), g["end"].max()
         update = g.loc[g["stage"] == "update", "duration_s"].sum()
-        busy = _union((max(s, lo), min(e, hi)) for s, e in gen if e > lo and s < hi)
+        busy = _union(gen, lo, hi)
         out.append({"step": int(step), "wall_s": hi - lo, "trainer_busy_s": update, "trainer_idle_s": hi - lo - update,
                     "rollout_busy_s": busy, "rollout_idle_s": hi - lo - busy})
     b = pd.DataFrame(out)
@@ -314,7 +314,6 @@ def _rollouts(run_dir: Path, log):
 
 
 def cli_profile(args) -> int:
-    """`loongsage profile RUN_DIR [--out DIR]`; returns the exit code."""
     try:
         profile_report(args.run_dir, args.out)
     except ProfileError as e:
