@@ -374,9 +374,8 @@ class SimResult:
         """Trained samples as spans.bubbles reads a recording: step, t_dispatch, t_done."""
         import pandas as pd
 
-        rows = [{"step": r.step, "t_dispatch": r.t_dispatch, "t_done": r.t_done, "group_id": r.group,
-                 "response_tokens": r.response_tokens} for r in self.samples if r.step > 0]
-        return pd.DataFrame(rows)
+        return pd.DataFrame([{"step": r.step, "t_dispatch": r.t_dispatch, "t_done": r.t_done}
+                             for r in self.samples if r.step > 0])
 
     def staleness(self) -> tuple[np.ndarray, np.ndarray]:
         """Per (staleness value): trained tokens. Trained at version step - 1."""
