@@ -7,12 +7,11 @@ trajectory's sandbox: an interpreter process of its own (taken from `sandbox.wor
 ahead, which have run nothing) in a bubblewrap jail of its own (jail.py `code_argv`: an empty root,
 its own namespaces and size-capped /tmp, seccomp, no capabilities), killed when the trajectory ends.
 `pool.run(code)` and `pool.tool()` are one-call sessions. With `sandbox.isolation: none` snippets run
-with the limits alone (the SandboxConfig keys: CPU, memory, wall time, output, processes, file size).
+with the SandboxConfig limits alone.
 
-A breach (timeout, cpu, memory, output, fork, filesystem, or the worker dying) ends the call with an
-"error: <kind>: ..." result and the session's worker is killed; its next call gets a fresh one. An
-ordinary exception in the snippet leaves it in service. Every call starts in fresh globals in an
-emptied directory. `session.tool()` is the registry entry (stages/agentflow/tools.py): `python(code=...)`.
+A breach (BREACHES) ends the call with an "error: ..." result and the session's worker is killed; its
+next call gets a fresh one. An ordinary exception in the snippet leaves it in service. Every call starts
+in fresh globals in an emptied directory.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,9 +74,6 @@ class SandboxConfig:
         object.__setattr__(self, "preload", (self.preload,) if isinstance(self.preload, str) else tuple(self.preload))
 
 
-KINDS = ("network", "pid", "private_tmp", "uid", "unix_sockets", "seccomp", "no_new_privs")
-
-
 @dataclass(frozen=True)
 class Isolation:
     network: bool = False         # own network namespace: no route anywhere
@@ -91,7 +87,7 @@ class Isolation:
     notes: tuple = ()
 
     def describe(self) -> str:
-        held = ", ".join(k for k in KINDS if getattr(self, k)) or "nothing but rlimits"
+        held = ", ".join(f.name for f in fields(self) if getattr(self, f.name) is True) or "nothing but rlimits"
         return f"isolated ({self.tool}): {held}" + (f"; {'; '.join(self.notes)}" if self.notes else "")
 
 
@@ -133,7 +129,6 @@ class _Worker:
     slot: int
     workdir: str
     calls: int = 0
-    pgid: int = 0
     pid: int = 0              # the worker itself (PID 1 of its namespace, when there is one)
     buf: bytearray = field(default_factory=bytearray)
 
@@ -205,7 +200,7 @@ class SandboxPool:
         self._all: dict[int, _Worker] = {}
         self._spawning: set[asyncio.Task] = set()     # background work: spares starting, workers being killed
         self._refills = 0                               # spares starting
-        self._slots: asyncio.Semaphore | None = None
+        self._slots = asyncio.Semaphore(self.cfg.max_sandboxes)
         self._seq = 0
         self._root = tempfile.mkdtemp(prefix="loongsage-sandbox-")
         self.stats = {"calls": 0, "replaced": 0, "sandboxes": 0, "start_s": 0.0, **{k: 0 for k in BREACHES}}
@@ -250,7 +245,7 @@ class SandboxPool:
         finally:
             for fd in fds:
                 os.close(fd)
-        w = _Worker(proc, slot, workdir, pgid=proc.pid)
+        w = _Worker(proc, slot, workdir)
         self._all[slot] = w
         try:
             await asyncio.wait_for(self._read_until(w, b"ready", cap=1 << 16), timeout=30)
@@ -286,7 +281,7 @@ class SandboxPool:
         """SIGKILL the worker, then its process group. The worker first: bwrap reaps it and exits; with a PID
         namespace, everything the snippet started dies with the namespace's PID 1."""
         self._all.pop(w.slot, None)
-        for target, kill in ((w.pid, os.kill), (w.pgid, os.killpg)):
+        for target, kill in ((w.pid, os.kill), (w.proc.pid, os.killpg)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if target:
                     kill(target, signal.SIGKILL)
@@ -318,8 +313,6 @@ class SandboxPool:
         """A sandbox for one session: a spare (never used) if one is ready, else a fresh start."""
         if self._closed:
             raise RuntimeError("sandbox pool is closed")
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.cfg.max_sandboxes)
         await self._slots.acquire()
         try:
             w = self._spares.pop() if self._spares else await self._spawn_shielded()
@@ -353,8 +346,7 @@ class SandboxPool:
     async def _release(self, w: _Worker) -> None:
         """A session is done with `w`: kill it (nothing of it serves anyone else)."""
         await self._kill(w)
-        if self._slots is not None:
-            self._slots.release()
+        self._slots.release()
 
     # ---- calls --------------------------------------------------------------------------
     def session(self) -> SandboxSession:
