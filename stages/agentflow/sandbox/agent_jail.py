@@ -144,13 +144,12 @@ class Zygote:
         self.modules = tuple(modules)
         self.proc = None
         self.ctl: socket.socket | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()
         self.jail: Jail | None = None           # set by SubprocessAgent.configure: the zygote runs in it
         self.env: dict[str, str] = {}           # its environment (agent.env's names: what it imports may read)
         self.agent_argv: tuple[str, ...] = ()   # the command it forks (its script is bound into the jail)
 
     async def _start(self) -> None:
-        self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             if self.proc is not None and self.proc.returncode is None:
                 return

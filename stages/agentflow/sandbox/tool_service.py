@@ -72,15 +72,10 @@ class ToolServiceConfig:
             raise ValueError(f"tool_service.p99_s must be >= p50_s ({self.p50_s}), got {self.p99_s}")
 
 
-class Lognormal:
-    """Service times by median and 99th percentile, seeded."""
-
-    def __init__(self, p50_s: float, p99_s: float, seed: int):
-        self.mu, self.sigma = math.log(p50_s), math.log(p99_s / p50_s) / Z99
-        self.rng = random.Random(seed)
-
-    def draw(self) -> float:
-        return self.rng.lognormvariate(self.mu, self.sigma)
+def lognormal(p50_s: float, p99_s: float, seed: int):
+    """Seeded service times by median and 99th percentile: a function that draws the next."""
+    rng, mu, sigma = random.Random(seed), math.log(p50_s), math.log(p99_s / p50_s) / Z99
+    return lambda: rng.lognormvariate(mu, sigma)
 
 
 def fact(key: str) -> dict | None:
@@ -100,7 +95,7 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, san
 
     if sandbox is not None and not key:
         raise ValueError(f"the tool service's /run needs a key: set {KEY_ENV}")
-    latency, errors = Lognormal(p50_s, p99_s, seed), random.Random(seed + 1)
+    latency, errors = lognormal(p50_s, p99_s, seed), random.Random(seed + 1)
     pool = None
     sessions: dict[str, list] = {}     # id -> [SandboxSession, last use (monotonic)]
 
@@ -125,7 +120,7 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, san
         return web.json_response({"ok": True})
 
     async def lookup(request):
-        wait = latency.draw()
+        wait = latency()
         failing = errors.random() < error_rate
         await asyncio.sleep(wait)           # the service's time: wall clock, no CPU
         if failing:
@@ -143,7 +138,7 @@ def make_app(p50_s: float, p99_s: float, seed: int, error_rate: float = 0.0, san
         nonlocal pool
         if not authorized(request):
             return unauthorized()
-        wait = latency.draw()
+        wait = latency()
         failing = errors.random() < error_rate
         await asyncio.sleep(wait)
         if failing:

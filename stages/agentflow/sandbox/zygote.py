@@ -260,12 +260,10 @@ def serve(ctl: socket.socket, bpf: bytes, tmp_bytes: int, modules: list[str]) ->
             os.close(fd)
         if link is not None:
             link.close()
-        while True:             # reap supervisors that have ended (their status went to the worker)
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
+        # reap supervisors that have ended (their status went to the worker)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
 
 
 def _read_all(fd: int) -> bytes:
