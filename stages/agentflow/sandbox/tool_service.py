@@ -189,10 +189,8 @@ async def serve(host: str, port: int, **kw) -> None:
 
     runner = web.AppRunner(make_app(**kw), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    print(f"listening on http://{host}:{bound}", flush=True)
+    await web.TCPSite(runner, host, port).start()
+    print(f"listening on http://{host}:{runner.addresses[0][1]}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):     # a clean stop kills the sandbox workers too
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -63,11 +63,6 @@ def _on_xcpu(signum, frame):
     raise CPUTimeExceeded("CPU time limit exceeded")
 
 
-def _cpu_used() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def run_snippet(code: str) -> None:
     """exec the snippet in fresh globals; a final expression's value is printed."""
     tree = ast.parse(code, "<snippet>", "exec")
@@ -116,7 +111,8 @@ def main() -> None:
         req = json.loads(line)
         forked.clear()
         kind, error = "ok", ""
-        soft = math.ceil(_cpu_used() + req["cpu_s"])   # whole seconds: the rlimit's unit
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        soft = math.ceil(ru.ru_utime + ru.ru_stime + req["cpu_s"])   # whole seconds: the rlimit's unit
         resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
         try:
             run_snippet(req["code"])
