@@ -214,9 +214,8 @@ def test_sink_flushes_on_time_and_size(tmp_path):
 # ---- report ---------------------------------------------------------------------------------
 
 def test_profile_report_prints_table_and_writes_plots(tmp_path):
-    from test_replay import step_table  # tests/ is on sys.path (pytest rootdir conftest)
-
     from pipeline.recorder import Recorder
+    from tests.support.runs import step_table
 
     run = write_run(tmp_path / "run", SYNC_RUN)
     Recorder(run, 2).write(1, step_table(1))
@@ -233,3 +232,17 @@ def test_profile_report_prints_table_and_writes_plots(tmp_path):
 
     assert main(["profile", str(tmp_path / "missing")]) == 2
     assert np.isfinite(out["stages"]["rows_per_s"]).all()
+
+
+def test_profile_without_plotting_libraries_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from pipeline.cli import main
+
+    run = write_run(tmp_path / "run", SYNC_RUN)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # not installed, as importlib sees it
+    printed = []
+    out = profile_report(run, log=printed.append)
+    assert "AgentFlowRollout" in "\n".join(printed) and out["plots"] == {}
+    assert printed[-1] == 'no plots: matplotlib is not installed (pip install -e ".[profile]")'
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    assert main(["profile", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == 'error: loongsage profile needs pandas (pip install -e ".[profile]")'

@@ -4,6 +4,7 @@ It needs the `profile` extra (pandas, matplotlib); the planner's calibration rea
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import warnings
@@ -283,6 +284,9 @@ def profile_report(run_dir: str | Path, out_dir: str | Path | None = None, log=p
     wall = spans["end"].max() - spans["start"].min()
     cost = spans["overhead_s"].sum() + sum(s["sink_busy_s"] for s in sink_summaries(run_dir))
     log(f"profiler overhead: {cost * 1e3:.1f} ms recording over {wall:.1f} s of run ({cost / max(wall, 1e-9):.3%})")
+    if importlib.util.find_spec("matplotlib") is None:
+        log('no plots: matplotlib is not installed (pip install -e ".[profile]")')
+        return {"stages": table, "bubbles": b, "plots": {}, "spans": spans}
     plots = {"gantt": plot_gantt(spans, rollouts=rollouts), "throughput": plot_throughput(spans)}
     if len(b):
         plots["bubbles"] = plot_bubbles(b)
@@ -318,6 +322,9 @@ def cli_profile(args) -> int:
         profile_report(args.run_dir, args.out)
     except ProfileError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:      # pandas: the per-stage table is built with it
+        print(f'error: loongsage profile needs {e.name} (pip install -e ".[profile]")', file=sys.stderr)
         return 2
     return 0
 
