@@ -17,23 +17,8 @@ from pipeline.replay import (
     replay_window,
     select_groups,
 )
-from stages.schema import COLUMNS, SCHEMA_VERSION, conform, table_from_columns
-
-
-def step_table(step: int, B: int = 2, n: int = 2, order=None) -> pa.Table:
-    """B groups of n rows for `step`; group g of the step has reward g and data source "even"/"odd"."""
-    rows = []
-    for g in order or range(B):
-        gid = (step - 1) * B + g
-        for i in range(n):
-            k = i + 1
-            rows.append(dict(prompt_id=f"p{gid}", group_id=gid, sample_idx=i, data_source=("even", "odd")[g % 2],
-                             prompt="1+1=", answer="2", prompt_ids=[5, 6], response_ids=[7] * k,
-                             response_logprobs=[-0.25] * k, loss_mask=[1] * k, token_versions=[step - 1] * k,
-                             version_start=step - 1, version_end=step - 1, status="completed", error="",
-                             reward=float(g), reward_info="{}", teacher_id=None, teacher_logprobs=None,
-                             t_dispatch=100.0 + step, t_done=100.5 + step))
-    return conform(table_from_columns({c: [r.get(c) for r in rows] for c in COLUMNS}))
+from stages.schema import COLUMNS, SCHEMA_VERSION, conform
+from tests.support.runs import step_table
 
 
 def record(tmp_path, steps=3, B=2, n=2):

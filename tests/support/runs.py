@@ -1,11 +1,14 @@
 """Whole runs: the short-run overrides, the weights an engine actor serves, and what a resumed run's
-recorded rollouts must show (the multi-node and multi-host tests)."""
+recorded rollouts must show (the multi-node and multi-host tests), and a recorded step's table."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
+
+from stages.schema import COLUMNS, conform, table_from_columns
 
 # a few short steps on the tiny model, two engines
 FAST = ["run.steps=3", "batcher.groups_per_step=4", "rollout.n_samples=4", "sampling.max_new_tokens=5",
@@ -37,3 +40,19 @@ def assert_stream_resumed(run_dir: Path, state: dict, steps: int) -> None:
     after = set().union(*(by_step[s] for s in by_step if s > state["step"]))
     assert before == set(state["done_seqs"]) and not before & after, (before, after)   # nothing trained twice
     assert min(after) == max(before) + 1, (before, after)      # nothing skipped: the stream goes on where it was
+
+
+def step_table(step: int, B: int = 2, n: int = 2, order=None) -> pa.Table:
+    """B groups of n rows for `step`; group g of the step has reward g and data source "even"/"odd"."""
+    rows = []
+    for g in order or range(B):
+        gid = (step - 1) * B + g
+        for i in range(n):
+            k = i + 1
+            rows.append(dict(prompt_id=f"p{gid}", group_id=gid, sample_idx=i, data_source=("even", "odd")[g % 2],
+                             prompt="1+1=", answer="2", prompt_ids=[5, 6], response_ids=[7] * k,
+                             response_logprobs=[-0.25] * k, loss_mask=[1] * k, token_versions=[step - 1] * k,
+                             version_start=step - 1, version_end=step - 1, status="completed", error="",
+                             reward=float(g), reward_info="{}", teacher_id=None, teacher_logprobs=None,
+                             t_dispatch=100.0 + step, t_done=100.5 + step))
+    return conform(table_from_columns({c: [r.get(c) for r in rows] for c in COLUMNS}))
